@@ -1,0 +1,1 @@
+"""The continuous-batching engine: knows nothing of gRPC or HTTP."""

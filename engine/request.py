@@ -1,0 +1,103 @@
+"""Request-level types shared by the engine and its callers: parameters, outputs, finish reasons."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve as asked; ``field`` names the offending parameter."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_tokens reached, or the context window is full
+    STOP_STRING = "stop_string"
+    STOP_TOKEN = "stop_token"  # one of stop_token_ids
+    EOS = "eos"
+    ABORT = "abort"
+    TIME_LIMIT = "time_limit"
+    ERROR = "error"
+
+
+_GREEDY_EPSILON = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON
+
+    def validate(self) -> None:
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or positive"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "must not exceed max_tokens",
+            ),
+            ("stop", all(self.stop), "stop strings must not be empty"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(name, message)
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's output, as the engine hands it to its caller.
+
+    ``text`` and ``token_ids`` are deltas since the previous output of the same request.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later delta into this one (for a consumer that lags behind the engine)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        for name in (
+            "finished",
+            "finish_reason",
+            "stop_reason",
+            "num_output_tokens",
+            "num_cached_tokens",
+            "error",
+        ):
+            setattr(self, name, getattr(later, name))
