@@ -101,3 +101,57 @@ class RequestOutput:
             "error",
         ):
             setattr(self, name, getattr(later, name))
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Engine-side state of one request: its tokens, progress and KV block hashes."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,192 @@
+"""``AsyncEngine``: the engine core's step loop on a thread of its own, outputs as async iterators.
+
+The event loop never blocks on the model. Requests and aborts reach the loop thread through a
+queue; outputs come back through ``call_soon_threadsafe`` into one collector per request, which
+merges deltas when its consumer lags. A consumer that stops listening (a cancelled or expired
+call) aborts its request, which frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterable
+
+from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.core import EngineCore, EngineStats, ModelInfo
+from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error; no request can be served any more."""
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.output is None:
+            self.output = output
+        else:
+            self.output.merge(output)
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        output, self.output = self.output, None
+        assert output is not None
+        return output
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._collectors: dict[str, _Collector] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_error: BaseException | None = None
+        self.on_dead: list = []  # callbacks run on the event loop when the step loop dies
+
+    @classmethod
+    async def create(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model off the event loop and start the step loop."""
+        engine = cls(await asyncio.to_thread(EngineCore, config))
+        engine.start()
+        return engine
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.core.stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="llmrpc-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("stop",))
+            await asyncio.to_thread(self._thread.join)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as deltas; the last has ``finished`` set.
+
+        Raises ``InvalidRequestError`` before the first output if the request is malformed.
+        """
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        if request_id in self._collectors:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        collector = self._collectors[request_id] = _Collector()
+        finished = False
+        try:
+            await self._call("add", request_id, prompt_token_ids, params)
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            del self._collectors[request_id]
+            if not finished and self.dead_error is None:
+                self._inbox.put(("abort", [request_id], None))
+
+    async def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort the live requests among ``request_ids``; returns those that were live."""
+        return await self._call("abort", list(request_ids))
+
+    async def warmup(self) -> None:
+        """Run one short request end to end, so the first user request pays no start-up cost."""
+        prompt = self.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        async for _ in self.generate("llmrpc-warmup", prompt, params):
+            pass
+
+    async def _call(self, command: str, *args):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((command, *args, future))
+        return await asyncio.wrap_future(future)
+
+    # --- the loop thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.core.has_unfinished_requests):
+                if self.core.has_unfinished_requests:
+                    self._deliver(self.core.step())
+        except BaseException as error:  # noqa: BLE001 - any failure here kills the engine
+            logger.exception("engine step loop died")
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command[0] == "stop":
+                return False
+            future = command[-1]
+            try:
+                result = self._apply(command[0], *command[1:-1])
+            except Exception as error:  # noqa: BLE001 - returned to the caller
+                if future is not None:
+                    future.set_exception(error)
+                continue
+            if future is not None:
+                future.set_result(result)
+
+    def _apply(self, command: str, *args):
+        if command == "add":
+            return self.core.add_request(*args)
+        outputs = self.core.abort_requests(args[0])
+        self._deliver(outputs)
+        return [output.request_id for output in outputs]
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead_error = error
+        for collector in self._collectors.values():
+            collector.fail(EngineDeadError(f"the engine stopped: {error}"))
+        for callback in self.on_dead:
+            callback(error)

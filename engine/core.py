@@ -1,0 +1,236 @@
+"""The engine core: owns the model, KV cache, scheduler and sampler, and runs one step at a time.
+
+Synchronous and single-threaded; ``AsyncEngine`` drives it from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llmrpc.engine import loader
+from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.detokenizer import IncrementalDetokenizer
+from llmrpc.engine.kv_cache import KVCacheManager
+from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
+from llmrpc.engine.models import build_model
+from llmrpc.engine.request import (
+    FinishReason,
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from llmrpc.engine.sampler import Sampler
+from llmrpc.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    has_chat_template: bool
+    dtype: str
+    block_size: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+def resolve_dtype(name: str, hf_config) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    # As on vLLM's CPU backend: bfloat16 unless the checkpoint is already in another half type.
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return torch.float16 if config_dtype in (torch.float16, "float16") else torch.bfloat16
+
+
+def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    limit = hf_config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"--max-model-len {requested} exceeds the model's context length ({limit})"
+        )
+    return requested
+
+
+def eos_token_ids_of(hf_config, tokenizer) -> frozenset[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        model_config, cache_config = config.model, config.cache
+        model_dir = loader.resolve_model_dir(model_config.model)
+        self.hf_config = loader.load_hf_config(model_dir)
+        self.tokenizer = loader.load_tokenizer(model_config.tokenizer or model_dir)
+        self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
+        self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
+        dummy = model_config.load_format == "dummy"
+        weights = None if dummy else loader.iter_weights(model_dir)
+        logger.info("loading %s (%s)", model_dir, self.dtype)
+        self.model = build_model(self.hf_config, self.dtype, weights, model_config.seed)
+        block_size = cache_config.block_size
+        num_blocks = cache_config.num_gpu_blocks_override or int(
+            cache_config.kv_cache_memory_gib
+            * 2**30
+            // kv_bytes_per_block(self.hf_config, block_size, self.dtype)
+        )
+        self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.sampler = Sampler()
+        self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
+        self.served_model_names = model_config.served_model_name or (
+            loader.default_served_name(model_config.model),
+        )
+        self._rng = random.Random(model_config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            served_model_names=self.served_model_names,
+            max_model_len=self.max_model_len,
+            vocab_size=self.hf_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            bos_token_id=self.tokenizer.bos_token_id,
+            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.kv_manager.block_size,
+            num_kv_blocks=self.kv_manager.num_blocks,
+        )
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv_manager.num_free_blocks,
+            num_total_blocks=self.kv_manager.num_blocks,
+        )
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises ``InvalidRequestError`` naming the field that is wrong."""
+        self._validate(request_id, prompt_token_ids, params)
+        request = Request(
+            request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time=time.monotonic()
+        )
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+        self._generators[request_id] = torch.Generator().manual_seed(seed)
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+        self.scheduler.add_request(request)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("input", "the prompt is empty")
+        vocab_size = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise InvalidRequestError("input", f"token ids must be in [0, {vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "input",
+                f"the prompt has {len(prompt)} tokens; the model's context length is "
+                f"{self.max_model_len}, which leaves no room for output",
+            )
+        params.validate()
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"{params.max_tokens} output tokens after a {len(prompt)}-token prompt exceed "
+                f"the model's context length of {self.max_model_len}",
+            )
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be < {vocab_size}")
+
+    def abort_requests(self, request_ids) -> list[RequestOutput]:
+        """Finish the live requests among ``request_ids`` at once, freeing their KV blocks."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.scheduler.finish_request(request, FinishReason.ABORT)
+                outputs.append(self._make_output(request, []))
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits, requests = self.runner.execute(scheduled, self.kv_manager.block_ids)
+        generators = [self._generators[r.request_id] for r in requests]
+        tokens = self.sampler(logits, requests, generators)
+        sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        updated = self.scheduler.update_from_output(scheduled, sampled)
+        return [self._process_new_token(request) for request in updated]
+
+    def _process_new_token(self, request: Request) -> RequestOutput:
+        token_id = request.output_token_ids[-1]
+        # EOS and stop tokens end the output without being rendered as text.
+        if request.finish_reason not in (FinishReason.EOS, FinishReason.STOP_TOKEN):
+            stop = self._detokenizers[request.request_id].add_token(token_id)
+            if stop is not None:
+                self.scheduler.finish_request(request, FinishReason.STOP_STRING, stop)
+        return self._make_output(request, [token_id])
+
+    def _make_output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        finished = request.is_finished
+        detokenizer = self._detokenizers[request.request_id]
+        if finished:
+            del self._detokenizers[request.request_id], self._generators[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            text=detokenizer.take_delta(finished),
+            token_ids=new_token_ids,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )

@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings.
+
+Text is decoded over a short sliding window of token ids, so each step costs the same however long
+the output is, and a multi-byte character split over tokens is emitted only once it is whole.
+Stop strings are searched in the decoded text; while a stop string could still be completing,
+its possible beginning is held back, so a stop string is never streamed out before it is cut.
+"""
+
+from __future__ import annotations
+
+_REPLACEMENT_CHAR = "\ufffd"
+_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output tokens, for spacing
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str] | tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.output_text = ""
+        self.num_emitted_chars = 0
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    def add_token(self, token_id: int) -> str | None:
+        """Decode one more token; returns the stop string it completed, if any."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR):
+            return None  # nothing printable yet (e.g. half of a UTF-8 character)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        previous_len = len(self.output_text)
+        self.output_text += full[len(prefix) :]
+        return self._find_stop(previous_len)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _find_stop(self, previous_len: int) -> str | None:
+        matches = []  # (index, stop) of each stop string ending in the new text
+        for stop in self.stop:
+            index = self.output_text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index >= 0:
+                matches.append((index, stop))
+        if not matches:
+            return None
+        index, stop = min(matches, key=lambda m: m[0])  # the earliest one ends the output
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def take_delta(self, finished: bool) -> str:
+        """New text to hand out; keeps back what could be the start of a stop string."""
+        end = len(self.output_text)
+        if not finished and self.stop:
+            end = max(self.num_emitted_chars, end - self.holdback)
+        delta = self.output_text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return delta

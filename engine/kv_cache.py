@@ -1,0 +1,255 @@
+"""Paged KV cache bookkeeping: a block pool with an O(1) free queue and a prefix cache.
+
+Pure Python and deterministic. A block is identified by its ``block_id``, the row of the KV cache
+tensors it stands for. A full block is keyed by a hash chained over all blocks before it, so equal
+hashes mean equal prefixes; the block's own tokens are kept and checked on every hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from llmrpc.engine.request import Request
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None  # set once the block is full and cached
+        self.token_ids: tuple[int, ...] = ()
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop from the head, append at the tail, remove anywhere.
+
+    Cached blocks stay in the queue while free so that a later prefix hit can take them back;
+    the head is the next block to be evicted.
+    """
+
+    def __init__(self, blocks: Sequence[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def block_ids(self) -> list[int]:
+        ids, block = [], self._head.next_free
+        while block is not None and block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained block hash: equal hashes mean equal token prefixes (up to hash collisions)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def get_cached_block(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference to cached blocks found by a prefix hit."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
+        for block in blocks_in_eviction_order:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:  # same content computed twice: keep the first copy
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+
+
+class KVCacheManager:
+    """Gives each request the blocks it needs, prefix-cache hits first."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already cached
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # tokens found there
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of its tokens."""
+        size = self.block_size
+        while len(request.block_hashes) < request.num_tokens // size:
+            index = len(request.block_hashes)
+            parent = request.block_hashes[-1] if index else None
+            tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
+            request.block_hashes.append(hash_block(parent, tokens))
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute, so the model can produce logits.
+        """
+        if not self.enable_caching:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            start = index * self.block_size
+            tokens = tuple(request.all_token_ids[start : start + self.block_size])
+            block = self.pool.get_cached_block(block_hash, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens; None (and no change) if blocks run out.
+
+        ``computed_blocks`` are prefix hits from ``get_computed_blocks`` for a request that holds no
+        blocks yet; their tokens count as computed.
+        """
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(computed_blocks)
+        num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(
+            request, blocks, min(num_computed + num_new_tokens, request.num_tokens)
+        )
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        size = self.block_size
+        first = self.num_cached_blocks.get(request.request_id, 0)
+        for index in range(first, num_tokens // size):
+            tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
+            self.pool.cache_block(blocks[index], request.block_hashes[index], tokens)
+        self.num_cached_blocks[request.request_id] = max(first, num_tokens // size)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks; its tail blocks are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

