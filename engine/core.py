@@ -105,6 +105,12 @@ class EngineCore:
             * 2**30
             // kv_bytes_per_block(self.hf_config, block_size, self.dtype)
         )
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
+                f"--max-model-len {self.max_model_len}: lower --max-model-len or give the cache "
+                "more room (--kv-cache-memory, --num-gpu-blocks-override)"
+            )
         self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
         self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
@@ -116,6 +122,7 @@ class EngineCore:
         self._rng = random.Random(model_config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._deadlines: dict[str, float] = {}  # request_id -> monotonic end of its time limit
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
     @property
@@ -150,9 +157,10 @@ class EngineCore:
     ) -> None:
         """Queue a request; raises ``InvalidRequestError`` naming the field that is wrong."""
         self._validate(request_id, prompt_token_ids, params)
-        request = Request(
-            request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time=time.monotonic()
-        )
+        now = time.monotonic()
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, now)
+        if params.time_limit_s is not None:
+            self._deadlines[request_id] = now + params.time_limit_s
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         self._generators[request_id] = torch.Generator().manual_seed(seed)
         self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -207,7 +215,22 @@ class EngineCore:
         tokens = self.sampler(logits, requests, generators)
         sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
         updated = self.scheduler.update_from_output(scheduled, sampled)
-        return [self._process_new_token(request) for request in updated]
+        outputs = [self._process_new_token(request) for request in updated]
+        return outputs + self._end_expired_requests()
+
+    def _end_expired_requests(self) -> list[RequestOutput]:
+        if not self._deadlines:
+            return []
+        now = time.monotonic()
+        outputs = []
+        for request_id, deadline in list(self._deadlines.items()):
+            request = self.scheduler.requests.get(request_id)
+            if request is None:  # finished some other way
+                del self._deadlines[request_id]
+            elif now >= deadline:
+                self.scheduler.finish_request(request, FinishReason.TIME_LIMIT)
+                outputs.append(self._make_output(request, []))
+        return outputs
 
     def _process_new_token(self, request: Request) -> RequestOutput:
         token_id = request.output_token_ids[-1]
@@ -223,6 +246,7 @@ class EngineCore:
         detokenizer = self._detokenizers[request.request_id]
         if finished:
             del self._detokenizers[request.request_id], self._generators[request.request_id]
+            self._deadlines.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
             text=detokenizer.take_delta(finished),

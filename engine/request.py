@@ -44,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    time_limit_s: float | None = None  # soft limit: ends with the output so far (TIME_LIMIT)
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +65,7 @@ class SamplingParams:
             ),
             ("stop", all(self.stop), "stop strings must not be empty"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+            ("time_limit", self.time_limit_s is None or self.time_limit_s > 0, "must be > 0"),
         ]
         for name, ok, message in checks:
             if not ok:

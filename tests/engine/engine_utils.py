@@ -11,10 +11,16 @@ from llmrpc.engine.core import EngineCore
 from llmrpc.engine.request import RequestOutput, SamplingParams
 
 
-def make_core(model_dir: Path, dtype: str = "float32", num_blocks: int = 256, **scheduler):
+def make_core(
+    model_dir: Path,
+    dtype: str = "float32",
+    num_blocks: int = 256,
+    max_model_len: int | None = 512,
+    **scheduler,
+) -> EngineCore:
     return EngineCore(
         EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype=dtype),
+            model=ModelConfig(model=str(model_dir), dtype=dtype, max_model_len=max_model_len),
             cache=CacheConfig(num_gpu_blocks_override=num_blocks),
             scheduler=SchedulerConfig(**scheduler),
         )

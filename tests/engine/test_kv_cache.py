@@ -1,0 +1,116 @@
+"""KV block pool and prefix cache: exact block ids, reference counts and eviction order."""
+
+from __future__ import annotations
+
+from llmrpc.engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
+from llmrpc.engine.request import Request, SamplingParams
+
+BLOCK = 4
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, SamplingParams())
+
+
+def schedule_all(manager: KVCacheManager, request: Request) -> list[int]:
+    """Prefix hits, then room for the rest of the prompt: what the scheduler does on admission."""
+    hits = manager.get_computed_blocks(request)
+    num_hit_tokens = len(hits) * BLOCK
+    assert manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits) is not None
+    request.num_computed_tokens = num_hit_tokens
+    return manager.block_ids(request.request_id)
+
+
+def test_free_queue_pops_in_order_and_removes_from_the_middle():
+    blocks = [KVBlock(i) for i in range(5)]
+    queue = FreeBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert queue.block_ids() == [0, 1, 3, 4]
+    assert queue.popleft() is blocks[0]
+    queue.append(blocks[0])
+    assert queue.block_ids() == [1, 3, 4, 0]
+    assert queue.num_free_blocks == 4
+
+
+def test_new_request_gets_fresh_blocks_in_order():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    request = make_request("a", list(range(10)))
+    assert schedule_all(manager, request) == [0, 1, 2]
+    assert manager.num_free_blocks == 5
+    # One decode token fits the third block; the thirteenth token needs a fourth.
+    request.num_computed_tokens = 10
+    request.append_output_token(99)
+    assert manager.allocate_slots(request, 1) == []
+    request.num_computed_tokens = 11
+    request.append_output_token(98)
+    request.append_output_token(97)
+    new = manager.allocate_slots(request, 2)
+    assert [b.block_id for b in new] == [3]
+    assert manager.block_ids("a") == [0, 1, 2, 3]
+
+
+def test_shared_prefix_reuses_full_blocks_and_counts_references():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    a = make_request("a", list(range(10)))  # blocks 0, 1 full; 2 partial
+    schedule_all(manager, a)
+    b = make_request("b", list(range(8)) + [50, 51, 52])
+    assert schedule_all(manager, b) == [0, 1, 3]
+    assert b.num_computed_tokens == 8
+    assert [manager.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+    assert manager.num_prefix_hits == 8
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    schedule_all(manager, make_request("a", list(range(8))))
+    again = make_request("b", list(range(8)))
+    assert schedule_all(manager, again) == [0, 2]
+    assert again.num_computed_tokens == 4
+
+
+def test_freed_blocks_stay_cached_and_tails_are_evicted_first():
+    manager = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    a = make_request("a", list(range(10)))
+    schedule_all(manager, a)  # [0, 1, 2]
+    b = make_request("b", list(range(8)) + [50])
+    schedule_all(manager, b)  # [0, 1, 3]
+    manager.free(a)
+    manager.free(b)
+    assert manager.pool.free_queue.block_ids() == [4, 5, 2, 3, 1, 0]
+    # A hit takes cached blocks back out of the free queue.
+    c = make_request("c", list(range(8)) + [60, 61])
+    assert schedule_all(manager, c) == [0, 1, 4]
+    assert manager.pool.free_queue.block_ids() == [5, 2, 3]
+    # Evicting block 1 (the second full block) would need all free blocks; the cached prefix stays.
+    manager.free(c)
+    d = make_request("d", list(range(100, 120)))  # 5 blocks: 5, 2, 3, 4, 1 in eviction order
+    assert schedule_all(manager, d) == [5, 2, 3, 4, 1]
+    e = make_request("e", list(range(8)) + [70])
+    hits = manager.get_computed_blocks(e)
+    assert [b.block_id for b in hits] == [0]  # block 1's prefix was evicted, block 0's was not
+
+
+def test_allocation_failure_changes_nothing():
+    manager = KVCacheManager(num_blocks=2, block_size=BLOCK)
+    request = make_request("a", list(range(12)))
+    assert manager.allocate_slots(request, 12) is None
+    assert manager.num_free_blocks == 2
+    assert manager.block_ids("a") == []
+
+
+def test_cache_hit_checks_the_tokens_not_only_the_hash():
+    pool = BlockPool(num_blocks=2)
+    block = pool.get_new_blocks(1)[0]
+    pool.cache_block(block, block_hash=1234, token_ids=(1, 2, 3, 4))
+    assert pool.get_cached_block(1234, (1, 2, 3, 4)) is block
+    assert pool.get_cached_block(1234, (9, 9, 9, 9)) is None
+
+
+def test_reset_prefix_cache_only_when_idle():
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    request = make_request("a", list(range(8)))
+    schedule_all(manager, request)
+    assert not manager.reset_prefix_cache()
+    manager.free(request)
+    assert manager.reset_prefix_cache()
+    assert manager.get_computed_blocks(make_request("b", list(range(8)))) == []

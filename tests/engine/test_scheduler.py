@@ -1,0 +1,108 @@
+"""Token-budget scheduling: exact schedules for chunked prefill, joins, limits and preemption."""
+
+from __future__ import annotations
+
+from llmrpc.engine.config import SchedulerConfig
+from llmrpc.engine.kv_cache import KVCacheManager
+from llmrpc.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from llmrpc.engine.scheduler import Scheduler, SchedulerOutput
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=8, caching=True):
+    manager = KVCacheManager(num_blocks, BLOCK, enable_caching=caching)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    return Scheduler(config, manager, max_model_len=1024)
+
+
+def add(scheduler, request_id, num_prompt_tokens, max_tokens=100, first_token=0):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens = list(range(first_token, first_token + num_prompt_tokens))
+    request = Request(request_id, tokens, params)
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler) -> tuple[list[tuple[str, int]], SchedulerOutput]:
+    """Schedule one step and feed back token 7 for every request that reached its end."""
+    output = scheduler.schedule()
+    sampled = {
+        r.request_id: 7 for r, n in output.scheduled if r.num_computed_tokens + n == r.num_tokens
+    }
+    scheduler.update_from_output(output, sampled)
+    return [(r.request_id, n) for r, n in output.scheduled], output
+
+
+def test_long_prompt_is_chunked_and_newcomers_join_the_running_batch():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "a", 20)
+    assert step(scheduler)[0] == [("a", 16)]
+    add(scheduler, "b", 5, first_token=200)
+    assert step(scheduler)[0] == [("a", 4), ("b", 5)]  # a's last chunk, b joins
+    add(scheduler, "c", 30, first_token=100)
+    # a and b decode one token each; c takes the rest of the budget.
+    assert step(scheduler)[0] == [("a", 1), ("b", 1), ("c", 14)]
+    assert step(scheduler)[0] == [("a", 1), ("b", 1), ("c", 14)]
+    assert step(scheduler)[0] == [("a", 1), ("b", 1), ("c", 2)]
+    assert step(scheduler)[0] == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_only_requests_that_reach_their_end_get_a_token():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    request = add(scheduler, "a", 20)
+    step(scheduler)
+    assert request.output_token_ids == [] and request.num_computed_tokens == 16
+    step(scheduler)
+    assert request.output_token_ids == [7] and request.num_tokens == 21
+
+
+def test_max_num_seqs_bounds_the_running_batch():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        add(scheduler, name, 3, first_token=ord(name) * 10)
+    assert step(scheduler)[0] == [("a", 3), ("b", 3)]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_max_tokens_finishes_and_frees_blocks():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", 5, max_tokens=2)
+    step(scheduler)
+    step(scheduler)
+    assert request.finish_reason is FinishReason.LENGTH
+    assert request.output_token_ids == [7, 7]
+    assert scheduler.kv_manager.num_free_blocks == 64
+    assert not scheduler.has_unfinished_requests
+
+
+def test_newest_request_is_preempted_when_blocks_run_out_and_resumes_later():
+    # 4 blocks of 4 tokens: a and b each hold 2 blocks after their prompts.
+    scheduler = make_scheduler(num_blocks=4, caching=False)
+    a = add(scheduler, "a", 8)
+    b = add(scheduler, "b", 8, first_token=50)
+    assert step(scheduler)[0] == [("a", 8), ("b", 8)]  # both sample their first token
+    # a's ninth token needs a third block: b (the newest) is preempted to make room.
+    scheduled, output = step(scheduler)
+    assert scheduled == [("a", 1)]
+    assert output.preempted == [b]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [b]
+    assert b.output_token_ids == [7]  # nothing it produced is lost
+    assert scheduler.kv_manager.block_ids("a") == [0, 1, 3]  # b freed its tail first
+    scheduler.finish_request(a, FinishReason.ABORT)
+    # b is recomputed from all its tokens, prompt and output alike.
+    assert step(scheduler)[0] == [("b", 9)]
+    assert b.output_token_ids == [7, 7]
+
+
+def test_finishing_a_waiting_request_removes_it():
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, "a", 3)
+    b = add(scheduler, "b", 3, first_token=40)
+    step(scheduler)
+    scheduler.finish_request(b, FinishReason.ABORT)
+    assert not scheduler.waiting and b.is_finished
+    assert "b" not in scheduler.requests
