@@ -67,11 +67,13 @@ def _decode_attention(query, key_cache, value_cache, metadata, scale, output) ->
     # [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]
     keys = key_cache[tables].view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = value_cache[tables].view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    q = query[metadata.decode_indices].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+    # Query heads sharing a KV head become rows of one attention problem (grouped-query
+    # attention without repeating keys): [num_decodes, num_kv_heads, group, head_dim].
+    q = query[metadata.decode_indices].view(num_decodes, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+        q, keys, values, attn_mask=metadata.decode_mask, scale=scale
     )
-    output[metadata.decode_indices] = out.squeeze(2)
+    output[metadata.decode_indices] = out.reshape(num_decodes, -1, head_dim)
 
 
 def _prefill_attention(query, key_cache, value_cache, seq: PrefillSeq, scale, output) -> None:
