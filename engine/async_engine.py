@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Iterable
 
 from llmrpc.engine.config import EngineConfig
@@ -128,7 +129,7 @@ class AsyncEngine:
         """Run one short request end to end, so the first user request pays no start-up cost."""
         prompt = self.tokenizer.encode("Hello", add_special_tokens=False) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        async for _ in self.generate("llmrpc-warmup", prompt, params):
+        async for _ in self.generate(f"llmrpc-warmup-{uuid.uuid4().hex}", prompt, params):
             pass
 
     async def _call(self, command: str, *args):

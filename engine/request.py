@@ -65,7 +65,7 @@ class SamplingParams:
             ),
             ("stop", all(self.stop), "stop strings must not be empty"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
-            ("time_limit", self.time_limit_s is None or self.time_limit_s > 0, "must be > 0"),
+            ("time_limit_s", self.time_limit_s is None or self.time_limit_s > 0, "must be > 0"),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -121,7 +121,7 @@ class Scheduler:
     def _check_token_stop(self, request: Request, token_id: int) -> None:
         params = request.params
         if not params.ignore_eos and token_id in request.eos_token_ids:
-            self.finish_request(request, FinishReason.EOS)
+            self.finish_request(request, FinishReason.EOS, token_id)
         elif token_id in params.stop_token_ids:
             self.finish_request(request, FinishReason.STOP_TOKEN, token_id)
         elif (

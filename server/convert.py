@@ -8,7 +8,6 @@ responses; engine errors become ``ServiceError``s whose field paths are the requ
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 from jinja2 import TemplateError
@@ -22,7 +21,6 @@ from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2, tokenization_pb2
 # An unset stopping.max_tokens: vLLM's SamplingParams default, cut to the room the context leaves.
 DEFAULT_MAX_TOKENS = 16
 _DEFAULTS = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
-_HAS_TIME_LIMIT = any(f.name == "time_limit_s" for f in dataclasses.fields(SamplingParams))
 
 # Engine parameter name -> field path in GenerateRequest ("input" is the oneof's set field).
 _FIELD_PATHS = {
@@ -125,12 +123,8 @@ def _max_tokens(stopping: common_pb2.StoppingCriteria, num_prompt_tokens: int, m
     return max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens))
 
 
-def _time_limit(stopping: common_pb2.StoppingCriteria) -> dict[str, float]:
-    if not stopping.HasField("time_limit_ms"):
-        return {}
-    if not _HAS_TIME_LIMIT:
-        raise InvalidArgument("stopping.time_limit_ms", "is not supported by this server yet")
-    return {"time_limit_s": stopping.time_limit_ms / 1000}
+def _time_limit_s(stopping: common_pb2.StoppingCriteria) -> float | None:
+    return stopping.time_limit_ms / 1000 if stopping.HasField("time_limit_ms") else None
 
 
 def sampling_params(
@@ -153,7 +147,7 @@ def sampling_params(
             stopping, "include_stop_str_in_output", _DEFAULTS.include_stop_str_in_output
         ),
         skip_special_tokens=_optional(output, "skip_special_tokens", _DEFAULTS.skip_special_tokens),
-        **_time_limit(stopping),
+        time_limit_s=_time_limit_s(stopping),
     )
 
 
@@ -177,13 +171,11 @@ def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestO
 
 
 def _set_matched_stop(response: generation_pb2.GenerateResponse, output: RequestOutput) -> None:
-    reason = output.finish_reason
-    if reason is FinishReason.STOP_STRING and isinstance(output.stop_reason, str):
+    # stop_reason is the matched stop string, or the stop/EOS token id.
+    if isinstance(output.stop_reason, str):
         response.stop_string = output.stop_reason
-    elif reason is FinishReason.STOP_TOKEN and isinstance(output.stop_reason, int):
+    elif isinstance(output.stop_reason, int):
         response.stop_token_id = output.stop_reason
-    elif reason is FinishReason.EOS and output.token_ids:
-        response.stop_token_id = output.token_ids[-1]  # the EOS token is the last one generated
 
 
 def to_generate_response(request_id: str, output: RequestOutput) -> generation_pb2.GenerateResponse:
@@ -228,7 +220,8 @@ def detokenize(
     token_ids = list(request.token_ids)
     vocab_size = model_info.vocab_size
     if any(t >= vocab_size for t in token_ids):
-        raise InvalidArgument("token_ids", f"token ids must be below the vocabulary size {vocab_size}")
+        message = f"token ids must be below the vocabulary size {vocab_size}"
+        raise InvalidArgument("token_ids", message)
     skip = _optional(request, "skip_special_tokens", _DEFAULTS.skip_special_tokens)
     text = tokenizer.decode(token_ids, skip_special_tokens=skip)
     return tokenization_pb2.DetokenizeResponse(text=text)

@@ -22,6 +22,7 @@ from llmrpc.v1 import (
     admin_pb2_grpc,
     generation_pb2,
     generation_pb2_grpc,
+    tokenization_pb2,
     tokenization_pb2_grpc,
 )
 
@@ -33,7 +34,7 @@ SERVICE_NAMES = tuple(
     module.DESCRIPTOR.services_by_name[name].full_name
     for module, name in (
         (generation_pb2, "GenerationService"),
-        (convert.tokenization_pb2, "TokenizationService"),
+        (tokenization_pb2, "TokenizationService"),
         (admin_pb2, "AdminService"),
     )
 )

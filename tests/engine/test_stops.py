@@ -108,5 +108,5 @@ def test_eos_ends_generation_without_text_unless_ignored(core):
         out = run_to_completion(core, {"e": (prompt, params)})["e"]
     finally:
         core.eos_token_ids = real_eos
-    assert out.finish_reason is FinishReason.EOS
+    assert out.finish_reason is FinishReason.EOS and out.stop_reason == eos_like
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos_like) + 1]

@@ -1,0 +1,109 @@
+"""Server lifecycle: NOT_SERVING while loading, graceful stop, and a dead engine (UNAVAILABLE,
+NOT_SERVING, ``serve`` exits with status 1)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_utils import read_rest, slow_down, tiny_engine_config, wait_until
+
+from llmrpc.server import app
+from llmrpc.server.settings import FrontendConfig
+from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+REQUEST = generation_pb2.GenerateRequest(
+    text="Hello", stopping=common_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True)
+)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def break_engine(engine) -> None:
+    def broken_step():
+        raise RuntimeError("simulated device fault")
+
+    engine.core.step = broken_step
+
+
+async def wait_for_health(channel, status: int, timeout: float = 30.0) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await stub.Check(health_pb2.HealthCheckRequest())).status != status:
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(
+                f"health never became {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            )
+        await asyncio.sleep(0.01)
+
+
+async def test_not_serving_while_loading_then_serving(tiny_llama_dir):
+    engine_config = tiny_engine_config(tiny_llama_dir)
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0)
+    running = await app.bind_server(engine_config, frontend)
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            await wait_for_health(channel, NOT_SERVING, timeout=0)
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await generation_pb2_grpc.GenerationServiceStub(channel).Generate(REQUEST)
+            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+            await running.load(engine_config, frontend)
+            await wait_for_health(channel, SERVING, timeout=0)
+    finally:
+        await running.stop(grace=0)
+
+
+async def test_stop_lets_an_in_flight_stream_finish(tiny_llama_dir):
+    running = await app.start_server(tiny_engine_config(tiny_llama_dir))
+    slow_down(running.engine, 0.02)
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        request = generation_pb2.GenerateRequest()
+        request.CopyFrom(REQUEST)
+        request.stopping.max_tokens = 25
+        call = generation_pb2_grpc.GenerationServiceStub(channel).GenerateStream(request)
+        await call.read()
+        stopping = asyncio.ensure_future(running.stop(grace=30))
+        last = (await read_rest(call))[-1]
+        await stopping
+    assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 25
+    assert not running.engine.is_running
+
+
+async def test_dead_engine_gives_unavailable_and_not_serving(tiny_llama_dir):
+    running = await app.start_server(tiny_engine_config(tiny_llama_dir))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            await wait_for_health(channel, SERVING, timeout=0)
+            break_engine(running.engine)
+            generation = generation_pb2_grpc.GenerationServiceStub(channel)
+            for _ in range(2):  # the request that meets the fault, then one after it
+                with pytest.raises(grpc.aio.AioRpcError) as failure:
+                    await generation.Generate(REQUEST)
+                assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+            await wait_until(lambda: running.engine_failure is not None, what="on_dead")
+            await wait_for_health(channel, NOT_SERVING, timeout=5)
+    finally:
+        await running.stop(grace=0)
+
+
+async def test_serve_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, monkeypatch):
+    servers: list[app.RunningServer] = []
+    real_bind = app.bind_server
+
+    async def bind_and_record(*args):
+        servers.append(await real_bind(*args))
+        return servers[-1]
+
+    monkeypatch.setattr(app, "bind_server", bind_and_record)
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0)
+    serving = asyncio.ensure_future(app.serve(tiny_engine_config(tiny_llama_dir), frontend))
+    await wait_until(lambda: servers, what="the server to bind")
+    async with grpc.aio.insecure_channel(servers[0].address) as channel:
+        await wait_for_health(channel, SERVING)
+        break_engine(servers[0].engine)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await generation_pb2_grpc.GenerationServiceStub(channel).Generate(REQUEST)
+    assert await asyncio.wait_for(serving, timeout=30) == 1
