@@ -17,10 +17,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core import EngineCore, EngineStats, ModelInfo
+from llmrpc.engine.core import EngineCore, EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStateError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -111,7 +114,7 @@ class AsyncEngine:
         collector = self._collectors[request_id] = _Collector()
         finished = False
         try:
-            await self._call("add", request_id, prompt_token_ids, params)
+            await self._call("add_request", request_id, prompt_token_ids, params)
             while not finished:
                 output = await collector.get()
                 finished = output.finished
@@ -124,6 +127,21 @@ class AsyncEngine:
     async def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Abort the live requests among ``request_ids``; returns those that were live."""
         return await self._call("abort", list(request_ids))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes; False while requests hold KV blocks."""
+        return await self._call("reset_prefix_cache")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free memory while idle (``--enable-sleep-mode``); raises ``EngineStateError`` if busy."""
+        await self._call("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self._call("wake_up")
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.core.sleep_level > 0
 
     async def warmup(self) -> None:
         """Run one short request end to end, so the first user request pays no start-up cost."""
@@ -169,8 +187,8 @@ class AsyncEngine:
                 future.set_result(result)
 
     def _apply(self, command: str, *args):
-        if command == "add":
-            return self.core.add_request(*args)
+        if command != "abort":  # add_request, reset_prefix_cache, sleep, wake_up
+            return getattr(self.core, command)(*args)
         outputs = self.core.abort_requests(args[0])
         self._deliver(outputs)
         return [output.request_id for output in outputs]

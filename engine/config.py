@@ -22,6 +22,7 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"
     served_model_name: tuple[str, ...] = ()
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -16,6 +16,7 @@ from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.detokenizer import IncrementalDetokenizer
 from llmrpc.engine.kv_cache import KVCacheManager
+from llmrpc.engine.metrics import RateMeter
 from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.models import build_model
 from llmrpc.engine.request import (
@@ -58,6 +59,18 @@ class EngineStats:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up, since start
+    generation_throughput: float  # output tokens per second over the recent window
+    prompt_throughput: float  # prompt tokens computed per second over the recent window
+    is_sleeping: bool
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class EngineStateError(RuntimeError):
+    """The engine cannot do this in its present state (asleep, busy, sleep mode off)."""
 
 
 def resolve_dtype(name: str, hf_config) -> torch.dtype:
@@ -90,15 +103,13 @@ def eos_token_ids_of(hf_config, tokenizer) -> frozenset[int]:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         model_config, cache_config = config.model, config.cache
-        model_dir = loader.resolve_model_dir(model_config.model)
-        self.hf_config = loader.load_hf_config(model_dir)
-        self.tokenizer = loader.load_tokenizer(model_config.tokenizer or model_dir)
+        self.model_config = model_config
+        self.model_dir = loader.resolve_model_dir(model_config.model)
+        self.hf_config = loader.load_hf_config(self.model_dir)
+        self.tokenizer = loader.load_tokenizer(model_config.tokenizer or self.model_dir)
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
-        dummy = model_config.load_format == "dummy"
-        weights = None if dummy else loader.iter_weights(model_dir)
-        logger.info("loading %s (%s)", model_dir, self.dtype)
-        self.model = build_model(self.hf_config, self.dtype, weights, model_config.seed)
+        self.model = self._load_model()
         block_size = cache_config.block_size
         num_blocks = cache_config.num_gpu_blocks_override or int(
             cache_config.kv_cache_memory_gib
@@ -123,7 +134,16 @@ class EngineCore:
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # request_id -> monotonic end of its time limit
+        self._generation_rate = RateMeter()
+        self._prompt_rate = RateMeter()
+        self.sleep_level = 0  # 0: awake; 1: KV cache dropped; 2: weights dropped too
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
+
+    def _load_model(self):
+        dummy = self.model_config.load_format == "dummy"
+        weights = None if dummy else loader.iter_weights(self.model_dir)
+        logger.info("loading %s (%s)", self.model_dir, self.dtype)
+        return build_model(self.hf_config, self.dtype, weights, self.model_config.seed)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -146,6 +166,11 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.kv_manager.num_free_blocks,
             num_total_blocks=self.kv_manager.num_blocks,
+            prefix_cache_hit_rate=self.kv_manager.num_prefix_hits
+            / max(self.kv_manager.num_prefix_queries, 1),
+            generation_throughput=self._generation_rate.rate(),
+            prompt_throughput=self._prompt_rate.rate(),
+            is_sleeping=self.sleep_level > 0,
         )
 
     @property
@@ -156,6 +181,8 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         """Queue a request; raises ``InvalidRequestError`` naming the field that is wrong."""
+        if self.sleep_level:
+            raise EngineStateError("the engine is asleep; wake it up first")
         self._validate(request_id, prompt_token_ids, params)
         now = time.monotonic()
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, now)
@@ -210,7 +237,14 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self._prompt_rate.add(
+            sum(
+                max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+                for r, n in scheduled.scheduled
+            )
+        )
         logits, requests = self.runner.execute(scheduled, self.kv_manager.block_ids)
+        self._generation_rate.add(len(requests))
         generators = [self._generators[r.request_id] for r in requests]
         tokens = self.sampler(logits, requests, generators)
         sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
@@ -258,3 +292,30 @@ class EngineCore:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests hold blocks."""
+        return self.kv_manager.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        """Free memory while idle: level 1 drops the KV cache, level 2 the weights too."""
+        if not self.model_config.enable_sleep_mode:
+            raise EngineStateError("sleep mode is off; start the server with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise InvalidRequestError("level", "must be 1 or 2")
+        if self.has_unfinished_requests:
+            raise EngineStateError("requests are running; sleep needs an idle engine")
+        self.kv_manager.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        if level == 2:
+            self.model = self.runner.model = None
+        self.sleep_level = max(self.sleep_level, level)
+        logger.info("asleep at level %d", self.sleep_level)
+
+    def wake_up(self) -> None:
+        if self.sleep_level == 2:
+            self.model = self.runner.model = self._load_model()
+        if self.sleep_level:
+            self.runner.allocate_kv_cache()
+            logger.info("awake")
+        self.sleep_level = 0

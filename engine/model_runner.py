@@ -43,12 +43,22 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        shape = kv_cache_shape(hf_config, num_blocks, block_size)
+        self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
+        self._num_layers = hf_config.num_hidden_layers
+        self._dtype = dtype
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
         # Zero-filled: masked-out slots of a gathered block must never hold NaN.
+        shape, dtype = self._kv_shape, self._dtype
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(hf_config.num_hidden_layers)
+            for _ in range(self._num_layers)
         ]
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
 
     @torch.inference_mode()
     def execute(

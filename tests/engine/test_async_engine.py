@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from llmrpc.engine.async_engine import AsyncEngine
+from llmrpc.engine.async_engine import AsyncEngine, EngineStateError
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 
@@ -22,6 +22,10 @@ async def engine(tiny_llama_dir):
     engine = await AsyncEngine.create(config)
     yield engine
     await engine.shutdown()
+
+
+def tokens(outputs) -> list[int]:
+    return [t for output in outputs for t in output.token_ids]
 
 
 async def collect(engine, request_id, prompt, params):
@@ -88,3 +92,46 @@ async def test_time_limit_ends_with_the_output_so_far(engine):
     outputs = await collect(engine, "t", prompt, params)
     assert outputs[-1].finish_reason is FinishReason.TIME_LIMIT
     assert 0 < outputs[-1].num_output_tokens < 400
+
+
+async def test_load_figures_and_prefix_cache_reset(engine):
+    prompt = engine.tokenizer.encode("A shared prefix that spans more than one block " * 3)
+    await collect(engine, "first", prompt, SamplingParams(max_tokens=4))
+    second = await collect(engine, "second", prompt, SamplingParams(max_tokens=4))
+    assert second[-1].num_cached_tokens > 0
+    stats = engine.stats
+    assert 0 < stats.prefix_cache_hit_rate < 1
+    assert stats.generation_throughput > 0 and stats.prompt_throughput > 0
+    assert stats.kv_cache_usage == 0.0
+    assert await engine.reset_prefix_cache()
+    third = await collect(engine, "third", prompt, SamplingParams(max_tokens=4))
+    assert third[-1].num_cached_tokens == 0
+
+
+async def test_sleep_needs_sleep_mode(engine):
+    with pytest.raises(EngineStateError, match="--enable-sleep-mode"):
+        await engine.sleep(1)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+async def test_sleep_and_wake_up_keep_the_output(tiny_llama_dir, level):
+    config = EngineConfig(
+        model=ModelConfig(str(tiny_llama_dir), dtype="float32", enable_sleep_mode=True),
+        cache=CacheConfig(num_gpu_blocks_override=64),
+    )
+    engine = await AsyncEngine.create(config)
+    try:
+        prompt = engine.tokenizer.encode("Sleep well")
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        before = await collect(engine, "before", prompt, params)
+        await engine.sleep(level)
+        assert engine.is_sleeping and engine.core.runner.kv_caches == []
+        assert (engine.core.model is None) == (level == 2)
+        with pytest.raises(EngineStateError):
+            await collect(engine, "asleep", prompt, params)
+        await engine.wake_up()
+        after = await collect(engine, "after", prompt, params)
+        assert not engine.is_sleeping
+        assert tokens(after) == tokens(before) and len(tokens(before)) == 8
+    finally:
+        await engine.shutdown()
