@@ -1,9 +1,14 @@
-"""The ``llmrpc`` command line: ``llmrpc serve [MODEL] [flags]`` (vLLM's flags; see --help)."""
+"""The ``llmrpc`` command line: ``llmrpc serve [MODEL] [flags]`` (vLLM's flags; see --help).
+
+Other verbs live with the layer they belong to and are imported only when used, so a client verb
+never loads torch: each is a ``main(argv)`` that receives the arguments after the verb.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import sys
@@ -11,6 +16,9 @@ import sys
 from llmrpc.server import options
 
 logger = logging.getLogger("llmrpc.server.cli")
+
+# verb -> (module whose main(argv) runs it, one-line help)
+DELEGATED_VERBS: dict[str, tuple[str, str]] = {}
 
 _LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 _LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -38,6 +46,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "vLLM's names and defaults.",
     )
     options.add_serve_arguments(serve)
+    for verb, (_, summary) in DELEGATED_VERBS.items():
+        commands.add_parser(verb, help=summary, add_help=False)
     return parser, serve
 
 
@@ -59,8 +69,12 @@ def run_serve(serve_parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED_VERBS:
+        module = importlib.import_module(DELEGATED_VERBS[argv[0]][0])
+        return module.main(argv[1:])
     parser, serve_parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     if args.command == "serve":
         return run_serve(serve_parser, args)
     parser.print_help(sys.stderr)
