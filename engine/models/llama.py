@@ -1,4 +1,4 @@
-"""Native Llama-family causal LM (Llama, SmolLM2, Mistral) reading the paged KV cache.
+"""Native Llama-family causal LMs (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on the paged KV cache.
 
 Works on the flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]``, every request's
 new tokens one after another; attention finds each request's context through the cache.
@@ -7,10 +7,12 @@ new tokens one after another; attention finds each request's context through the
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from llmrpc.engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from llmrpc.kernels.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -27,53 +29,47 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with rotate-half layout, as Llama checkpoints expect."""
-
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Where the Llama-family members differ in their attention block."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, options: AttentionOptions) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.rotary = rotary
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = options.qk_norm
         self.scale = self.head_dim**-0.5
 
-    def forward(self, positions, hidden, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary, hidden, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
@@ -94,17 +90,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, options: AttentionOptions) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, options)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, metadata
-        )
+    def forward(self, rotary, hidden, kv_cache, metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -119,19 +113,19 @@ _FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def attention_options(cls, config) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        rope_scaling = getattr(config, "rope_scaling", None) or {}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported yet")
-        head_dim = head_dim_of(config)
-        theta = getattr(config, "rope_theta", None) or rope_scaling.get("rope_theta", 10000.0)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta)
+        self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        options = self.attention_options(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, options) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -140,8 +134,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata)
+            hidden = layer(rotary, hidden, kv_cache, metadata)
         return self.norm(hidden)  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -60,3 +60,45 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             )
         results.append(out[0, len(prompt) :].tolist())
     return results
+
+
+TINY_DECODER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def save_tiny_model(out_dir: Path, tokenizer_dir: Path, config_class: str, **overrides) -> Path:
+    """A random-weight float32 model of any Transformers config class, with a real tokenizer."""
+    import transformers
+
+    from llmrpc.engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    config = getattr(transformers, config_class)(
+        **{**TINY_DECODER, **overrides},
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+        _randomize_biases_and_norms(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@torch.no_grad()
+def _randomize_biases_and_norms(model) -> None:
+    """Transformers initialises biases to 0 and norms to 1, which would hide a dropped bias."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1 + 0.1 * torch.randn_like(param))
+        elif name.endswith(".bias"):
+            param.copy_(0.1 * torch.randn_like(param))

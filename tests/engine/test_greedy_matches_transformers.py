@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_utils import hf_greedy, make_core, run_to_completion
+from engine_utils import hf_greedy, make_core, run_to_completion, save_tiny_model
 
 from llmrpc.engine.request import SamplingParams
 
@@ -34,9 +34,49 @@ def _as_ids(encoded) -> list[int]:
     return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
 
 
+FAMILIES = {
+    # Llama 3.1-style: llama3 rope scaling, untied embeddings, larger rope theta
+    "llama3": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama-linear-rope": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+    "mistral": ("MistralConfig", {"sliding_window": None, "tie_word_embeddings": False}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory, smollm2_dir):
+    config_class, overrides = FAMILIES[request.param]
+    out_dir = tmp_path_factory.mktemp(request.param)
+    return save_tiny_model(out_dir, smollm2_dir, config_class, **overrides)
+
+
+def test_every_native_family_matches_transformers(family_dir):
+    check_concurrent_greedy(family_dir)
+
+
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "smollm2_dir"])
 def test_concurrent_greedy_matches_transformers(request, model_fixture):
-    model_dir = request.getfixturevalue(model_fixture)
+    check_concurrent_greedy(request.getfixturevalue(model_fixture))
+
+
+def check_concurrent_greedy(model_dir):
     core = make_core(model_dir, max_num_batched_tokens=64)
     prompts = [_as_ids(p) for p in _chat_prompts(core.tokenizer)]
     assert len({len(p) for p in prompts}) >= 8  # mixed lengths share batches
