@@ -6,10 +6,13 @@ import torch
 from torch import nn
 
 from llmrpc.engine.models.llama import LlamaForCausalLM
+from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
