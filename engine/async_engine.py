@@ -31,30 +31,33 @@ class EngineDeadError(RuntimeError):
 
 
 class _Collector:
+    """Outputs of one request not yet consumed, merged per sample while the consumer lags."""
+
     def __init__(self) -> None:
-        self.output: RequestOutput | None = None
+        self.pending: dict[int, RequestOutput] = {}  # sample index -> merged delta
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        if self.output is None:
-            self.output = output
+        earlier = self.pending.get(output.index)
+        if earlier is None:
+            self.pending[output.index] = output
         else:
-            self.output.merge(output)
+            earlier.merge(output)
         self.ready.set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> list[RequestOutput]:
         await self.ready.wait()
         self.ready.clear()
         if self.error is not None:
             raise self.error
-        output, self.output = self.output, None
-        assert output is not None
-        return output
+        outputs = [self.pending[index] for index in sorted(self.pending)]
+        self.pending.clear()
+        return outputs
 
 
 class AsyncEngine:
@@ -103,7 +106,8 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as deltas; the last has ``finished`` set.
+        """Outputs of one request as deltas, per sample (``index``); each sample's last has
+        ``finished`` set, and the iteration ends when all ``params.n`` samples have finished.
 
         Raises ``InvalidRequestError`` before the first output if the request is malformed.
         """
@@ -112,14 +116,15 @@ class AsyncEngine:
         if request_id in self._collectors:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         collector = self._collectors[request_id] = _Collector()
-        finished = False
+        num_finished = 0
         try:
             await self._call("add_request", request_id, prompt_token_ids, params)
-            while not finished:
-                output = await collector.get()
-                finished = output.finished
-                yield output
+            while num_finished < params.n:
+                for output in await collector.get():
+                    num_finished += output.finished
+                    yield output
         finally:
+            finished = num_finished == params.n
             del self._collectors[request_id]
             if not finished and self.dead_error is None:
                 self._inbox.put(("abort", [request_id], None))

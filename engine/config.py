@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+MODEL_IMPLS = ("auto", "vllm", "transformers")  # "vllm": our native models, as vLLM names them
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class ModelConfig:
     load_format: str = "auto"
     served_model_name: tuple[str, ...] = ()
     enable_sleep_mode: bool = False
+    max_logprobs: int = 20  # -1: no limit
+    logprobs_mode: str = "raw_logprobs"
+    model_impl: str = "auto"  # auto: native when the architecture has one, else Transformers
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -30,6 +34,10 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
@@ -57,12 +65,41 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits: ``--max-num-seqs`` and ``--max-num-batched-tokens``."""
+    """Continuous batching: batch limits, chunked prefill, scheduling and preemption policy."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1  # prompts left part-computed by one step
+    max_long_partial_prefills: int = 1  # of those, how many may be long
+    long_prefill_token_threshold: int = 0  # a longer prompt is "long"; also its chunk cap
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        for flag, value in (
+            ("--max-num-partial-prefills", self.max_num_partial_prefills),
+            ("--max-long-partial-prefills", self.max_long_partial_prefills),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                "--max-long-partial-prefills must not exceed --max-num-partial-prefills"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be >= 0")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
+        if self.preemption_mode == "swap":
+            raise ValueError(
+                "--preemption-mode swap is refused: the KV cache already lives in host memory "
+                "here, so there is nowhere to swap it to; use recompute"
+            )
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"--preemption-mode must be recompute, got {self.preemption_mode!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

@@ -6,7 +6,6 @@ Synchronous and single-threaded; ``AsyncEngine`` drives it from a thread of its 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass
 
@@ -14,11 +13,12 @@ import torch
 
 from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.detokenizer import IncrementalDetokenizer
+from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.metrics import RateMeter
 from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.models import build_model
+from llmrpc.engine.output_processor import OutputProcessor
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -26,7 +26,7 @@ from llmrpc.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from llmrpc.engine.sampler import Sampler
+from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -125,15 +125,17 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
         self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(model_config.logprobs_mode)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
             loader.default_served_name(model_config.model),
         )
-        self._rng = random.Random(model_config.seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._deadlines: dict[str, float] = {}  # request_id -> monotonic end of its time limit
+        self.input_processor = InputProcessor(
+            InputLimits(self.max_model_len, self.hf_config.vocab_size, model_config.max_logprobs),
+            self.tokenizer,
+            self.eos_token_ids,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, model_config.seed)
         self._generation_rate = RateMeter()
         self._prompt_rate = RateMeter()
         self.sleep_level = 0  # 0: awake; 1: KV cache dropped; 2: weights dropped too
@@ -143,7 +145,8 @@ class EngineCore:
         dummy = self.model_config.load_format == "dummy"
         weights = None if dummy else loader.iter_weights(self.model_dir)
         logger.info("loading %s (%s)", self.model_dir, self.dtype)
-        return build_model(self.hf_config, self.dtype, weights, self.model_config.seed)
+        config = self.model_config
+        return build_model(self.hf_config, self.dtype, weights, config.seed, config.model_impl)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -180,57 +183,27 @@ class EngineCore:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        """Queue a request; raises ``InvalidRequestError`` naming the field that is wrong."""
+        """Queue a request (n samples); raises ``InvalidRequestError`` naming a wrong field."""
         if self.sleep_level:
             raise EngineStateError("the engine is asleep; wake it up first")
-        self._validate(request_id, prompt_token_ids, params)
-        now = time.monotonic()
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, now)
-        if params.time_limit_s is not None:
-            self._deadlines[request_id] = now + params.time_limit_s
-        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
-        self._generators[request_id] = torch.Generator().manual_seed(seed)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_token_ids,
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
-        self.scheduler.add_request(request)
-
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if request_id in self.scheduler.requests:
+        requests = self.input_processor.make_requests(request_id, prompt_token_ids, params)
+        taken = self.output_processor.children.keys() | self.scheduler.requests.keys()
+        if request_id in taken or any(r.request_id in taken for r in requests):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        if not prompt:
-            raise InvalidRequestError("input", "the prompt is empty")
-        vocab_size = self.hf_config.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise InvalidRequestError("input", f"token ids must be in [0, {vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                "input",
-                f"the prompt has {len(prompt)} tokens; the model's context length is "
-                f"{self.max_model_len}, which leaves no room for output",
-            )
-        params.validate()
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"{params.max_tokens} output tokens after a {len(prompt)}-token prompt exceed "
-                f"the model's context length of {self.max_model_len}",
-            )
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"token ids must be < {vocab_size}")
+        self.output_processor.add(request_id, requests)
+        for request in requests:
+            if params.prompt_logprobs is not None:
+                request.prompt_logprobs = [None]  # the first prompt token has no logprob
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> list[RequestOutput]:
         """Finish the live requests among ``request_ids`` at once, freeing their KV blocks."""
         outputs = []
         for request_id in request_ids:
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
+            for child_id in list(self.output_processor.children.get(request_id, ())):
+                request = self.scheduler.requests[child_id]
                 self.scheduler.finish_request(request, FinishReason.ABORT)
-                outputs.append(self._make_output(request, []))
+                outputs.append(self.output_processor.make_output(request, []))
         return outputs
 
     def step(self) -> list[RequestOutput]:
@@ -243,55 +216,44 @@ class EngineCore:
                 for r, n in scheduled.scheduled
             )
         )
-        logits, requests = self.runner.execute(scheduled, self.kv_manager.block_ids)
+        model_output = self.runner.execute(scheduled, self.kv_manager.block_ids)
+        self._record_prompt_logprobs(model_output.prompt_logits)
+        requests = model_output.sampled_requests
         self._generation_rate.add(len(requests))
-        generators = [self._generators[r.request_id] for r in requests]
-        tokens = self.sampler(logits, requests, generators)
-        sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
-        updated = self.scheduler.update_from_output(scheduled, sampled)
-        outputs = [self._process_new_token(request) for request in updated]
+        generators = [self.output_processor.generator(r.request_id) for r in requests]
+        sampled = self.sampler(model_output.logits, requests, generators)
+        tokens = dict(zip((r.request_id for r in requests), sampled.token_ids, strict=True))
+        logprobs = dict(zip((r.request_id for r in requests), sampled.logprobs, strict=True))
+        updated = self.scheduler.update_from_output(scheduled, tokens)
+        outputs = [self._process_new_token(r, logprobs[r.request_id]) for r in updated]
         return outputs + self._end_expired_requests()
 
+    def _record_prompt_logprobs(self, prompt_logits) -> None:
+        for span, logits in prompt_logits:
+            request = span.request
+            values = self.sampler.logprob_values(logits)
+            for j in range(span.num_positions):
+                target = span.first_position + j + 1
+                if target == len(request.prompt_logprobs):  # not recorded before a preemption
+                    token_id = request.prompt_token_ids[target]
+                    num_top = request.params.prompt_logprobs
+                    request.prompt_logprobs.append(token_logprobs(values[j], token_id, num_top))
+
     def _end_expired_requests(self) -> list[RequestOutput]:
-        if not self._deadlines:
-            return []
-        now = time.monotonic()
         outputs = []
-        for request_id, deadline in list(self._deadlines.items()):
-            request = self.scheduler.requests.get(request_id)
-            if request is None:  # finished some other way
-                del self._deadlines[request_id]
-            elif now >= deadline:
-                self.scheduler.finish_request(request, FinishReason.TIME_LIMIT)
-                outputs.append(self._make_output(request, []))
+        for request_id in self.output_processor.expired(time.monotonic()):
+            request = self.scheduler.requests[request_id]
+            self.scheduler.finish_request(request, FinishReason.TIME_LIMIT)
+            outputs.append(self.output_processor.make_output(request, []))
         return outputs
 
-    def _process_new_token(self, request: Request) -> RequestOutput:
-        token_id = request.output_token_ids[-1]
+    def _process_new_token(self, request: Request, logprobs) -> RequestOutput:
         # EOS and stop tokens end the output without being rendered as text.
-        if request.finish_reason not in (FinishReason.EOS, FinishReason.STOP_TOKEN):
-            stop = self._detokenizers[request.request_id].add_token(token_id)
-            if stop is not None:
-                self.scheduler.finish_request(request, FinishReason.STOP_STRING, stop)
-        return self._make_output(request, [token_id])
-
-    def _make_output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        finished = request.is_finished
-        detokenizer = self._detokenizers[request.request_id]
-        if finished:
-            del self._detokenizers[request.request_id], self._generators[request.request_id]
-            self._deadlines.pop(request.request_id, None)
-        return RequestOutput(
-            request_id=request.request_id,
-            text=detokenizer.take_delta(finished),
-            token_ids=new_token_ids,
-            finished=finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
+        render = request.finish_reason not in (FinishReason.EOS, FinishReason.STOP_TOKEN)
+        stop = self.output_processor.add_token(request, logprobs, render)
+        if stop is not None:
+            self.scheduler.finish_request(request, FinishReason.STOP_STRING, stop)
+        return self.output_processor.make_output(request, [request.output_token_ids[-1]])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""

@@ -188,8 +188,8 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the model can produce logits.
         """
-        if not self.enable_caching:
-            return []
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

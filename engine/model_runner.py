@@ -29,12 +29,31 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 @dataclass
+class PromptLogitsSpan:
+    """Rows of prompt positions whose next token is also a prompt token (for prompt logprobs)."""
+
+    request: Request
+    first_position: int
+    num_positions: int
+
+
+@dataclass
 class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] last token of each request that samples
+    # [num_sampled + prompt positions]: the last token of each request that samples, then
+    # the prompt positions of each PromptLogitsSpan
+    logits_indices: torch.Tensor
     sampled_requests: list[Request]
+    prompt_spans: list[PromptLogitsSpan]
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [num_sampled, vocab_size] float32
+    sampled_requests: list[Request]
+    prompt_logits: list[tuple[PromptLogitsSpan, torch.Tensor]]  # [num_positions, vocab_size]
 
 
 class ModelRunner:
@@ -63,14 +82,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, block_ids: Callable[[str], list[int]]
-    ) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step: logits ``[num_sampled, vocab_size]`` and the requests they are for."""
+    ) -> ModelOutput:
+        """Run one step: logits of the requests that sample, and of prompt-logprob positions."""
         model_input = self.prepare_input(output, block_ids)
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
         )
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        return logits, model_input.sampled_requests
+        num_sampled = len(model_input.sampled_requests)
+        prompt_logits, start = [], num_sampled
+        for span in model_input.prompt_spans:
+            prompt_logits.append((span, logits[start : start + span.num_positions]))
+            start += span.num_positions
+        return ModelOutput(logits[:num_sampled], model_input.sampled_requests, prompt_logits)
 
     def prepare_input(
         self, output: SchedulerOutput, block_ids: Callable[[str], list[int]]
@@ -80,7 +104,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         decode_rows, decode_tables, decode_lens = [], [], []
-        prefills, logits_indices, sampled = [], [], []
+        prefills, logits_indices, sampled, prompt_rows, prompt_spans = [], [], [], [], []
         for request, num_new in output.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             blocks = block_ids(request.request_id)
@@ -98,6 +122,10 @@ class ModelRunner:
             if end == request.num_tokens:
                 logits_indices.append(row + num_new - 1)
                 sampled.append(request)
+            span = _prompt_logits_span(request, start, end)
+            if span is not None:
+                prompt_rows.extend(range(row, row + span.num_positions))
+                prompt_spans.append(span)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_indices=torch.tensor(decode_rows, dtype=torch.long),
@@ -109,9 +137,20 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long),
             sampled_requests=sampled,
+            prompt_spans=prompt_spans,
         )
+
+
+def _prompt_logits_span(request: Request, start: int, end: int) -> PromptLogitsSpan | None:
+    """Positions in [start, end) that predict a prompt token, if the request wants logprobs."""
+    if request.params.prompt_logprobs is None:
+        return None
+    last = min(end, request.num_prompt_tokens - 1)  # the last prompt position predicts output
+    if last <= start:
+        return None
+    return PromptLogitsSpan(request, start, last - start)
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -44,11 +44,31 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     time_limit_s: float | None = None  # soft limit: ends with the output so far (TIME_LIMIT)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    n: int = 1  # parallel samples of the same prompt
+    logprobs: int | None = None  # top-N logprobs per output token (0: the sampled token only)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def validate(self) -> None:
         checks = [
@@ -66,10 +86,41 @@ class SamplingParams:
             ("stop", all(self.stop), "stop strings must not be empty"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
             ("time_limit_s", self.time_limit_s is None or self.time_limit_s > 0, "must be > 0"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "must be >= 0",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+                "must be >= 1",
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "must not be empty",
+            ),
+            ("bad_words", all(self.bad_words), "bad words must not be empty"),
         ]
         for name, ok, message in checks:
             if not ok:
                 raise InvalidRequestError(name, message)
+
+
+@dataclass
+class TokenLogprobs:
+    """The logprob and rank of one chosen token, and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
 
 
 @dataclass
@@ -89,11 +140,16 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # which of the request's n samples this is
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first output only; None first
 
     def merge(self, later: RequestOutput) -> None:
-        """Fold a later delta into this one (for a consumer that lags behind the engine)."""
+        """Fold a later delta of the same sample into this one (for a consumer that lags)."""
         self.text += later.text
         self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
         for name in (
             "finished",
             "finish_reason",
@@ -135,6 +191,9 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.bad_words_token_ids: list[list[int]] = []  # set by the engine from params.bad_words
+        self.output_counts: dict[int, int] = {}  # occurrences of each output token (penalties)
+        self.prompt_logprobs: list[TokenLogprobs | None] = []  # filled while the prompt is computed
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
 
@@ -157,3 +216,4 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1

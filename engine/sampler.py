@@ -6,57 +6,91 @@ the engine's seed), so a seeded request picks the same tokens alone or inside an
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from llmrpc.engine.request import Request
+from llmrpc.engine.logits_processors import NEG_INF, apply_logits_processors
+from llmrpc.engine.request import Request, TokenLogprobs
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per request, when it asked for them
 
 
 class Sampler:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}")
+        self.logprobs_mode = logprobs_mode
+
     def __call__(
         self,
-        logits: torch.Tensor,  # [num_requests, vocab_size] float32
+        logits: torch.Tensor,  # [num_requests, vocab_size] float32, modified in place
         requests: list[Request],
         generators: list[torch.Generator],
-    ) -> list[int]:
-        _mask_early_stops(logits, requests)
-        tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows)
-            probs = _probabilities(logits[rows], [requests[i] for i in sampled_rows])
-            for probs_row, i in zip(probs, sampled_rows, strict=True):
+    ) -> SamplerOutput:
+        wants_logprobs = any(r.params.logprobs is not None for r in requests)
+        raw = logits.clone() if wants_logprobs and self.logprobs_mode.startswith("raw") else None
+        apply_logits_processors(logits, requests)
+        processed = _processed_logits(logits, requests)
+        tokens = processed.argmax(dim=-1)
+        for i, request in enumerate(requests):
+            if not request.params.greedy:
                 # Exponential race: argmax(p / q), q ~ Exp(1), picks token t with probability p_t.
-                q = torch.empty_like(probs_row).exponential_(generator=generators[i])
-                tokens[i] = (probs_row / q).argmax()
-        return tokens.tolist()
+                probs = processed[i].softmax(dim=-1)
+                q = torch.empty_like(probs).exponential_(generator=generators[i])
+                tokens[i] = (probs / q).argmax()
+        token_ids = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if wants_logprobs:
+            values = self.logprob_values(raw if raw is not None else processed)
+            for i, request in enumerate(requests):
+                if request.params.logprobs is not None:
+                    logprobs[i] = token_logprobs(values[i], token_ids[i], request.params.logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def logprob_values(self, logits: torch.Tensor) -> torch.Tensor:
+        """What ``--logprobs-mode`` reports: log-softmax of the logits, or the logits."""
+        if self.logprobs_mode.endswith("logprobs"):
+            return logits.log_softmax(dim=-1)
+        return logits
 
 
-def _mask_early_stops(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Below ``min_tokens``, EOS and stop tokens cannot be picked."""
-    for i, request in enumerate(requests):
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            continue
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= request.eos_token_ids
-        if stops:
-            logits[i, sorted(stops)] = float("-inf")
+def token_logprobs(values: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """Logprob (or logit) and rank of ``token_id`` in ``values`` ``[vocab_size]``; the top N."""
+    chosen = values[token_id]
+    rank = int((values > chosen).sum()) + 1
+    top_values, top_ids = values.topk(num_top) if num_top else (values[:0], values[:0].long())
+    top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(chosen), rank, top)
 
 
-def _probabilities(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    temperature = torch.tensor([r.params.temperature for r in requests]).unsqueeze(1)
-    logits = logits / temperature
-    top_k = torch.tensor([r.params.top_k for r in requests])
-    top_p = torch.tensor([r.params.top_p for r in requests])
+def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to the rows that sample."""
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if not sampled:
+        return logits
+    rows = torch.tensor(sampled)
+    params = [requests[i].params for i in sampled]
+    scaled = logits[rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
     if bool((top_k > 0).any() or (top_p < 1).any()):
-        logits = _apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in requests]).unsqueeze(1)
-    if bool((min_p > 0).any()):
-        keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
-        probs = (probs * keep).div(probs.mul(keep).sum(-1, keepdim=True))
-    return probs  # [num_requests, vocab_size]
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
+        floor = torch.tensor([math.log(m) if m > 0 else NEG_INF for m in min_p]).unsqueeze(1)
+        scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + floor, NEG_INF)
+    logits = logits.clone()
+    logits[rows] = scaled
+    return logits
 
 
 def _apply_top_k_top_p(
@@ -66,9 +100,9 @@ def _apply_top_k_top_p(
     vocab_size = logits.shape[-1]
     ranks = torch.arange(vocab_size).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, NEG_INF)
     sorted_probs = sorted_logits.softmax(dim=-1)
     # Drop a token once the tokens before it already cover top_p; the first always stays.
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
+    return torch.full_like(logits, NEG_INF).scatter(-1, order, sorted_logits)

@@ -8,12 +8,12 @@ prompt otherwise), then waiting requests join under what is left of the step's t
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 
 from llmrpc.engine.config import SchedulerConfig
 from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.request import FinishReason, Request, RequestStatus
+from llmrpc.engine.request_queue import make_waiting_queue
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ class Scheduler:
         self.config = config
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
         self.requests[request.request_id] = request
 
     @property
@@ -53,51 +53,63 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        chunks = _ChunkRules(self.config)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, chunks)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, chunks)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, chunks) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            index += 1
+            num_new = chunks.num_new_tokens(request, request.num_computed_tokens, budget)
+            if not num_new:
+                continue
             while self.kv_manager.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()  # the newest running request
+                victim = self._preemption_victim()
+                self.running.remove(victim)
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
                     return budget
+                index = self.running.index(request) + 1
+            chunks.take(request, request.num_computed_tokens, num_new)
             output.scheduled.append((request, num_new))
             budget -= num_new
-            index += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, chunks) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             hits = self.kv_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.kv_manager.block_size
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_manager.allocate_slots(request, num_new, hits) is None:
+            num_new = chunks.num_new_tokens(request, num_hit_tokens, budget)
+            if not num_new or self.kv_manager.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            chunks.take(request, num_hit_tokens, num_new)
             output.scheduled.append((request, num_new))
             budget -= num_new
 
+    def _preemption_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":  # the least urgent, latest arrival
+            return max(self.running, key=lambda r: (r.params.priority, r.arrival_time))
+        return self.running[-1]  # the newest
+
     def _preempt(self, request: Request) -> None:
-        """Return a request to the front of the queue; it is recomputed from its tokens later."""
+        """Return a request to the queue; it is recomputed from its tokens later."""
         self.kv_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def update_from_output(
@@ -138,10 +150,53 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.kv_manager.free(request)
         del self.requests[request.request_id]
+
+
+class _ChunkRules:
+    """How many tokens a request may compute this step under the chunked-prefill settings.
+
+    A prompt that this step leaves part-computed is a partial prefill; at most
+    ``max_num_partial_prefills`` of them per step, of which ``max_long_partial_prefills`` may be
+    longer than ``long_prefill_token_threshold``, which also caps one request's chunk.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.num_partial = 0
+        self.num_long_partial = 0
+
+    def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        remaining = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        num_new = min(remaining, budget)
+        if threshold and remaining > 1:
+            num_new = min(num_new, threshold)
+        if num_new == remaining:
+            return num_new
+        if not self.config.enable_chunked_prefill:
+            return 0  # the whole prompt in one step, or not this step
+        if self.num_partial >= self.config.max_num_partial_prefills:
+            return 0
+        if (
+            self._is_long(remaining)
+            and self.num_long_partial >= self.config.max_long_partial_prefills
+        ):
+            return 0
+        return num_new
+
+    def take(self, request: Request, num_computed: int, num_new: int) -> None:
+        remaining = request.num_tokens - num_computed
+        if num_new < remaining:
+            self.num_partial += 1
+            self.num_long_partial += self._is_long(remaining)
+
+    def _is_long(self, remaining: int) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return bool(threshold) and remaining > threshold

@@ -7,6 +7,7 @@ from torch import nn
 
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,22 +17,26 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(hf_config) -> type[nn.Module]:
+def model_class(hf_config, model_impl: str = "auto") -> type[nn.Module]:
+    """``model_impl`` is ``--model-impl``: "vllm" (native), "transformers", or "auto" (either)."""
     architectures = getattr(hf_config, "architectures", None) or []
-    for name in architectures:
-        if name in NATIVE_MODELS:
-            return NATIVE_MODELS[name]
-    raise ValueError(
-        f"--model: architecture {architectures or '(none)'} is not supported; "
-        f"native implementations: {', '.join(sorted(NATIVE_MODELS))}"
-    )
+    native = next((NATIVE_MODELS[name] for name in architectures if name in NATIVE_MODELS), None)
+    if model_impl == "transformers" or (model_impl == "auto" and native is None):
+        TransformersForCausalLM.check_supported(hf_config)
+        return TransformersForCausalLM
+    if native is None:
+        raise ValueError(
+            f"--model-impl {model_impl}: architecture {architectures or '(none)'} has no native "
+            f"implementation ({', '.join(sorted(NATIVE_MODELS))}); use --model-impl transformers"
+        )
+    return native
 
 
-def build_model(hf_config, dtype, weights, seed: int = 0) -> nn.Module:
-    """The native model; ``weights`` None gives random weights (``--load-format dummy``)."""
+def build_model(hf_config, dtype, weights, seed: int = 0, model_impl: str = "auto") -> nn.Module:
+    """The model ``model_impl`` picks; ``weights`` None: random (``--load-format dummy``)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = model_class(hf_config)(hf_config)
+        model = model_class(hf_config, model_impl)(hf_config)
     if weights is not None:
         model.load_weights(weights)
     return model.to(dtype).eval().requires_grad_(False)

@@ -65,7 +65,7 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
         SamplingParams(temperature=1.0, top_p=1e-6),
         SamplingParams(temperature=1.0, min_p=1.0),
     ]
-    tokens = Sampler()(logits.clone(), _requests(*params), _generators(4))
+    tokens = Sampler()(logits.clone(), _requests(*params), _generators(4)).token_ids
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -76,7 +76,7 @@ def test_sampled_frequencies_follow_the_distribution():
     counts = torch.zeros(3)
     sampler = Sampler()
     for _ in range(4000):
-        token = sampler(probs.log().unsqueeze(0), request, [generator])[0]
+        token = sampler(probs.log().unsqueeze(0), request, [generator]).token_ids[0]
         counts[token] += 1
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
 
@@ -87,8 +87,8 @@ def test_top_k_and_top_p_exclude_the_tail():
     top_k = _requests(SamplingParams(temperature=1.0, top_k=2))
     top_p = _requests(SamplingParams(temperature=1.0, top_p=0.5))
     gen = torch.Generator().manual_seed(3)
-    seen_k = {sampler(logits.clone(), top_k, [gen])[0] for _ in range(300)}
-    seen_p = {sampler(logits.clone(), top_p, [gen])[0] for _ in range(300)}
+    seen_k = {sampler(logits.clone(), top_k, [gen]).token_ids[0] for _ in range(300)}
+    seen_p = {sampler(logits.clone(), top_p, [gen]).token_ids[0] for _ in range(300)}
     assert seen_k == {0, 1}
     # Softmax of the logits is [0.64, 0.24, ...]: the first token alone covers 0.5.
     assert seen_p == {0}
@@ -98,6 +98,6 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     logits = torch.tensor([[0.0, 0.0, 10.0, 9.0, 1.0]])  # EOS (2) then stop token 3 lead
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])
     request = _requests(params)
-    assert Sampler()(logits.clone(), request, _generators(1)) == [4]
+    assert Sampler()(logits.clone(), request, _generators(1)).token_ids == [4]
     request[0].output_token_ids = [4, 4]
-    assert Sampler()(logits.clone(), request, _generators(1)) == [2]
+    assert Sampler()(logits.clone(), request, _generators(1)).token_ids == [2]

@@ -101,12 +101,12 @@ def test_eos_ends_generation_without_text_unless_ignored(core):
     prompt = core.tokenizer.encode("Hello")
     free = run_to_completion(core, {"free": (prompt, _greedy(8))})["free"]
     eos_like = free.token_ids[2]
-    real_eos = core.eos_token_ids
-    core.eos_token_ids = frozenset({eos_like})  # pretend that token is the model's EOS
+    real_eos = core.input_processor.eos_token_ids
+    core.input_processor.eos_token_ids = frozenset({eos_like})  # pretend it is the model's EOS
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8)
         out = run_to_completion(core, {"e": (prompt, params)})["e"]
     finally:
-        core.eos_token_ids = real_eos
+        core.input_processor.eos_token_ids = real_eos
     assert out.finish_reason is FinishReason.EOS and out.stop_reason == eos_like
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos_like) + 1]

@@ -1,0 +1,91 @@
+"""Turns an incoming request into engine ``Request`` objects: checks, truncation, n samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from llmrpc.engine.request import InvalidRequestError, Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int  # -1: unlimited
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """Internal ids of the n samples of one request (the request's own id when n is 1)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+class InputProcessor:
+    def __init__(self, limits: InputLimits, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def make_requests(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> list[Request]:
+        """One ``Request`` per sample; raises ``InvalidRequestError`` naming a wrong field."""
+        params.validate()
+        if params.truncate_prompt_tokens is not None:
+            prompt = prompt[-params.truncate_prompt_tokens :]
+        self._check_prompt(prompt)
+        self._check_params(prompt, params)
+        bad_words = self._tokenize_bad_words(params.bad_words)
+        now = time.monotonic()
+        requests = []
+        for child_id in child_request_ids(request_id, params.n):
+            request = Request(child_id, prompt, params, self.eos_token_ids, now)
+            request.bad_words_token_ids = bad_words
+            requests.append(request)
+        return requests
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        limits = self.limits
+        if not prompt:
+            raise InvalidRequestError("input", "the prompt is empty")
+        if any(not 0 <= t < limits.vocab_size for t in prompt):
+            raise InvalidRequestError("input", f"token ids must be in [0, {limits.vocab_size})")
+        if len(prompt) >= limits.max_model_len:
+            raise InvalidRequestError(
+                "input",
+                f"the prompt has {len(prompt)} tokens; the model's context length is "
+                f"{limits.max_model_len}, which leaves no room for output",
+            )
+
+    def _check_params(self, prompt: list[int], params: SamplingParams) -> None:
+        limits = self.limits
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > limits.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"{params.max_tokens} output tokens after a {len(prompt)}-token prompt exceed "
+                f"the model's context length of {limits.max_model_len}",
+            )
+        token_lists = {
+            "stop_token_ids": params.stop_token_ids,
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "logit_bias": list(params.logit_bias),
+        }
+        for name, token_ids in token_lists.items():
+            if any(not 0 <= t < limits.vocab_size for t in token_ids):
+                raise InvalidRequestError(name, f"token ids must be in [0, {limits.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and 0 <= limits.max_logprobs < value:
+                raise InvalidRequestError(
+                    name, f"at most {limits.max_logprobs} (the server's --max-logprobs)"
+                )
+
+    def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as it reads alone and after a space (tokenizers tell them apart)."""
+        token_ids = []
+        for word in bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in token_ids:
+                    token_ids.append(ids)
+        return token_ids
