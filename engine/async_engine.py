@@ -150,7 +150,8 @@ class AsyncEngine:
 
     async def warmup(self) -> None:
         """Run one short request end to end, so the first user request pays no start-up cost."""
-        prompt = self.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+        tokenizer = self.tokenizer
+        prompt = (tokenizer.encode("Hello", add_special_tokens=False) if tokenizer else []) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         async for _ in self.generate(f"llmrpc-warmup-{uuid.uuid4().hex}", prompt, params):
             pass

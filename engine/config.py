@@ -26,6 +26,12 @@ class ModelConfig:
     enable_sleep_mode: bool = False
     max_logprobs: int = 20  # -1: no limit
     logprobs_mode: str = "raw_logprobs"
+    hf_overrides: dict = field(default_factory=dict)  # set on the model's config after loading
+    rope_scaling: dict | None = None
+    rope_theta: float | None = None
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    override_generation_config: dict = field(default_factory=dict)
+    skip_tokenizer_init: bool = False  # token ids in, token ids out
     model_impl: str = "auto"  # auto: native when the architecture has one, else Transformers
 
     def __post_init__(self) -> None:
@@ -51,6 +57,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 4.0  # host memory for the KV cache when no GPU is used
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "builtin"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from llmrpc.engine import loader
-from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.config import EngineConfig, ModelConfig
+from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.metrics import RateMeter
 from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.models import build_model
+from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.output_processor import OutputProcessor
 from llmrpc.engine.request import (
     FinishReason,
@@ -51,6 +53,7 @@ class ModelInfo:
     dtype: str
     block_size: int
     num_kv_blocks: int
+    sampling_defaults: dict  # SamplingParams field -> server default (generation config)
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,22 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
 def eos_token_ids_of(hf_config, tokenizer) -> frozenset[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def apply_config_overrides(hf_config, model_config: ModelConfig):
+    """``--hf-overrides``, ``--rope-scaling`` and ``--rope-theta`` on the model's own config."""
+    for key, value in model_config.hf_overrides.items():
+        setattr(hf_config, key, value)
+    if model_config.rope_scaling is not None or model_config.rope_theta is not None:
+        params = rope_parameters(hf_config)
+        params.update(model_config.rope_scaling or {})
+        if model_config.rope_theta is not None:
+            params["rope_theta"] = model_config.rope_theta
+        hf_config.rope_parameters = params
+    return hf_config
 
 
 class EngineCore:
@@ -105,8 +121,17 @@ class EngineCore:
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
         self.model_dir = loader.resolve_model_dir(model_config.model)
-        self.hf_config = loader.load_hf_config(self.model_dir)
-        self.tokenizer = loader.load_tokenizer(model_config.tokenizer or self.model_dir)
+        self.hf_config = apply_config_overrides(loader.load_hf_config(self.model_dir), model_config)
+        self.tokenizer = (
+            None
+            if model_config.skip_tokenizer_init
+            else loader.load_tokenizer(model_config.tokenizer or self.model_dir)
+        )
+        self.sampling_defaults = sampling_defaults(
+            model_config.generation_config,
+            self.model_dir,
+            model_config.override_generation_config,
+        )
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
         self.model = self._load_model()
@@ -116,6 +141,16 @@ class EngineCore:
             * 2**30
             // kv_bytes_per_block(self.hf_config, block_size, self.dtype)
         )
+        scheduler_config = config.scheduler
+        if (
+            not scheduler_config.enable_chunked_prefill
+            and scheduler_config.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"--max-num-batched-tokens {scheduler_config.max_num_batched_tokens} is smaller "
+                f"than --max-model-len {self.max_model_len}: without chunked prefill a whole "
+                "prompt must fit in one step"
+            )
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
@@ -123,7 +158,12 @@ class EngineCore:
                 "more room (--kv-cache-memory, --num-gpu-blocks-override)"
             )
         self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
-        self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.prefix_caching_hash_algo,
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.sampler = Sampler(model_config.logprobs_mode)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
@@ -138,6 +178,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer, model_config.seed)
         self._generation_rate = RateMeter()
         self._prompt_rate = RateMeter()
+        # The fastest pace seen: an optimistic estimate, so no request is dropped that might
+        # still have made its deadline.
+        self._peak_tokens_per_second = 0.0
         self.sleep_level = 0  # 0: awake; 1: KV cache dropped; 2: weights dropped too
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
@@ -155,8 +198,11 @@ class EngineCore:
             max_model_len=self.max_model_len,
             vocab_size=self.hf_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            bos_token_id=self.tokenizer.bos_token_id,
+            bos_token_id=getattr(self.tokenizer, "bos_token_id", None)
+            if self.tokenizer is not None
+            else getattr(self.hf_config, "bos_token_id", None),
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            sampling_defaults=dict(self.sampling_defaults),
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.kv_manager.block_size,
             num_kv_blocks=self.kv_manager.num_blocks,
@@ -207,9 +253,11 @@ class EngineCore:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        dropped = self._drop_hopeless_waiting(started)
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return dropped
         self._prompt_rate.add(
             sum(
                 max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
@@ -226,7 +274,26 @@ class EngineCore:
         logprobs = dict(zip((r.request_id for r in requests), sampled.logprobs, strict=True))
         updated = self.scheduler.update_from_output(scheduled, tokens)
         outputs = [self._process_new_token(r, logprobs[r.request_id]) for r in updated]
-        return outputs + self._end_expired_requests()
+        elapsed = max(time.monotonic() - started, 1e-6)
+        pace = scheduled.num_scheduled_tokens / elapsed
+        self._peak_tokens_per_second = max(self._peak_tokens_per_second, pace)
+        return dropped + outputs + self._end_expired_requests()
+
+    def _drop_hopeless_waiting(self, now: float) -> list[RequestOutput]:
+        """Drop queued requests that cannot start before their deadline at the recent pace."""
+        pace = self._peak_tokens_per_second
+        if not pace:
+            return []
+        outputs, tokens_ahead = [], 0
+        for request in list(self.scheduler.waiting):
+            deadline = request.params.deadline
+            tokens = request.num_tokens - request.num_computed_tokens
+            if deadline is not None and now + (tokens_ahead + tokens) / pace > deadline:
+                self.scheduler.finish_request(request, FinishReason.DEADLINE)
+                outputs.append(self.output_processor.make_output(request, []))
+            else:
+                tokens_ahead += tokens
+        return outputs
 
     def _record_prompt_logprobs(self, prompt_logits) -> None:
         for span, logits in prompt_logits:

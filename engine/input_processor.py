@@ -31,6 +31,12 @@ class InputProcessor:
     ) -> list[Request]:
         """One ``Request`` per sample; raises ``InvalidRequestError`` naming a wrong field."""
         params.validate()
+        if self.tokenizer is None:
+            for name in ("stop", "bad_words"):
+                if getattr(params, name):
+                    raise InvalidRequestError(
+                        name, "needs a tokenizer; this server runs with --skip-tokenizer-init"
+                    )
         if params.truncate_prompt_tokens is not None:
             prompt = prompt[-params.truncate_prompt_tokens :]
         self._check_prompt(prompt)

@@ -7,7 +7,11 @@ hashes mean equal prefixes; the block's own tokens are kept and checked on every
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections.abc import Iterable, Sequence
+
+import cbor2
 
 from llmrpc.engine.request import Request
 
@@ -18,7 +22,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None  # set once the block is full and cached
+        self.block_hash: BlockHash | None = None  # set once the block is full and cached
         self.token_ids: tuple[int, ...] = ()
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
@@ -74,9 +78,30 @@ class FreeBlockQueue:
         return ids
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+BlockHash = int | bytes
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> int:
     """Chained block hash: equal hashes mean equal token prefixes (up to hash collisions)."""
     return hash((parent_hash, token_ids))
+
+
+def sha256_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> bytes:
+    """The same chain with SHA-256 over a pickle: collision-resistant, slower."""
+    return hashlib.sha256(pickle.dumps((parent_hash, token_ids), protocol=5)).digest()
+
+
+def sha256_cbor_64bit_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> int:
+    """SHA-256 over canonical CBOR, cut to 64 bits: reproducible by other languages."""
+    encoded = cbor2.dumps((parent_hash, list(token_ids)), canonical=True)
+    return int.from_bytes(hashlib.sha256(encoded).digest()[:8], "big")
+
+
+BLOCK_HASHERS = {
+    "builtin": hash_block,
+    "sha256": sha256_block,
+    "sha256_cbor_64bit": sha256_cbor_64bit_block,
+}
 
 
 class BlockPool:
@@ -84,7 +109,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -105,7 +130,7 @@ class BlockPool:
             new_blocks.append(block)
         return new_blocks
 
-    def get_cached_block(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != token_ids:
             return None
@@ -124,7 +149,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache_block(
+        self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]
+    ) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:  # same content computed twice: keep the first copy
@@ -151,7 +178,18 @@ class BlockPool:
 class KVCacheManager:
     """Gives each request the blocks it needs, prefix-cache hits first."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_algo: str = "builtin",
+    ) -> None:
+        if hash_algo not in BLOCK_HASHERS:
+            raise ValueError(
+                f"--prefix-caching-hash-algo must be one of {', '.join(BLOCK_HASHERS)}"
+            )
+        self.hash_block = BLOCK_HASHERS[hash_algo]
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -181,7 +219,7 @@ class KVCacheManager:
             index = len(request.block_hashes)
             parent = request.block_hashes[-1] if index else None
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
-            request.block_hashes.append(hash_block(parent, tokens))
+            request.block_hashes.append(self.hash_block(parent, tokens))
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached full blocks at the start of the request's tokens.

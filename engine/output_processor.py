@@ -15,7 +15,7 @@ from llmrpc.engine.request import Request, RequestOutput, TokenLogprobs
 class _Tracked:
     parent_id: str
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: no tokenizer (--skip-tokenizer-init)
     generator: torch.Generator
     deadline: float | None
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -39,13 +39,15 @@ class OutputProcessor:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         limit = params.time_limit_s
         for index, request in enumerate(requests):
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
-            )
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
             generator = torch.Generator().manual_seed(sample_seed(seed, index))
             deadline = None if limit is None else request.arrival_time + limit
             self._tracked[request.request_id] = _Tracked(
@@ -66,7 +68,7 @@ class OutputProcessor:
         tracked = self._tracked[request.request_id]
         if logprobs is not None:
             tracked.pending_logprobs.append(logprobs)
-        if not render:
+        if not render or tracked.detokenizer is None:
             return None
         return tracked.detokenizer.add_token(request.output_token_ids[-1])
 
@@ -82,7 +84,7 @@ class OutputProcessor:
             self._forget(request.request_id, tracked.parent_id)
         return RequestOutput(
             request_id=tracked.parent_id,
-            text=tracked.detokenizer.take_delta(finished),
+            text=tracked.detokenizer.take_delta(finished) if tracked.detokenizer else "",
             token_ids=new_token_ids,
             finished=finished,
             finish_reason=request.finish_reason,

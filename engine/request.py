@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"  # one of stop_token_ids
     EOS = "eos"
     ABORT = "abort"
+    DEADLINE = "deadline"  # dropped while queued: the caller's deadline could not be met
     TIME_LIMIT = "time_limit"
     ERROR = "error"
 
@@ -57,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    deadline: float | None = None  # time.monotonic() when the caller stops waiting
 
     @property
     def greedy(self) -> bool:
@@ -190,7 +192,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.block_hashes: list = []  # chained hashes of the full blocks of all_token_ids
         self.bad_words_token_ids: list[list[int]] = []  # set by the engine from params.bad_words
         self.output_counts: dict[int, int] = {}  # occurrences of each output token (penalties)
         self.prompt_logprobs: list[TokenLogprobs | None] = []  # filled while the prompt is computed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmrpc.engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
 from llmrpc.engine.request import Request, SamplingParams
 
@@ -49,8 +51,9 @@ def test_new_request_gets_fresh_blocks_in_order():
     assert manager.block_ids("a") == [0, 1, 2, 3]
 
 
-def test_shared_prefix_reuses_full_blocks_and_counts_references():
-    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+@pytest.mark.parametrize("hash_algo", ["builtin", "sha256", "sha256_cbor_64bit"])
+def test_shared_prefix_reuses_full_blocks_and_counts_references(hash_algo):
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK, hash_algo=hash_algo)
     a = make_request("a", list(range(10)))  # blocks 0, 1 full; 2 partial
     schedule_all(manager, a)
     b = make_request("b", list(range(8)) + [50, 51, 52])
@@ -114,3 +117,23 @@ def test_reset_prefix_cache_only_when_idle():
     manager.free(request)
     assert manager.reset_prefix_cache()
     assert manager.get_computed_blocks(make_request("b", list(range(8)))) == []
+
+
+def test_hash_algorithms_chain_and_differ_in_kind():
+    hashes = {}
+    for algo in ("builtin", "sha256", "sha256_cbor_64bit"):
+        manager = KVCacheManager(num_blocks=4, block_size=BLOCK, hash_algo=algo)
+        request = make_request("a", list(range(8)))
+        manager.update_block_hashes(request)
+        other = make_request("b", [99] + list(range(1, 8)))  # differs in the first block only
+        manager.update_block_hashes(other)
+        assert request.block_hashes[0] != other.block_hashes[0]
+        assert request.block_hashes[1] != other.block_hashes[1]  # the chain carries the change
+        hashes[algo] = request.block_hashes
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in hashes["sha256"])
+    assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes["sha256_cbor_64bit"])
+
+
+def test_unknown_hash_algorithm_names_the_flag():
+    with pytest.raises(ValueError, match="--prefix-caching-hash-algo"):
+        KVCacheManager(num_blocks=4, block_size=BLOCK, hash_algo="md5")

@@ -1,0 +1,49 @@
+"""Server-wide sampling defaults: generation_config.json and --override-generation-config.
+
+``--generation-config auto`` reads the model folder's file, ``vllm`` ignores it (the built-in
+defaults apply), and any other value names a folder holding one. Only the keys below carry over;
+``max_new_tokens`` becomes the default ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# generation_config.json key -> SamplingParams field
+_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(
+    mode: str, model_dir: Path, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """SamplingParams field -> server default, for the fields a request leaves unset."""
+    defaults: dict[str, Any] = {}
+    if mode != "vllm":
+        folder = model_dir if mode == "auto" else Path(mode)
+        defaults.update(_read(folder / "generation_config.json", required=mode != "auto"))
+    for key, value in (overrides or {}).items():
+        if key not in _KEYS:
+            raise ValueError(
+                f"--override-generation-config: unknown key {key!r} "
+                f"(known: {', '.join(sorted(_KEYS))})"
+            )
+        defaults[_KEYS[key]] = value
+    return defaults
+
+
+def _read(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ValueError(f"--generation-config: no generation_config.json in {path.parent}")
+        return {}
+    content = json.loads(path.read_text())
+    return {_KEYS[key]: content[key] for key in _KEYS if content.get(key) is not None}
