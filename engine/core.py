@@ -252,6 +252,7 @@ class EngineCore:
                 outputs.append(self.output_processor.make_output(request, []))
         return outputs
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         started = time.monotonic()
         dropped = self._drop_hopeless_waiting(started)

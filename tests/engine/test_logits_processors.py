@@ -92,3 +92,25 @@ def test_allowed_token_ids_mask_every_other_token():
     ours = _ours(SamplingParams(allowed_token_ids=[4, 8]), logits)
     assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [4, 8]
     assert torch.equal(ours[0, [4, 8]], logits[0, [4, 8]])
+
+
+def test_every_rule_runs_inside_a_real_engine_step(tiny_llama_dir):
+    from engine_utils import make_core, run_to_completion
+
+    core = make_core(tiny_llama_dir)
+    params = SamplingParams(
+        temperature=0.8,
+        seed=1,
+        max_tokens=6,
+        min_tokens=3,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={100: 2.0},
+        allowed_token_ids=list(range(100, 200)),
+        bad_words=["hello"],
+        logprobs=2,
+    )
+    out = run_to_completion(core, {"all": (core.tokenizer.encode("Hi"), params)})["all"]
+    assert len(out.token_ids) == 6
+    assert all(100 <= t < 200 for t in out.token_ids)
