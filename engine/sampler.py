@@ -40,12 +40,10 @@ class Sampler:
         apply_logits_processors(logits, requests)
         processed = _processed_logits(logits, requests)
         tokens = processed.argmax(dim=-1)
-        for i, request in enumerate(requests):
-            if not request.params.greedy:
-                # Exponential race: argmax(p / q), q ~ Exp(1), picks token t with probability p_t.
-                probs = processed[i].softmax(dim=-1)
-                q = torch.empty_like(probs).exponential_(generator=generators[i])
-                tokens[i] = (probs / q).argmax()
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampled:
+            rows = torch.tensor(sampled)
+            tokens[rows] = _draw(processed[rows], [generators[i] for i in sampled])
         token_ids = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if wants_logprobs:
@@ -71,14 +69,26 @@ def token_logprobs(values: torch.Tensor, token_id: int, num_top: int) -> TokenLo
     return TokenLogprobs(token_id, float(chosen), rank, top)
 
 
+def _draw(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row by inverse transform: the first whose cumulative probability passes a
+    uniform draw from the row's own generator. Tokens of probability 0 are never picked."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, vocab_size]
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp_(max=logits.shape[-1] - 1)
+
+
 def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to the rows that sample."""
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return logits
+    every_row = len(sampled) == len(requests)
     rows = torch.tensor(sampled)
     params = [requests[i].params for i in sampled]
-    scaled = logits[rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    scaled = (logits if every_row else logits[rows]) / torch.tensor(
+        [p.temperature for p in params]
+    ).unsqueeze(1)
     top_k = torch.tensor([p.top_k for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     if bool((top_k > 0).any() or (top_p < 1).any()):
@@ -88,6 +98,8 @@ def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Te
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
         floor = torch.tensor([math.log(m) if m > 0 else NEG_INF for m in min_p]).unsqueeze(1)
         scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + floor, NEG_INF)
+    if every_row:
+        return scaled
     logits = logits.clone()
     logits[rows] = scaled
     return logits
