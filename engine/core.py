@@ -116,6 +116,31 @@ def apply_config_overrides(hf_config, model_config: ModelConfig):
     return hf_config
 
 
+def num_kv_blocks(cache_config, hf_config, dtype: torch.dtype) -> int:
+    if cache_config.num_gpu_blocks_override:
+        return cache_config.num_gpu_blocks_override
+    block_bytes = kv_bytes_per_block(hf_config, cache_config.block_size, dtype)
+    return int(cache_config.kv_cache_memory_gib * 2**30 // block_bytes)
+
+
+def check_capacity(config: EngineConfig, max_model_len: int, num_blocks: int) -> None:
+    """One sequence of max_model_len must fit the KV cache, and one step without chunking."""
+    scheduler = config.scheduler
+    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"--max-num-batched-tokens {scheduler.max_num_batched_tokens} is smaller than "
+            f"--max-model-len {max_model_len}: without chunked prefill a whole prompt must fit "
+            "in one step"
+        )
+    num_tokens = num_blocks * config.cache.block_size
+    if num_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_tokens} tokens, less than one sequence of "
+            f"--max-model-len {max_model_len}: lower --max-model-len or give the cache more "
+            "room (--kv-cache-memory, --num-gpu-blocks-override)"
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         model_config, cache_config = config.model, config.cache
@@ -134,29 +159,10 @@ class EngineCore:
         )
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
-        self.model = self._load_model()
         block_size = cache_config.block_size
-        num_blocks = cache_config.num_gpu_blocks_override or int(
-            cache_config.kv_cache_memory_gib
-            * 2**30
-            // kv_bytes_per_block(self.hf_config, block_size, self.dtype)
-        )
-        scheduler_config = config.scheduler
-        if (
-            not scheduler_config.enable_chunked_prefill
-            and scheduler_config.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                f"--max-num-batched-tokens {scheduler_config.max_num_batched_tokens} is smaller "
-                f"than --max-model-len {self.max_model_len}: without chunked prefill a whole "
-                "prompt must fit in one step"
-            )
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
-                f"--max-model-len {self.max_model_len}: lower --max-model-len or give the cache "
-                "more room (--kv-cache-memory, --num-gpu-blocks-override)"
-            )
+        num_blocks = num_kv_blocks(cache_config, self.hf_config, self.dtype)
+        check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
+        self.model = self._load_model()
         self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
         self.kv_manager = KVCacheManager(
             num_blocks,
