@@ -1,51 +1,68 @@
-"""Building and running the grpc.aio server: v1 services, health, reflection, graceful stop.
+"""Building and running the grpc.aio server: v1 services, health, reflection, drain and stop.
 
 The port is bound first and health says NOT_SERVING while the model loads and warms up, so
 probes and ``grpcurl list`` work at once; health turns SERVING once the engine has served a
-warm-up request, and NOT_SERVING for good when the server stops or the engine dies.
+warm-up request. On SIGTERM health turns NOT_SERVING at once; calls are still served for the
+drain delay (load balancers stop routing here meanwhile), then the server stops: calls in
+flight get the shutdown grace to finish, new ones get UNAVAILABLE. If the engine dies, health
+turns NOT_SERVING and ``serve`` returns 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmrpc.engine.async_engine import AsyncEngine
 from llmrpc.engine.config import EngineConfig
-from llmrpc.server.servicers import SERVICE_NAMES, ServerState, add_services
-from llmrpc.server.settings import FrontendConfig, effective_config, grpc_bind_address
+from llmrpc.server.admin import AdminServicer
+from llmrpc.server.health import HEALTH_SERVICE_NAME, Health
+from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, RequestContextInterceptor
+from llmrpc.server.limits import AdmissionControl, channel_options
+from llmrpc.server.logs import install_request_id_records, log_stats_forever
+from llmrpc.server.options import effective_config
+from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
+from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
+from llmrpc.server.state import SERVICE_NAMES, ServerState
+from llmrpc.server.tls import server_credentials
+from llmrpc.v1 import admin_pb2_grpc, generation_pb2_grpc, tokenization_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 10.0  # in-flight calls get this long to finish on SIGTERM
-HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-_SERVER_OPTIONS = (
-    # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind silently
-    # and steal half the connections. Fail loudly instead.
-    ("grpc.so_reuseport", 0),
-)
-
-
-class BindError(RuntimeError):
-    """The gRPC port could not be bound (in use, or a bad address)."""
+# Health and reflection answer without an API key: probes and `grpcurl list` need none.
+OPEN_SERVICES = (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
 
 
 class RunningServer:
     """A started gRPC server and, once loaded, its engine."""
 
-    def __init__(self, server: grpc.aio.Server, state: ServerState, port: int, host: str) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        state: ServerState,
+        health: Health,
+        calls: CallsInFlight,
+        port: int,
+        host: str,
+    ) -> None:
         self.server = server
         self.state = state
+        self.health = health
+        self.calls = calls
         self.port = port
         self.host = host
-        self.health = health.aio.HealthServicer()
+        self.health_server: grpc.aio.Server | None = None  # the plaintext health-only port
+        self.health_port: int | None = None
         self.engine_failure: BaseException | None = None
         self.engine_died = asyncio.Event()
+        self._stats_task: asyncio.Task | None = None
+        self._hurry = asyncio.Event()
         self._stopped = False
 
     @property
@@ -58,25 +75,19 @@ class RunningServer:
         host = self.host if self.host not in ("", "[::]", "0.0.0.0") else "localhost"
         return f"{host}:{self.port}"
 
-    async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for service in ("", *SERVICE_NAMES):
-            await self.health.set(service, status)
-
     async def load(self, engine_config: EngineConfig, frontend: FrontendConfig) -> None:
         """Load the model, warm it up, then report SERVING."""
         engine = await AsyncEngine.create(engine_config)
         self.state.engine = engine
         engine.on_dead.append(self._on_engine_dead)
-        self.state.effective_config.update(
-            effective_config(engine_config, frontend, self.port, engine.model_info)
-        )
+        if frontend.chat_template is not None:
+            engine.tokenizer.chat_template = read_chat_template(frontend.chat_template)
+        self.state.effective_config.update(_engine_facts(engine.model_info))
         await engine.warmup()
-        await self.set_serving(True)
+        if not frontend.logs.disable_log_stats:
+            interval = frontend.logs.stats_interval_s
+            self._stats_task = asyncio.create_task(log_stats_forever(engine, interval))
+        await self.health.set_serving(True)
         names = ", ".join(engine.model_info.served_model_names)
         logger.info("serving %s on gRPC port %d", names, self.port)
 
@@ -84,56 +95,154 @@ class RunningServer:
         logger.error("the engine died; the server stops: %r", error)
         self.engine_failure = error
         self.engine_died.set()
-        asyncio.get_running_loop().create_task(self.health.enter_graceful_shutdown())
+        asyncio.get_running_loop().create_task(self.health.shut_down())
 
-    async def stop(self, grace: float | None = SHUTDOWN_GRACE_S) -> None:
-        """Health NOT_SERVING, let in-flight calls finish for ``grace`` seconds, stop the engine."""
+    async def stop(self, grace: float | None = 0, drain_delay: float = 0.0) -> None:
+        """NOT_SERVING at once; serve on for ``drain_delay`` seconds; then let calls in flight
+        finish for ``grace`` seconds (None: as long as they take) while refusing new ones."""
         if self._stopped:
             return
         self._stopped = True
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await self.health.shut_down()
+        await self._drain(drain_delay)
+        await self._stop_serving(grace)
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self.state.engine is not None:
             await self.state.engine.shutdown()
         logger.info("server stopped")
 
+    async def _drain(self, delay: float) -> None:
+        if delay > 0:
+            logger.info("draining for %.1f s: health is NOT_SERVING, calls are still served", delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._hurry.wait(), delay)
 
-async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> RunningServer:
-    """Start a gRPC server on ``frontend``'s address with every service; NOT_SERVING for now."""
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
-    state = ServerState(extra_services=(HEALTH_SERVICE_NAME, reflection.SERVICE_NAME))
-    add_services(server, state)
+    async def _stop_serving(self, grace: float | None) -> None:
+        logger.info("stopping: calls in flight get %s s to finish, new calls are refused", grace)
+        # One stop call only: concurrent stop calls race inside grpc.aio (a crash, seen).
+        stopping = asyncio.create_task(self.server.stop(grace))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.calls.wait_idle(), grace)
+        self.health.end_watches()
+        await stopping
+        if self.health_server is not None:
+            await self.health_server.stop(None)
+
+    def hurry(self) -> None:
+        """End the drain delay and the calls in flight at once (a second SIGTERM)."""
+        self._hurry.set()
+        self.calls.cut_all()
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the value itself if it looks like a template."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
+
+
+def _engine_facts(model_info) -> dict[str, str]:
+    """Values the engine resolved while loading, for GetServerInfo's configuration."""
+    return {
+        "served_model_name": ",".join(model_info.served_model_names),
+        "dtype": model_info.dtype,
+        "max_model_len": str(model_info.max_model_len),
+        "num_kv_blocks": str(model_info.num_kv_blocks),
+    }
+
+
+def _new_server(frontend: FrontendConfig, calls: CallsInFlight) -> grpc.aio.Server:
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        RequestContextInterceptor(SERVICE_NAMES, calls)
+    ]
+    if frontend.api_key:
+        interceptors.insert(0, ApiKeyInterceptor(frontend.api_key, OPEN_SERVICES))
+    return grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
+
+
+def _add_services(server: grpc.aio.Server, state: ServerState, health: Health) -> None:
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(state), server)
+    tokenization_pb2_grpc.add_TokenizationServiceServicer_to_server(
+        TokenizationServicer(state), server
+    )
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(state), server)
+    health.add_to(server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, *OPEN_SERVICES), server)
+
+
+def _add_port(server: grpc.aio.Server, frontend: FrontendConfig) -> int:
     address = grpc_bind_address(frontend.host, frontend.grpc_port)
     try:
-        port = server.add_insecure_port(address)
+        if frontend.tls.enabled:
+            return server.add_secure_port(address, server_credentials(frontend.tls))
+        return server.add_insecure_port(address)
     except RuntimeError as error:
         raise BindError(
             f"--grpc-port {frontend.grpc_port}: cannot listen on {address}: the port is in use "
             "or the address is not one of this machine's"
         ) from error
-    running = RunningServer(server, state, port, frontend.host or "[::]")
-    health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
+
+
+def _warn_if_open(frontend: FrontendConfig) -> None:
+    if not frontend.api_key and not frontend.tls.enabled:
+        logger.warning(
+            "no --api-key and no TLS: any client that can reach this port can use the server, "
+            "in plaintext"
+        )
+
+
+async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> RunningServer:
+    """Start a gRPC server on ``frontend``'s address with every service; NOT_SERVING for now.
+
+    Raises BindError if a port cannot be bound, ValueError naming the flag for bad TLS files.
+    """
+    install_request_id_records()
+    state = ServerState(
+        tls=frontend.tls.enabled,
+        auth_required=bool(frontend.api_key),
+        extra_services=OPEN_SERVICES,
+        logs=frontend.logs,
+        admission=AdmissionControl(frontend.limits.max_waiting_requests),
     )
-    state.effective_config.update(effective_config(engine_config, frontend, port))
-    await running.set_serving(False)
+    health = Health(SERVICE_NAMES)
+    calls = CallsInFlight()
+    server = _new_server(frontend, calls)
+    _add_services(server, state, health)
+    port = _add_port(server, frontend)
+    running = RunningServer(server, state, health, calls, port, frontend.host or "[::]")
+    state.effective_config.update(effective_config(engine_config, frontend), grpc_port=str(port))
+    await health.set_serving(False)
     await server.start()
+    scheme = "TLS" if frontend.tls.enabled else "plaintext"
     logger.info(
-        "gRPC server listening on %s (not serving until the model is ready)",
+        "gRPC server listening on %s (%s; not serving until the model is ready)",
         grpc_bind_address(frontend.host, port),
+        scheme,
     )
+    if frontend.health_port is not None:
+        running.health_server, running.health_port = await health.start_plaintext_port(
+            frontend.host, frontend.health_port
+        )
+    _warn_if_open(frontend)
     return running
 
 
 async def start_server(
-    engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0
+    engine_config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    frontend: FrontendConfig | None = None,
 ) -> RunningServer:
     """Start a server and load its model; returns once health says SERVING (for tests, embedding).
 
-    ``port`` 0 lets the OS choose; read the port chosen from ``RunningServer.port``.
+    ``port`` 0 lets the OS choose; read the port chosen from ``RunningServer.port``. A
+    ``frontend`` replaces ``host`` and ``port``.
     """
-    frontend = FrontendConfig(host=host, grpc_port=port)
+    frontend = frontend or FrontendConfig(host=host, grpc_port=port)
     running = await bind_server(engine_config, frontend)
     try:
         await running.load(engine_config, frontend)
@@ -160,7 +269,8 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
         for task in (load, *waits):
             task.cancel()
         await asyncio.wait([load, *waits])  # never raises: outcomes are read below
-        await running.stop()
+        drain = frontend.drain_delay_s if running.engine_failure is None else 0.0
+        await running.stop(frontend.shutdown_grace_s, drain_delay=drain)
         return _exit_code(load, running)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -174,7 +284,7 @@ def _on_signal(signum: int, stop_requested: asyncio.Event, running: RunningServe
         stop_requested.set()
     else:
         logger.warning("%s received again: cancelling the calls in flight", name)
-        asyncio.get_running_loop().create_task(running.server.stop(None))
+        running.hurry()
 
 
 def _exit_code(load: asyncio.Task, running: RunningServer) -> int:

@@ -14,26 +14,27 @@ import os
 import sys
 
 from llmrpc.server import options
+from llmrpc.server.logs import configure_logging
+from llmrpc.server.settings import BindError
+from llmrpc.server.state import server_version
 
 logger = logging.getLogger("llmrpc.server.cli")
 
 # verb -> (module whose main(argv) runs it, one-line help)
-DELEGATED_VERBS: dict[str, tuple[str, str]] = {}
-
-_LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
-_LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format=_LOG_FORMAT, datefmt=_LOG_DATE_FORMAT, force=True
-    )
+DELEGATED_VERBS: dict[str, tuple[str, str]] = {
+    "generate": ("llmrpc.clients.cli.generate", "Generate text from a prompt on a running server."),
+    "chat": ("llmrpc.clients.cli.chat", "Chat with a running server (streamed, history kept)."),
+    "tokenize": ("llmrpc.clients.cli.tokenize", "Tokenize text with a running server's tokenizer."),
+    "admin": ("llmrpc.clients.cli.admin", "Server info, models, health and request control."),
+    "bench": ("llmrpc.clients.bench.cli", "Benchmark a server (serve) or the engine (throughput)."),
+    "gateway": ("llmrpc.gateway.cli", "Serve the OpenAI-compatible REST API for gRPC replicas."),
+    "envoy-config": ("llmrpc.gateway.envoy_cli", "Print an Envoy bootstrap (YAML) for replicas."),
+    "k8s-manifests": ("llmrpc.gateway.k8s_cli", "Print Kubernetes manifests (YAML) for serving."),
+}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and its ``serve`` subparser."""
-    from llmrpc.server.servicers import server_version
-
     parser = options.OneLineErrorParser(
         prog="llmrpc", description="LLM inference server with a gRPC-first API."
     )
@@ -42,8 +43,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve = commands.add_parser(
         "serve",
         help="Serve a model over gRPC.",
-        description="Serve a model over gRPC (health and reflection always on). Flags take "
-        "vLLM's names and defaults.",
+        description="Serve a model over gRPC (health and reflection always on).",
     )
     options.add_serve_arguments(serve)
     for verb, (_, summary) in DELEGATED_VERBS.items():
@@ -51,19 +51,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, serve
 
 
-def run_serve(serve_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    engine_config, frontend = options.configs_or_exit(serve_parser, args)
-    configure_logging(args.log_level)
+def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    serve_values = options.parse_serve_values(serve_parser, argv)
+    engine_config, frontend = options.configs_or_exit(serve_parser, serve_values)
+    try:
+        configure_logging(frontend.logs)
+    except ValueError as error:
+        serve_parser.error(str(error))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network
-    options.warn_about_inert_options(frontend, logger)
+    options.warn_about_inert_flags(serve_values, logger)
     from llmrpc.server import app  # torch and the engine: imported only when serving
 
     try:
         return asyncio.run(app.serve(engine_config, frontend))
-    except app.BindError as error:
+    except BindError as error:
         logger.error("%s", error)
         return 1
-    except ValueError as error:  # a flag value the engine found wrong while loading
+    except ValueError as error:  # a flag value found wrong while starting (TLS files...)
         logger.error("%s", error)
         return 2
 
@@ -74,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(DELEGATED_VERBS[argv[0]][0])
         return module.main(argv[1:])
     parser, serve_parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return run_serve(serve_parser, args)
+    if argv and argv[0] == "serve":
+        return run_serve(serve_parser, argv[1:])
+    parser.parse_args(argv)  # --help, --version, or an unknown verb (exits)
     parser.print_help(sys.stderr)
     return 2
 

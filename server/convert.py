@@ -8,19 +8,24 @@ responses; engine errors become ``ServiceError``s whose field paths are the requ
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 from jinja2 import TemplateError
 
-from llmrpc.engine.async_engine import EngineDeadError
-from llmrpc.engine.core import ModelInfo
+from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
+from llmrpc.engine.core import EngineStats, ModelInfo
 from llmrpc.engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
-from llmrpc.server.errors import InvalidArgument, Unavailable
+from llmrpc.server.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2, tokenization_pb2
 
 # An unset stopping.max_tokens: vLLM's SamplingParams default, cut to the room the context leaves.
 DEFAULT_MAX_TOKENS = 16
-_DEFAULTS = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
 
 # Engine parameter name -> field path in GenerateRequest ("input" is the oneof's set field).
 _FIELD_PATHS = {
@@ -37,6 +42,16 @@ _FIELD_PATHS = {
     "include_stop_str_in_output": "stopping.include_stop_str_in_output",
     "time_limit_s": "stopping.time_limit_ms",
     "skip_special_tokens": "output.skip_special_tokens",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "logit_bias": "sampling.logit_bias",
+    "allowed_token_ids": "sampling.allowed_token_ids",
+    "bad_words": "sampling.bad_words",
+    "n": "sampling.n",
+    "logprobs": "output.logprobs",
+    "prompt_logprobs": "output.prompt_logprobs",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
 }
 
 _FINISH_REASONS = {
@@ -69,6 +84,13 @@ def engine_errors(request) -> Iterator[None]:
         raise InvalidArgument(field_path(error.field, request), error.message) from None
     except EngineDeadError as error:
         raise Unavailable(f"the engine has stopped and serves no requests: {error}") from None
+    except EngineStateError as error:  # asleep, busy, or sleep mode off
+        raise FailedPrecondition("engine", str(error)) from None
+    except DeadlineDropped:
+        raise DeadlineExceeded(
+            "the request could not start before the call's deadline at the server's current "
+            "load; it was dropped from the queue without being computed"
+        ) from None
 
 
 # --- prompts -------------------------------------------------------------------------------
@@ -117,57 +139,176 @@ def _optional(message, name: str, default):
     return getattr(message, name) if message.HasField(name) else default
 
 
-def _max_tokens(stopping: common_pb2.StoppingCriteria, num_prompt_tokens: int, max_model_len: int):
+def _max_tokens(stopping, num_prompt_tokens: int, model_info: ModelInfo) -> int:
     if stopping.HasField("max_tokens"):
         return stopping.max_tokens  # the engine checks it against the context window
-    return max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens))
+    default = model_info.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
+    return max(1, min(default, model_info.max_model_len - num_prompt_tokens))
 
 
 def _time_limit_s(stopping: common_pb2.StoppingCriteria) -> float | None:
     return stopping.time_limit_ms / 1000 if stopping.HasField("time_limit_ms") else None
 
 
+def server_defaults(model_info: ModelInfo) -> SamplingParams:
+    """What unset fields mean: vLLM's defaults, then the model's generation config."""
+    defaults = dict(model_info.sampling_defaults)
+    defaults.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    return SamplingParams(**defaults)
+
+
 def sampling_params(
-    request: generation_pb2.GenerateRequest, num_prompt_tokens: int, max_model_len: int
+    request: generation_pb2.GenerateRequest,
+    num_prompt_tokens: int,
+    model_info: ModelInfo,
+    deadline: float | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a GenerateRequest; unset fields take the server defaults."""
     sampling, stopping, output = request.sampling, request.stopping, request.output
+    defaults = server_defaults(model_info)
     return SamplingParams(
-        temperature=_optional(sampling, "temperature", _DEFAULTS.temperature),
-        top_p=_optional(sampling, "top_p", _DEFAULTS.top_p),
-        top_k=_optional(sampling, "top_k", _DEFAULTS.top_k),
-        min_p=_optional(sampling, "min_p", _DEFAULTS.min_p),
+        **{
+            name: _optional(sampling, name, getattr(defaults, name))
+            for name in _OPTIONAL_SAMPLING_FIELDS
+        },
         seed=_optional(sampling, "seed", None),
-        max_tokens=_max_tokens(stopping, num_prompt_tokens, max_model_len),
-        min_tokens=_optional(stopping, "min_tokens", _DEFAULTS.min_tokens),
+        logit_bias=dict(sampling.logit_bias),
+        allowed_token_ids=list(sampling.allowed_token_ids) or None,
+        bad_words=list(sampling.bad_words),
+        max_tokens=_max_tokens(stopping, num_prompt_tokens, model_info),
+        min_tokens=_optional(stopping, "min_tokens", defaults.min_tokens),
         stop=list(stopping.stop),
         stop_token_ids=list(stopping.stop_token_ids),
-        ignore_eos=_optional(stopping, "ignore_eos", _DEFAULTS.ignore_eos),
+        ignore_eos=_optional(stopping, "ignore_eos", defaults.ignore_eos),
         include_stop_str_in_output=_optional(
-            stopping, "include_stop_str_in_output", _DEFAULTS.include_stop_str_in_output
+            stopping, "include_stop_str_in_output", defaults.include_stop_str_in_output
         ),
-        skip_special_tokens=_optional(output, "skip_special_tokens", _DEFAULTS.skip_special_tokens),
+        skip_special_tokens=_optional(output, "skip_special_tokens", defaults.skip_special_tokens),
+        logprobs=_optional(output, "logprobs", None),
+        prompt_logprobs=_optional(output, "prompt_logprobs", None),
         time_limit_s=_time_limit_s(stopping),
+        truncate_prompt_tokens=_optional(request, "truncate_prompt_tokens", None),
+        priority=_optional(request, "priority", 0),
+        deadline=deadline,
     )
 
 
+# SamplingParams fields that are plain optional scalars of the proto's SamplingParams
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+)
+
+
 def to_engine_request(
-    request: generation_pb2.GenerateRequest, tokenizer, model_info: ModelInfo
+    request: generation_pb2.GenerateRequest,
+    tokenizer,
+    model_info: ModelInfo,
+    deadline: float | None = None,
 ) -> tuple[list[int], SamplingParams]:
-    """``(prompt_token_ids, params)`` for ``AsyncEngine.generate``."""
+    """``(prompt_token_ids, params)`` for ``AsyncEngine.generate``.
+
+    ``deadline`` (``time.monotonic()``) is when the caller stops waiting: a queued request
+    that cannot start in time is dropped early.
+    """
     prompt = prompt_token_ids(request, tokenizer, model_info)
-    return prompt, sampling_params(request, len(prompt), model_info.max_model_len)
+    return prompt, sampling_params(request, len(prompt), model_info, deadline)
 
 
 # --- outputs -------------------------------------------------------------------------------
 
 
-def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Accumulate engine deltas into the whole output so far (for the unary call)."""
-    if total is None:
-        return delta
-    total.merge(delta)
-    return total
+class DeadlineDropped(Exception):
+    """The engine dropped the queued request: its deadline could not be met."""
+
+
+class OutputAccumulator:
+    """Engine outputs of one request, merged per sample, made into GenerateResponses."""
+
+    def __init__(self, request_id: str, params: SamplingParams, tokenizer) -> None:
+        self.request_id = request_id
+        self.num_samples = params.n
+        self.tokenizer = tokenizer
+        self.samples: dict[int, RequestOutput] = {}
+
+    def add(self, output: RequestOutput) -> None:
+        if output.finished and output.finish_reason is FinishReason.DEADLINE:
+            raise DeadlineDropped
+        earlier = self.samples.get(output.index)
+        if earlier is None:
+            # A copy: the delta itself may still be sent as a stream message.
+            self.samples[output.index] = dataclasses.replace(
+                output, token_ids=list(output.token_ids)
+            )
+        else:
+            earlier.merge(output)
+
+    @property
+    def all_finished(self) -> bool:
+        finished = sum(o.finished for o in self.samples.values())
+        return finished == self.num_samples
+
+    def stream_response(self, delta: RequestOutput) -> generation_pb2.GenerateResponse:
+        """The stream message for one delta; the last one carries the usage of all samples."""
+        response = self._sample_response(delta)
+        if self.all_finished:
+            self._set_usage(response)
+        return response
+
+    def unary_response(self) -> generation_pb2.GenerateResponse:
+        response = self._sample_response(self.samples[0])
+        if self.num_samples > 1:
+            response.samples.extend(
+                self._sample_response(self.samples[i]) for i in sorted(self.samples)
+            )
+        self._set_usage(response)
+        return response
+
+    def _sample_response(self, output: RequestOutput) -> generation_pb2.GenerateResponse:
+        response = generation_pb2.GenerateResponse(
+            request_id=self.request_id,
+            text=output.text,
+            token_ids=output.token_ids,
+            index=output.index,
+            logprobs=self._logprobs(output.logprobs or ()),
+            prompt_logprobs=self._logprobs((output.prompt_logprobs or [None])[1:]),
+        )
+        if output.finished:
+            response.finish_reason = _FINISH_REASONS[output.finish_reason]
+            _set_matched_stop(response, output)
+        return response
+
+    def _set_usage(self, response: generation_pb2.GenerateResponse) -> None:
+        first = self.samples[0]
+        response.usage.prompt_tokens = first.num_prompt_tokens
+        response.usage.cached_tokens = first.num_cached_tokens
+        response.usage.completion_tokens = sum(o.num_output_tokens for o in self.samples.values())
+
+    def _logprobs(self, entries) -> list[generation_pb2.TokenLogprob]:
+        return [
+            generation_pb2.TokenLogprob(
+                token_id=entry.token_id,
+                token=self._text(entry.token_id),
+                logprob=entry.logprob,
+                rank=entry.rank,
+                top_logprobs=[
+                    generation_pb2.TopLogprob(
+                        token_id=token_id, token=self._text(token_id), logprob=logprob
+                    )
+                    for token_id, logprob in entry.top
+                ],
+            )
+            for entry in entries
+        ]
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
 
 def _set_matched_stop(response: generation_pb2.GenerateResponse, output: RequestOutput) -> None:
@@ -176,20 +317,6 @@ def _set_matched_stop(response: generation_pb2.GenerateResponse, output: Request
         response.stop_string = output.stop_reason
     elif isinstance(output.stop_reason, int):
         response.stop_token_id = output.stop_reason
-
-
-def to_generate_response(request_id: str, output: RequestOutput) -> generation_pb2.GenerateResponse:
-    """A GenerateResponse for one engine output (a stream delta, or the merged whole)."""
-    response = generation_pb2.GenerateResponse(
-        request_id=request_id, text=output.text, token_ids=output.token_ids
-    )
-    if output.finished:
-        response.finish_reason = _FINISH_REASONS[output.finish_reason]
-        _set_matched_stop(response, output)
-        response.usage.prompt_tokens = output.num_prompt_tokens
-        response.usage.completion_tokens = output.num_output_tokens
-        response.usage.cached_tokens = output.num_cached_tokens
-    return response
 
 
 def engine_failure(output: RequestOutput) -> str | None:
@@ -222,7 +349,7 @@ def detokenize(
     if any(t >= vocab_size for t in token_ids):
         message = f"token ids must be below the vocabulary size {vocab_size}"
         raise InvalidArgument("token_ids", message)
-    skip = _optional(request, "skip_special_tokens", _DEFAULTS.skip_special_tokens)
+    skip = _optional(request, "skip_special_tokens", SamplingParams().skip_special_tokens)
     text = tokenizer.decode(token_ids, skip_special_tokens=skip)
     return tokenization_pb2.DetokenizeResponse(text=text)
 
@@ -230,22 +357,20 @@ def detokenize(
 # --- model facts ---------------------------------------------------------------------------
 
 
-def _default_sampling() -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
-        temperature=_DEFAULTS.temperature,
-        top_p=_DEFAULTS.top_p,
-        top_k=_DEFAULTS.top_k,
-        min_p=_DEFAULTS.min_p,
+def _published_defaults(info: ModelInfo):
+    """GetModelInfo's default_sampling, default_stopping and default_output."""
+    defaults = server_defaults(info)
+    sampling = common_pb2.SamplingParams(
+        **{name: getattr(defaults, name) for name in _OPTIONAL_SAMPLING_FIELDS}
     )
-
-
-def _default_stopping() -> common_pb2.StoppingCriteria:
-    return common_pb2.StoppingCriteria(
-        max_tokens=DEFAULT_MAX_TOKENS,
-        min_tokens=_DEFAULTS.min_tokens,
-        ignore_eos=_DEFAULTS.ignore_eos,
-        include_stop_str_in_output=_DEFAULTS.include_stop_str_in_output,
+    stopping = common_pb2.StoppingCriteria(
+        max_tokens=defaults.max_tokens,
+        min_tokens=defaults.min_tokens,
+        ignore_eos=defaults.ignore_eos,
+        include_stop_str_in_output=defaults.include_stop_str_in_output,
     )
+    output = common_pb2.OutputOptions(skip_special_tokens=defaults.skip_special_tokens)
+    return sampling, stopping, output
 
 
 def model_info_response(name: str, info: ModelInfo) -> admin_pb2.GetModelInfoResponse:
@@ -258,10 +383,11 @@ def model_info_response(name: str, info: ModelInfo) -> admin_pb2.GetModelInfoRes
         dtype=info.dtype,
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
-        default_sampling=_default_sampling(),
-        default_stopping=_default_stopping(),
-        default_output=common_pb2.OutputOptions(skip_special_tokens=_DEFAULTS.skip_special_tokens),
     )
+    sampling, stopping, output = _published_defaults(info)
+    response.default_sampling.CopyFrom(sampling)
+    response.default_stopping.CopyFrom(stopping)
+    response.default_output.CopyFrom(output)
     if info.bos_token_id is not None:
         response.bos_token_id = info.bos_token_id
     return response
@@ -273,3 +399,19 @@ def list_models_response(info: ModelInfo) -> admin_pb2.ListModelsResponse:
         for name in info.served_model_names
     ]
     return admin_pb2.ListModelsResponse(models=models)
+
+
+# --- load figures --------------------------------------------------------------------------
+
+
+def load_response(stats: EngineStats) -> admin_pb2.GetLoadResponse:
+    return admin_pb2.GetLoadResponse(
+        num_running_requests=stats.num_running,
+        num_waiting_requests=stats.num_waiting,
+        kv_cache_usage=stats.kv_cache_usage,
+        num_kv_blocks=stats.num_total_blocks,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        prompt_throughput=stats.prompt_throughput,
+        generation_throughput=stats.generation_throughput,
+        is_sleeping=stats.is_sleeping,
+    )

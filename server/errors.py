@@ -1,6 +1,7 @@
 """Errors as gRPC status codes with ``google.rpc`` details, never strings inside a success message.
 
-Servicer code raises a ``ServiceError`` (``InvalidArgument``, ``NotFound``, ``Unavailable``);
+Servicer code raises a ``ServiceError`` (``InvalidArgument``, ``NotFound``, ``Unavailable``,
+``FailedPrecondition``, ``ResourceExhausted``);
 ``handle_errors`` turns it into a status with details a client can read with
 ``grpc_status.rpc_status.from_call``. Any other exception is a bug: it is logged with its
 traceback and the call ends with INTERNAL.
@@ -8,6 +9,7 @@ traceback and the call ends with INTERNAL.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -71,10 +73,42 @@ class NotFound(ServiceError):
         self.field = field
 
 
+class DeadlineExceeded(ServiceError):
+    """The request was dropped from the queue: it could not start before the call's deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(ServiceError):
     """The server cannot serve now (model still loading, engine stopped); retrying may help."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(ServiceError):
+    """The server is not in a state to do this (asleep, busy, a feature off); a PreconditionFailure
+    detail says which precondition (``subject``) and why."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, subject: str, description: str) -> None:
+        violation = error_details_pb2.PreconditionFailure.Violation(
+            type="STATE", subject=subject, description=description
+        )
+        super().__init__(
+            description, (error_details_pb2.PreconditionFailure(violations=[violation]),)
+        )
+
+
+class ResourceExhausted(ServiceError):
+    """The server is full; a RetryInfo detail says when to try again."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromTimedelta(datetime.timedelta(seconds=retry_after_s))
+        super().__init__(message, (retry,))
 
 
 class Internal(ServiceError):

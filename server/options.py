@@ -1,32 +1,41 @@
-"""The ``llmrpc serve`` option surface: vLLM's flag names, defaults and value syntax.
+"""The ``llmrpc serve`` command line, built from the flag table (``flag_table.FLAGS``).
 
-``add_serve_arguments`` declares the flags; ``build_configs`` turns the parsed namespace into the
-typed engine configuration and the frontend settings. Bad values end the program with one line
-naming the flag (exit status 2), never a traceback.
+``parse_serve_values`` turns an argument list into one value per flag: ``--config`` YAML first,
+the command line over it, vLLM's defaults under both; dotted JSON flags
+(``--hf-overrides.rope_theta 1e6``) merged into their object. ``check_states`` stops on a refused
+flag set to a value it cannot take; ``build_configs`` fills the typed configurations from the
+flags that work; ``warn_about_inert_flags`` says which flags did nothing. Bad values end the
+program with one line naming the flag (exit status 2), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
-import re
-from decimal import Decimal, InvalidOperation
-from typing import NoReturn
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn
 
-from llmrpc.engine.config import (
-    DTYPES,
-    LOAD_FORMATS,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
+import yaml
+
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.server.flag_table import FLAGS
+from llmrpc.server.flags import Flag, MergeJsonAction, State, json_value
+from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig, TLSConfig
+
+FLAGS_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
+_JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
+# A flag's target is "section.field"; the sections are these configuration classes.
+_ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig}
+SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
+_EPILOG = (
+    "Flags take vLLM's names, defaults and syntax. A flag marked [refused] stops start-up if set "
+    "to anything but its default; one marked [inert] is accepted and has no effect (a warning "
+    "says so); every other flag works. (llmrpc) marks our own flags."
 )
-from llmrpc.server.settings import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, FrontendConfig
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
-_EXPONENTS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -36,196 +45,225 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def human_readable_int(text: str) -> int:
-    """``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600, ``2m`` = 2000000, ``2M`` = 2 * 1024**2.
+# --- the parser ------------------------------------------------------------------------------
 
-    Lower-case suffixes are powers of 1000, upper-case ones powers of 1024 (as in vLLM).
-    """
-    match = _HUMAN_INT.match(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {text!r}: expected an integer, optionally with a k/m/g/t (x1000) "
-            "or K/M/G/T (x1024) suffix, e.g. 4096, 32k, 25.6k or 32K"
+
+def _help(flag: Flag) -> str:
+    default = "" if flag.default in (None, (), [], {}, "") else f" (default: {flag.default})"
+    if flag.state is State.REFUSED:
+        return (
+            f"[refused] This flag {flag.help}; start-up stops unless it keeps its default{default}."
         )
-    number, suffix = match.groups()
-    try:
-        value = Decimal(number)
-    except InvalidOperation:  # pragma: no cover - the pattern admits only decimal numbers
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}") from None
-    if suffix:
-        base = 1000 if suffix.islower() else 1024
-        value *= base ** _EXPONENTS[suffix.lower()]
-    if value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a whole number of tokens")
-    return int(value)
+    if flag.state is State.INERT:
+        return f"[inert] No effect: this flag {flag.help}."
+    return f"{'(llmrpc) ' if flag.ours else ''}{flag.help}{default}"
 
 
-def _add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("frontend")
-    group.add_argument(
-        "--host", default=None, help="Address to listen on (default: all addresses)."
-    )
-    group.add_argument(
-        "--grpc-port",
-        type=int,
-        default=DEFAULT_GRPC_PORT,
-        help=f"gRPC port; the gRPC server is always on (default: {DEFAULT_GRPC_PORT}).",
-    )
-    group.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help=f"Port of the OpenAI-compatible REST gateway (default: {DEFAULT_HTTP_PORT}). "
-        "Accepted but not served yet: the gateway is not part of this build, and a warning "
-        "says so at start-up.",
-    )
-    group.add_argument(
-        "--log-level",
-        choices=LOG_LEVELS,
-        default="info",
-        help="Logging level (default: info).",
-    )
-
-
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "model_tag",
-        nargs="?",
-        default=None,
-        metavar="MODEL",
-        help="Model to serve (the same as --model): a local folder holding config.json, or a "
-        ".gguf file. Default: the packaged SmolLM2-135M-Instruct.",
-    )
-    group.add_argument("--model", default=None, help="Model to serve; see MODEL.")
-    group.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="Name(s) clients use in the model field; the first is the default. "
-        "Default: the --model string, or SmolLM2-135M-Instruct for the packaged model.",
-    )
-    group.add_argument(
-        "--tokenizer", default=None, help="Tokenizer folder or .gguf file (default: the model's)."
-    )
-    group.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="Weight and activation dtype (default: auto: bfloat16 unless the checkpoint is "
-        "float16).",
-    )
-    group.add_argument(
-        "--max-model-len",
-        type=human_readable_int,
-        default=None,
-        help="Context window in tokens (prompt plus output); takes 1k/1K/25.6k/2m: lower case "
-        "is powers of 1000, upper case powers of 1024 (default: the model's own).",
-    )
-    group.add_argument("--seed", type=int, default=0, help="Random seed (default: 0).")
-    group.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="How to read the weights; dummy = random weights, for tests and benchmarks "
-        "(default: auto).",
-    )
-
-
-def _add_cache_and_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
-    cache = parser.add_argument_group("KV cache")
-    cache.add_argument(
-        "--block-size", type=int, default=16, help="Tokens per KV cache block (default: 16)."
-    )
-    cache.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=4.0,
-        metavar="GIB",
-        help="(llmrpc) GiB of host memory for the KV cache when no GPU is used; it sets the "
-        "number of KV blocks (default: 4).",
-    )
-    cache.add_argument(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=None,
-        help="Exact number of KV cache blocks, overriding --kv-cache-memory.",
-    )
-    cache.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Reuse the KV cache of shared prompt prefixes (default: on).",
-    )
-    scheduler = parser.add_argument_group("scheduler")
-    scheduler.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=256,
-        help="Most requests in one batch (default: 256).",
-    )
-    scheduler.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="Most tokens computed in one engine step (default: 2048).",
-    )
+def _argument_options(flag: Flag) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "dest": flag.dest,
+        "default": argparse.SUPPRESS,  # absent from the namespace unless given: "set by the user"
+        "help": _help(flag),
+    }
+    if flag.is_bool:
+        options["action"] = argparse.BooleanOptionalAction
+        return options
+    options["type"] = flag.parse
+    if flag.is_json:
+        options["action"] = MergeJsonAction
+    for key in ("choices", "nargs", "const", "metavar"):
+        if getattr(flag, key) is not None:
+            options[key] = getattr(flag, key)
+    return options
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
-    _add_frontend_arguments(parser)
-    _add_cache_and_scheduler_arguments(parser)
+    parser.usage = "%(prog)s [MODEL] [flags]"
+    parser.epilog = _EPILOG
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        metavar="MODEL",
+        help="Model to serve, the same as --model.",
+    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in FLAGS:
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(flag.group)
+        groups[flag.group].add_argument(*flag.names, **_argument_options(flag))
 
 
-def _model_of(args: argparse.Namespace) -> str | None:
-    if args.model_tag and args.model and args.model_tag != args.model:
+# --- argument lists: dotted JSON keys and --config files -------------------------------------
+
+
+def expand_dotted_json(argv: list[str]) -> list[str]:
+    """``--hf-overrides.rope_theta 1e6`` -> ``--hf-overrides '{"rope_theta": 1000000.0}'``."""
+    expanded: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        name, _, path = token.partition(".")
+        if not (path and name in _JSON_FLAGS):
+            expanded.append(token)
+            continue
+        path, has_value, value = path.partition("=")
+        if not has_value:
+            value = next(tokens, None)
+            if value is None:
+                raise ValueError(f"{token} needs a value")
+        obj: Any = json_value(value)
+        for key in reversed(path.split(".")):
+            obj = {key: obj}
+        expanded += [name, json.dumps(obj)]
+    return expanded
+
+
+def _config_tokens(key: str, value: Any, source: str) -> list[str]:
+    name = "--" + str(key).replace("_", "-")
+    flag = FLAGS_BY_NAME.get(name)
+    if flag is None or name == "--config":
+        raise ValueError(f"--config {source}: {key!r} is not a serve flag")
+    if flag.is_bool:
+        return [name if value else "--no-" + name[2:]]
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [name, json.dumps(value)]
+    if isinstance(value, list) and flag.nargs == "+":
+        return [name, *map(str, value)]
+    if isinstance(value, list):
+        return [name, json.dumps(value)]
+    return [name, str(value)]
+
+
+def config_file_arguments(path: str) -> list[str]:
+    """The flags of a ``--config`` YAML file as an argument list."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: cannot read it: {error}") from None
+    if loaded is None:
+        return []
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    return [token for key, value in loaded.items() for token in _config_tokens(key, value, path)]
+
+
+# --- values ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeValues:
+    """One value per flag (``dest`` -> value), and the flags the user set (file or command line)."""
+
+    values: dict[str, Any]
+    given: frozenset[str]
+    model_tag: str | None = None
+
+
+def parse_serve_values(parser: argparse.ArgumentParser, argv: list[str]) -> ServeValues:
+    """Parse ``serve`` arguments (without the verb); exits 2 on a bad value."""
+    try:
+        namespace = vars(parser.parse_args(expand_dotted_json(argv)))
+        if namespace.get("config"):
+            from_file = vars(parser.parse_args(config_file_arguments(namespace["config"])))
+            namespace = {**from_file, **namespace}
+    except ValueError as error:
+        parser.error(str(error))
+    model_tag = namespace.pop("model_tag", None)
+    values = {flag.dest: namespace.get(flag.dest, flag.default) for flag in FLAGS}
+    return ServeValues(values, frozenset(namespace), model_tag)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def check_states(serve: ServeValues) -> None:
+    """Raise ValueError for the first refused flag set to a value it cannot take."""
+    for flag in FLAGS:
+        value = serve.values[flag.dest]
+        if flag.state is State.REFUSED and not flag.honours(value):
+            raise ValueError(
+                f"{flag.name} {_shown(value)} is refused: this flag {flag.help}; leave it at "
+                f"its default ({_shown(flag.default)})"
+            )
+
+
+def warn_about_inert_flags(serve: ServeValues, logger: logging.Logger) -> None:
+    """One warning line per inert flag the user set."""
+    for flag in FLAGS:
+        if flag.state is State.INERT and flag.dest in serve.given:
+            logger.warning("%s has no effect in llmrpc: this flag %s", flag.name, flag.help)
+
+
+def _model_of(serve: ServeValues) -> str | None:
+    model = serve.values["model"]
+    if serve.model_tag and model and serve.model_tag != model:
         raise ValueError(
-            f"--model {args.model!r} and the positional MODEL {args.model_tag!r} disagree; "
+            f"--model {model!r} and the positional MODEL {serve.model_tag!r} disagree; "
             "give the model once"
         )
-    return args.model_tag or args.model
+    return serve.model_tag or model
 
 
-def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, FrontendConfig]:
-    """The typed configurations for parsed ``serve`` arguments; raises ValueError naming a flag."""
-    model = ModelConfig(
-        model=_model_of(args),
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        load_format=args.load_format,
-        served_model_name=tuple(args.served_model_name or ()),
-    )
-    cache = CacheConfig(
-        block_size=args.block_size,
-        kv_cache_memory_gib=args.kv_cache_memory,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-    scheduler = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-    )
-    frontend = FrontendConfig(host=args.host, grpc_port=args.grpc_port, port=args.port)
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler), frontend
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
-def warn_about_inert_options(frontend: FrontendConfig, logger: logging.Logger) -> None:
-    """One warning line per option accepted without effect in this build."""
-    logger.warning(
-        "--port %d: the OpenAI-compatible REST gateway is not served yet; this build serves "
-        "gRPC only (--grpc-port %d)",
-        frontend.port,
-        frontend.grpc_port,
-    )
+def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
+    """The typed configurations; raises ValueError naming a flag."""
+    check_states(serve)
+    fields: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for flag in FLAGS:
+        if flag.state is State.WORKS and flag.target is not None:
+            section, name = flag.target.split(".")
+            fields[section][name] = _frozen(serve.values[flag.dest])
+    fields["model"]["model"] = _model_of(serve)
+    fields["model"]["served_model_name"] = fields["model"]["served_model_name"] or ()
+    engine = EngineConfig(**{part: cls(**fields[part]) for part, cls in _ENGINE_PARTS.items()})
+    parts = {part: cls(**fields[part]) for part, cls in _FRONTEND_PARTS.items()}
+    return engine, FrontendConfig(**fields["frontend"], **parts)
 
 
 def configs_or_exit(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
+    parser: argparse.ArgumentParser, serve: ServeValues
 ) -> tuple[EngineConfig, FrontendConfig]:
     """``build_configs``, or exit with status 2 and one line naming the flag."""
     try:
-        return build_configs(args)
+        return build_configs(serve)
     except ValueError as error:
         parser.error(str(error))
+
+
+# --- the effective configuration GetServerInfo publishes -------------------------------------
+
+
+def config_sections(engine_config: EngineConfig, frontend: FrontendConfig) -> dict[str, Any]:
+    """Section name -> the configuration object a flag's target names."""
+    sections = {part: getattr(engine_config, part) for part in _ENGINE_PARTS}
+    sections.update({part: getattr(frontend, part) for part in _FRONTEND_PARTS})
+    return {**sections, "frontend": frontend}
+
+
+def effective_config(engine_config: EngineConfig, frontend: FrontendConfig) -> dict[str, str]:
+    """Flag name (as in --config files) -> value, for every flag that works; secrets left out."""
+    sections = config_sections(engine_config, frontend)
+    config = {}
+    for flag in FLAGS:
+        if flag.state is State.WORKS and flag.target is not None and not flag.secret:
+            section, name = flag.target.split(".")
+            config[flag.dest] = _shown_config(getattr(sections[section], name))
+    return config
+
+
+def _shown_config(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)

@@ -1,28 +1,143 @@
-"""Frontend settings (where the server listens) and the effective configuration it publishes."""
+"""Frontend settings: where the server listens, TLS, API keys, transport limits and logging.
+
+Frozen dataclasses built once from the command line (see ``options``); bad values raise
+``ValueError`` naming the flag. Defaults here are the flags' defaults.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.loader import default_served_name
+from dataclasses import dataclass, field
 
 DEFAULT_GRPC_PORT = 50051
-DEFAULT_HTTP_PORT = 8000
+MIB = 1024 * 1024
+CERT_REQS = (0, 1, 2)  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED, as vLLM numbers them
+
+
+def _check_port(flag: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise ValueError(f"{flag} must be a port number in [0, 65535], got {value}")
+
+
+def _check_positive(flag: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{flag} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs``, ``--ssl-cert-reqs``,
+    ``--enable-ssl-refresh``."""
+
+    keyfile: str | None = None
+    certfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = 0
+    refresh: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+    def __post_init__(self) -> None:
+        if (self.keyfile is None) != (self.certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+        if self.cert_reqs not in CERT_REQS:
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.cert_reqs}")
+        if not self.enabled:
+            for flag, value in (
+                ("--ssl-ca-certs", self.ca_certs),
+                ("--ssl-cert-reqs", self.cert_reqs),
+                ("--enable-ssl-refresh", self.refresh),
+            ):
+                if value:
+                    raise ValueError(f"{flag} needs TLS: give --ssl-certfile and --ssl-keyfile")
+        if self.cert_reqs and self.ca_certs is None:
+            raise ValueError(
+                f"--ssl-cert-reqs {self.cert_reqs} needs --ssl-ca-certs to verify client "
+                "certificates with"
+            )
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Transport limits (our flags): message sizes, keepalive, connection age, streams, queue."""
+
+    max_receive_message_size: int = 16 * MIB
+    max_send_message_size: int = 16 * MIB
+    keepalive_time_s: float = 60.0  # the server pings an idle connection this often...
+    keepalive_timeout_s: float = 20.0  # ...and closes it if the ping is not answered in time
+    min_ping_interval_s: float = 10.0  # a client pinging more often is disconnected
+    max_connection_age_s: float | None = None
+    max_connection_age_grace_s: float | None = None
+    max_concurrent_streams: int | None = None
+    max_waiting_requests: int | None = None  # None: the waiting queue is unbounded
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--grpc-max-receive-message-size", self.max_receive_message_size),
+            ("--grpc-max-send-message-size", self.max_send_message_size),
+            ("--grpc-keepalive-time", self.keepalive_time_s),
+            ("--grpc-keepalive-timeout", self.keepalive_timeout_s),
+            ("--grpc-keepalive-min-ping-interval", self.min_ping_interval_s),
+            ("--grpc-max-connection-age", self.max_connection_age_s),
+            ("--grpc-max-connection-age-grace", self.max_connection_age_grace_s),
+            ("--grpc-max-concurrent-streams", self.max_concurrent_streams),
+        ):
+            _check_positive(flag, value)
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(
+                f"--max-waiting-requests must be 0 or more, got {self.max_waiting_requests}"
+            )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Logging: level, a dictConfig file, request and output lines, the periodic stats line."""
+
+    level: str = "info"
+    config_file: str | None = None
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None  # None: whole prompts and outputs
+    disable_log_stats: bool = False
+    stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be 0 or more, got {self.max_log_len}")
+        _check_positive("--log-stats-interval", self.stats_interval_s)
 
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    """``--host``, ``--grpc-port`` and ``--port`` (the REST gateway's, not served yet)."""
+    """Everything about the gRPC server that is not the engine."""
 
     host: str | None = None  # None: all addresses
     grpc_port: int = DEFAULT_GRPC_PORT
-    port: int = DEFAULT_HTTP_PORT
+    health_port: int | None = None  # a plaintext port serving health alone (Kubernetes probes)
+    api_key: tuple[str, ...] = ()
+    chat_template: str | None = None  # a file, or the template itself
+    drain_delay_s: float = 0.0
+    shutdown_grace_s: float = 10.0
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    logs: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        for flag, value in (("--grpc-port", self.grpc_port), ("--port", self.port)):
-            if not 0 <= value <= 65535:
-                raise ValueError(f"{flag} must be a port number in [0, 65535], got {value}")
+        _check_port("--grpc-port", self.grpc_port)
+        _check_port("--health-port", self.health_port)
+        if any(not key for key in self.api_key):
+            raise ValueError("--api-key must not be empty")
+        for flag, value in (
+            ("--drain-delay", self.drain_delay_s),
+            ("--shutdown-grace", self.shutdown_grace_s),
+        ):
+            if value < 0:
+                raise ValueError(f"{flag} must be 0 or more, got {value}")
+
+
+class BindError(RuntimeError):
+    """A port could not be bound (in use, or a bad address)."""
 
 
 def grpc_bind_address(host: str | None, port: int) -> str:
@@ -32,44 +147,3 @@ def grpc_bind_address(host: str | None, port: int) -> str:
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
-
-
-def _text(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, (tuple, list)):
-        return ",".join(map(str, value))
-    return str(value)
-
-
-def effective_config(
-    engine_config: EngineConfig, frontend: FrontendConfig, grpc_port: int, model_info=None
-) -> dict[str, str]:
-    """Serve option name -> effective value, for GetServerInfo (values the engine resolved win)."""
-    model, cache, scheduler = engine_config.model, engine_config.cache, engine_config.scheduler
-    config = {
-        "model": model.model or default_served_name(None),
-        "tokenizer": model.tokenizer,
-        "served_model_name": model.served_model_name,
-        "dtype": model.dtype,
-        "max_model_len": model.max_model_len,
-        "seed": model.seed,
-        "load_format": model.load_format,
-        "block_size": cache.block_size,
-        "kv_cache_memory": cache.kv_cache_memory_gib,
-        "num_gpu_blocks_override": cache.num_gpu_blocks_override,
-        "enable_prefix_caching": cache.enable_prefix_caching,
-        "max_num_seqs": scheduler.max_num_seqs,
-        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-        "host": frontend.host,
-        "grpc_port": grpc_port,
-        "port": frontend.port,
-    }
-    if model_info is not None:
-        config.update(
-            served_model_name=model_info.served_model_names,
-            dtype=model_info.dtype,
-            max_model_len=model_info.max_model_len,
-            num_kv_blocks=model_info.num_kv_blocks,
-        )
-    return {name: _text(value) for name, value in config.items()}

@@ -38,6 +38,11 @@ EXPECTED_ROUTES = {
     ("AdminService", "GetModelInfo"): ("get", "/v1/admin/model_info"),
     ("AdminService", "ListModels"): ("get", "/v1/admin/models"),
     ("AdminService", "Abort"): ("post", "/v1/admin/abort"),
+    ("AdminService", "GetLoad"): ("get", "/v1/admin/load"),
+    ("AdminService", "ResetPrefixCache"): ("post", "/v1/admin/reset_prefix_cache"),
+    ("AdminService", "Sleep"): ("post", "/v1/admin/sleep"),
+    ("AdminService", "WakeUp"): ("post", "/v1/admin/wake_up"),
+    ("AdminService", "IsSleeping"): ("get", "/v1/admin/is_sleeping"),
 }
 # Paths served by the OpenAI-compatible gateway (OpenAI's and vLLM's); ours must not shadow them.
 OPENAI_PATHS = (

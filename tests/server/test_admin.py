@@ -1,14 +1,27 @@
-"""AdminService, health and reflection of an in-process server (tiny model)."""
+"""AdminService, health and reflection of an in-process server (tiny model, sleep mode on)."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
+import pytest_asyncio
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_utils import (
+    field_violations,
+    num_live_requests,
+    status_detail,
+    tiny_engine_config,
+    wait_until,
+)
 
-from llmrpc.server.app import RunningServer
-from llmrpc.v1 import admin_pb2
+from llmrpc.server.app import RunningServer, start_server
+from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -17,6 +30,14 @@ V1_SERVICES = {
     "llmrpc.v1.TokenizationService",
     "llmrpc.v1.AdminService",
 }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tiny_llama_dir) -> AsyncIterator[RunningServer]:
+    """The module's server, with --enable-sleep-mode."""
+    running = await start_server(tiny_engine_config(tiny_llama_dir, enable_sleep_mode=True))
+    yield running
+    await running.stop(grace=0)
 
 
 async def test_server_info_has_version_capabilities_and_config(admin, server: RunningServer):
@@ -72,3 +93,86 @@ async def test_reflection_lists_every_service(channel):
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }
+
+
+# --- load, prefix cache, sleep -----------------------------------------------------------------
+
+
+def greedy(text: str = "The quick brown fox", max_tokens: int = 8):
+    return generation_pb2.GenerateRequest(
+        text=text,
+        sampling=common_pb2.SamplingParams(temperature=0.0),
+        stopping=common_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+@contextlib.asynccontextmanager
+async def live_stream(generation, server, monkeypatch):
+    """A slow stream in flight (its first message read) for the duration of the block."""
+    monkeypatch.setattr(server.engine.core, "step", slowed(server.engine.core.step, 0.02))
+    call = generation.GenerateStream(greedy(max_tokens=200))
+    await call.read()
+    try:
+        yield call
+    finally:
+        call.cancel()
+        await wait_until(lambda: num_live_requests(server.engine) == 0, what="the abort")
+
+
+def slowed(step, seconds: float):
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    return slow_step
+
+
+async def test_load_reports_requests_kv_usage_and_throughput(
+    admin, generation, server, monkeypatch
+):
+    idle = await admin.GetLoad(admin_pb2.GetLoadRequest())
+    assert (idle.num_running_requests, idle.num_waiting_requests) == (0, 0)
+    assert idle.num_kv_blocks == 256 and idle.kv_cache_usage == 0.0 and not idle.is_sleeping
+    async with live_stream(generation, server, monkeypatch):
+        busy = await admin.GetLoad(admin_pb2.GetLoadRequest())
+    assert busy.num_running_requests == 1
+    assert 0 < busy.kv_cache_usage < 1
+    assert busy.generation_throughput > 0 and busy.prompt_throughput > 0
+
+
+async def test_reset_prefix_cache_forgets_cached_prompts(admin, generation, server, monkeypatch):
+    request = greedy(text="Prefix caching reuses the blocks of a prompt seen before. " * 3)
+    await generation.Generate(request)
+    assert (await generation.Generate(request)).usage.cached_tokens > 0
+    await admin.ResetPrefixCache(admin_pb2.ResetPrefixCacheRequest())
+    assert (await generation.Generate(request)).usage.cached_tokens == 0
+    async with live_stream(generation, server, monkeypatch):
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await admin.ResetPrefixCache(admin_pb2.ResetPrefixCacheRequest())
+    assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert status_detail(failure.value, error_details_pb2.PreconditionFailure).violations
+
+
+async def test_sleep_refuses_generation_until_wake_up(admin, generation):
+    before = await generation.Generate(greedy())
+    await admin.Sleep(admin_pb2.SleepRequest(level=2))  # drops the weights too
+    assert (await admin.IsSleeping(admin_pb2.IsSleepingRequest())).is_sleeping
+    assert (await admin.GetLoad(admin_pb2.GetLoadRequest())).is_sleeping
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await generation.Generate(greedy())
+    assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await admin.WakeUp(admin_pb2.WakeUpRequest())
+    assert not (await admin.IsSleeping(admin_pb2.IsSleepingRequest())).is_sleeping
+    assert (await generation.Generate(greedy())).token_ids == before.token_ids  # weights back
+
+
+async def test_sleep_needs_an_idle_engine_and_a_known_level(admin, generation, server, monkeypatch):
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await admin.Sleep(admin_pb2.SleepRequest(level=3))
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(failure.value) == ["level"]
+    async with live_stream(generation, server, monkeypatch):
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await admin.Sleep(admin_pb2.SleepRequest())
+    assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not (await admin.IsSleeping(admin_pb2.IsSleepingRequest())).is_sleeping

@@ -1,14 +1,17 @@
-"""Server lifecycle: NOT_SERVING while loading, graceful stop, and a dead engine (UNAVAILABLE,
-NOT_SERVING, ``serve`` exits with status 1)."""
+"""Server lifecycle: NOT_SERVING while loading, graceful stop, SIGTERM drain, and a dead engine
+(UNAVAILABLE, NOT_SERVING, ``serve`` exits with status 1)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_utils import read_rest, slow_down, tiny_engine_config, wait_until
+from server_utils import num_live_requests, read_rest, slow_down, tiny_engine_config, wait_until
 
 from llmrpc.server import app
 from llmrpc.server.settings import FrontendConfig
@@ -90,6 +93,96 @@ async def test_dead_engine_gives_unavailable_and_not_serving(tiny_llama_dir):
 
 
 async def test_serve_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, monkeypatch):
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0)
+    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        break_engine(running.engine)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await generation_pb2_grpc.GenerationServiceStub(channel).Generate(REQUEST)
+    assert await asyncio.wait_for(serving, timeout=30) == 1
+
+
+async def test_sigterm_drains_then_stops_and_the_stream_in_flight_finishes(
+    tiny_llama_dir, monkeypatch
+):
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=0.5, shutdown_grace_s=30)
+    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        statuses = []
+        watching = asyncio.ensure_future(record_health(channel, statuses))
+        generation = generation_pb2_grpc.GenerationServiceStub(channel)
+        slow_down(running.engine, 0.02)
+        stream = generation.GenerateStream(long_request(100))
+        await stream.read()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await wait_until(lambda: statuses[-1:] == [NOT_SERVING], what="NOT_SERVING")
+        assert (await generation.Generate(REQUEST)).usage.completion_tokens == 4  # draining
+        assert await refused_on_a_new_connection(running.address) == grpc.StatusCode.UNAVAILABLE
+        assert not stream.done()
+        last = (await read_rest(stream))[-1]
+        assert await asyncio.wait_for(serving, timeout=30) == 0
+        await watching  # the server ended the Watch stream once the stream in flight was done
+    assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 100
+    assert statuses == [SERVING, NOT_SERVING]
+
+
+def long_request(max_tokens: int) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest()
+    request.CopyFrom(REQUEST)
+    request.stopping.max_tokens = max_tokens
+    return request
+
+
+async def record_health(channel, statuses: list) -> None:
+    """Append each status a health Watch reports until the server ends the stream."""
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for response in watch:
+            statuses.append(response.status)
+
+
+async def refused_on_a_new_connection(address: str, timeout: float = 5.0) -> grpc.StatusCode:
+    """Call on new connections until one is refused (the drain delay has passed); its code.
+
+    A call racing the very start of the shutdown may end CANCELLED instead: try again.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            try:
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.CANCELLED:
+                    return error.code()
+        await asyncio.sleep(0.05)
+    pytest.fail(f"calls were still served {timeout} s after SIGTERM")
+
+
+async def test_a_second_sigterm_ends_the_calls_in_flight_with_unavailable(
+    tiny_llama_dir, monkeypatch
+):
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=30, shutdown_grace_s=30)
+    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        slow_down(running.engine, 0.02)
+        stream = generation_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+            long_request(400)
+        )
+        await stream.read()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await wait_for_health(channel, NOT_SERVING, timeout=5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await read_rest(stream)
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await asyncio.wait_for(serving, timeout=10) == 0  # neither delay waited out
+    assert num_live_requests(running.engine) == 0
+
+
+async def serve_in_process(model_dir, frontend: FrontendConfig, monkeypatch):
+    """``app.serve`` as a task, once its model serves; returns the task and its server."""
     servers: list[app.RunningServer] = []
     real_bind = app.bind_server
 
@@ -98,12 +191,8 @@ async def test_serve_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, mo
         return servers[-1]
 
     monkeypatch.setattr(app, "bind_server", bind_and_record)
-    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0)
-    serving = asyncio.ensure_future(app.serve(tiny_engine_config(tiny_llama_dir), frontend))
+    serving = asyncio.ensure_future(app.serve(tiny_engine_config(model_dir), frontend))
     await wait_until(lambda: servers, what="the server to bind")
     async with grpc.aio.insecure_channel(servers[0].address) as channel:
         await wait_for_health(channel, SERVING)
-        break_engine(servers[0].engine)
-        with pytest.raises(grpc.aio.AioRpcError):
-            await generation_pb2_grpc.GenerationServiceStub(channel).Generate(REQUEST)
-    assert await asyncio.wait_for(serving, timeout=30) == 1
+    return serving, servers[0]

@@ -166,8 +166,24 @@ def test_bad_request_is_invalid_argument_with_details(grpcurl, address):
     assert "google.rpc.BadRequest" in result.stderr
 
 
-def test_rest_port_is_reported_as_not_served(serve, address):
-    assert any("REST gateway is not served yet" in line for line in serve.log)
+def test_admin_rpcs_answer_grpcurl(grpcurl, address):
+    admin = "llmrpc.v1.AdminService"
+    load = json.loads(run_grpcurl(grpcurl, address, f"{admin}/GetLoad"))
+    assert load["num_kv_blocks"] == 64
+    assert json.loads(run_grpcurl(grpcurl, address, f"{admin}/ResetPrefixCache")) == {}
+    assert json.loads(run_grpcurl(grpcurl, address, f"{admin}/IsSleeping")) == {}  # false: omitted
+    result = subprocess.run(
+        [grpcurl, "-plaintext", address, f"{admin}/Sleep"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "FailedPrecondition" in result.stderr and "--enable-sleep-mode" in result.stderr
+
+
+def test_start_up_warns_that_neither_key_nor_tls_is_set(serve, address):
+    assert any("no --api-key and no TLS" in line for line in serve.log)
 
 
 def test_sigterm_stops_the_server_with_status_0(serve, address):

@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from llmrpc.v1 import common_pb2 as llmrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmrpc/v1/admin.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\x16\n\x14GetServerInfoRequest\"r\n\x12ServerCapabilities\x12\x0b\n\x03tls\x18\x01 \x01(\x08\x12\x15\n\rauth_required\x18\x02 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08services\x18\x05 \x03(\t\"\xdf\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12\x33\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1d.llmrpc.v1.ServerCapabilities\x12<\n\x06\x63onfig\x18\x04 \x03(\x0b\x32,.llmrpc.v1.GetServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x86\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12\x35\n\x10\x64\x65\x66\x61ult_stopping\x18\x0b \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12\x30\n\x0e\x64\x65\x66\x61ult_output\x18\x0c \x01(\x0b\x32\x18.llmrpc.v1.OutputOptionsB\x0f\n\r_bos_token_id\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.llmrpc.v1.Model\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t2\xad\x03\n\x0c\x41\x64minService\x12q\n\rGetServerInfo\x12\x1f.llmrpc.v1.GetServerInfoRequest\x1a .llmrpc.v1.GetServerInfoResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/server_info\x12m\n\x0cGetModelInfo\x12\x1e.llmrpc.v1.GetModelInfoRequest\x1a\x1f.llmrpc.v1.GetModelInfoResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\x12\x14/v1/admin/model_info\x12\x63\n\nListModels\x12\x1c.llmrpc.v1.ListModelsRequest\x1a\x1d.llmrpc.v1.ListModelsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/admin/models\x12V\n\x05\x41\x62ort\x12\x17.llmrpc.v1.AbortRequest\x1a\x18.llmrpc.v1.AbortResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/abort:\x01*b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmrpc/v1/admin.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\x16\n\x14GetServerInfoRequest\"r\n\x12ServerCapabilities\x12\x0b\n\x03tls\x18\x01 \x01(\x08\x12\x15\n\rauth_required\x18\x02 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08services\x18\x05 \x03(\t\"\xdf\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12\x33\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1d.llmrpc.v1.ServerCapabilities\x12<\n\x06\x63onfig\x18\x04 \x03(\x0b\x32,.llmrpc.v1.GetServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x86\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12\x35\n\x10\x64\x65\x66\x61ult_stopping\x18\x0b \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12\x30\n\x0e\x64\x65\x66\x61ult_output\x18\x0c \x01(\x0b\x32\x18.llmrpc.v1.OutputOptionsB\x0f\n\r_bos_token_id\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.llmrpc.v1.Model\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\xea\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x19\n\x11prompt_throughput\x18\x06 \x01(\x02\x12\x1d\n\x15generation_throughput\x18\x07 \x01(\x02\x12\x13\n\x0bis_sleeping\x18\x08 \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse\",\n\x0cSleepRequest\x12\x12\n\x05level\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x13\n\x11IsSleepingRequest\")\n\x12IsSleepingResponse\x12\x13\n\x0bis_sleeping\x18\x01 \x01(\x08\x32\xad\x07\n\x0c\x41\x64minService\x12q\n\rGetServerInfo\x12\x1f.llmrpc.v1.GetServerInfoRequest\x1a .llmrpc.v1.GetServerInfoResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/server_info\x12m\n\x0cGetModelInfo\x12\x1e.llmrpc.v1.GetModelInfoRequest\x1a\x1f.llmrpc.v1.GetModelInfoResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\x12\x14/v1/admin/model_info\x12\x63\n\nListModels\x12\x1c.llmrpc.v1.ListModelsRequest\x1a\x1d.llmrpc.v1.ListModelsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/admin/models\x12V\n\x05\x41\x62ort\x12\x17.llmrpc.v1.AbortRequest\x1a\x18.llmrpc.v1.AbortResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/abort:\x01*\x12X\n\x07GetLoad\x12\x19.llmrpc.v1.GetLoadRequest\x1a\x1a.llmrpc.v1.GetLoadResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/admin/load\x12\x84\x01\n\x10ResetPrefixCache\x12\".llmrpc.v1.ResetPrefixCacheRequest\x1a#.llmrpc.v1.ResetPrefixCacheResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/admin/reset_prefix_cache:\x01*\x12V\n\x05Sleep\x12\x17.llmrpc.v1.SleepRequest\x1a\x18.llmrpc.v1.SleepResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/sleep:\x01*\x12[\n\x06WakeUp\x12\x18.llmrpc.v1.WakeUpRequest\x1a\x19.llmrpc.v1.WakeUpResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\"\x11/v1/admin/wake_up:\x01*\x12h\n\nIsSleeping\x12\x1c.llmrpc.v1.IsSleepingRequest\x1a\x1d.llmrpc.v1.IsSleepingResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/is_sleepingb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,6 +43,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMINSERVICE'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\022\022\020/v1/admin/models'
   _globals['_ADMINSERVICE'].methods_by_name['Abort']._loaded_options = None
   _globals['_ADMINSERVICE'].methods_by_name['Abort']._serialized_options = b'\202\323\344\223\002\024\"\017/v1/admin/abort:\001*'
+  _globals['_ADMINSERVICE'].methods_by_name['GetLoad']._loaded_options = None
+  _globals['_ADMINSERVICE'].methods_by_name['GetLoad']._serialized_options = b'\202\323\344\223\002\020\022\016/v1/admin/load'
+  _globals['_ADMINSERVICE'].methods_by_name['ResetPrefixCache']._loaded_options = None
+  _globals['_ADMINSERVICE'].methods_by_name['ResetPrefixCache']._serialized_options = b'\202\323\344\223\002!\"\034/v1/admin/reset_prefix_cache:\001*'
+  _globals['_ADMINSERVICE'].methods_by_name['Sleep']._loaded_options = None
+  _globals['_ADMINSERVICE'].methods_by_name['Sleep']._serialized_options = b'\202\323\344\223\002\024\"\017/v1/admin/sleep:\001*'
+  _globals['_ADMINSERVICE'].methods_by_name['WakeUp']._loaded_options = None
+  _globals['_ADMINSERVICE'].methods_by_name['WakeUp']._serialized_options = b'\202\323\344\223\002\026\"\021/v1/admin/wake_up:\001*'
+  _globals['_ADMINSERVICE'].methods_by_name['IsSleeping']._loaded_options = None
+  _globals['_ADMINSERVICE'].methods_by_name['IsSleeping']._serialized_options = b'\202\323\344\223\002\027\022\025/v1/admin/is_sleeping'
   _globals['_GETSERVERINFOREQUEST']._serialized_start=90
   _globals['_GETSERVERINFOREQUEST']._serialized_end=112
   _globals['_SERVERCAPABILITIES']._serialized_start=114
@@ -65,6 +75,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTREQUEST']._serialized_end=1061
   _globals['_ABORTRESPONSE']._serialized_start=1063
   _globals['_ABORTRESPONSE']._serialized_end=1107
-  _globals['_ADMINSERVICE']._serialized_start=1110
-  _globals['_ADMINSERVICE']._serialized_end=1539
+  _globals['_GETLOADREQUEST']._serialized_start=1109
+  _globals['_GETLOADREQUEST']._serialized_end=1125
+  _globals['_GETLOADRESPONSE']._serialized_start=1128
+  _globals['_GETLOADRESPONSE']._serialized_end=1362
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1364
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1389
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1391
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1417
+  _globals['_SLEEPREQUEST']._serialized_start=1419
+  _globals['_SLEEPREQUEST']._serialized_end=1463
+  _globals['_SLEEPRESPONSE']._serialized_start=1465
+  _globals['_SLEEPRESPONSE']._serialized_end=1480
+  _globals['_WAKEUPREQUEST']._serialized_start=1482
+  _globals['_WAKEUPREQUEST']._serialized_end=1497
+  _globals['_WAKEUPRESPONSE']._serialized_start=1499
+  _globals['_WAKEUPRESPONSE']._serialized_end=1515
+  _globals['_ISSLEEPINGREQUEST']._serialized_start=1517
+  _globals['_ISSLEEPINGREQUEST']._serialized_end=1536
+  _globals['_ISSLEEPINGRESPONSE']._serialized_start=1538
+  _globals['_ISSLEEPINGRESPONSE']._serialized_end=1579
+  _globals['_ADMINSERVICE']._serialized_start=1582
+  _globals['_ADMINSERVICE']._serialized_end=2523
 # @@protoc_insertion_point(module_scope)

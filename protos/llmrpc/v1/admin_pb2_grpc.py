@@ -55,6 +55,31 @@ class AdminServiceStub:
                 request_serializer=llmrpc_dot_v1_dot_admin__pb2.AbortRequest.SerializeToString,
                 response_deserializer=llmrpc_dot_v1_dot_admin__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/llmrpc.v1.AdminService/GetLoad',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/llmrpc.v1.AdminService/ResetPrefixCache',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/llmrpc.v1.AdminService/Sleep',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.SleepRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/llmrpc.v1.AdminService/WakeUp',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/llmrpc.v1.AdminService/IsSleeping',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -89,6 +114,42 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """Load figures: requests running and waiting, KV cache usage, prefix cache hit rate, throughput.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Forgets every cached prefix. FAILED_PRECONDITION while requests hold KV cache blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Frees memory while idle (needs --enable-sleep-mode); generation fails with
+        FAILED_PRECONDITION until WakeUp. FAILED_PRECONDITION if requests are running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Restores what Sleep freed; a no-op when awake.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Whether the engine is asleep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +172,31 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=llmrpc_dot_v1_dot_admin__pb2.AbortRequest.FromString,
                     response_serializer=llmrpc_dot_v1_dot_admin__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.GetLoadRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.SleepRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.WakeUpRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +308,141 @@ class AdminService:
             '/llmrpc.v1.AdminService/Abort',
             llmrpc_dot_v1_dot_admin__pb2.AbortRequest.SerializeToString,
             llmrpc_dot_v1_dot_admin__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/GetLoad',
+            llmrpc_dot_v1_dot_admin__pb2.GetLoadRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/ResetPrefixCache',
+            llmrpc_dot_v1_dot_admin__pb2.ResetPrefixCacheRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/Sleep',
+            llmrpc_dot_v1_dot_admin__pb2.SleepRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/WakeUp',
+            llmrpc_dot_v1_dot_admin__pb2.WakeUpRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/IsSleeping',
+            llmrpc_dot_v1_dot_admin__pb2.IsSleepingRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.IsSleepingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmrpc/v1/common.proto\x12\tllmrpc.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"n\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmrpc.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x86\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.llmrpc.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x11\n\tbad_words\x18\x0b \x03(\t\x12\x0e\n\x01n\x18\x0c \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xa6\x02\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x10\n\x0e_time_limit_ms\"\x9f\x01\n\rOutputOptions\x12 \n\x13skip_special_tokens\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmrpc/v1/common.proto\x12\tllmrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x03\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmrpc.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rchat_template\x18\x05 \x01(\tH\x02\x88\x01\x01\x12:\n\x0e\x63ontent_format\x18\x06 \x01(\x0e\x32\x1d.llmrpc.v1.Chat.ContentFormatH\x03\x88\x01\x01\"e\n\rContentFormat\x12\x1e\n\x1a\x43ONTENT_FORMAT_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONTENT_FORMAT_STRING\x10\x01\x12\x19\n\x15\x43ONTENT_FORMAT_OPENAI\x10\x02\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_messageB\x10\n\x0e_chat_templateB\x11\n\x0f_content_format\"\x86\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.llmrpc.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x11\n\tbad_words\x18\x0b \x03(\t\x12\x0e\n\x01n\x18\x0c \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xa6\x02\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x10\n\x0e_time_limit_ms\"\x9f\x01\n\rOutputOptions\x12 \n\x13skip_special_tokens\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TOKENIDS']._serialized_start=37
-  _globals['_TOKENIDS']._serialized_end=60
-  _globals['_CHATMESSAGE']._serialized_start=62
-  _globals['_CHATMESSAGE']._serialized_end=106
-  _globals['_CHAT']._serialized_start=108
-  _globals['_CHAT']._serialized_end=218
-  _globals['_SAMPLINGPARAMS']._serialized_start=221
-  _globals['_SAMPLINGPARAMS']._serialized_end=739
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=564
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=612
-  _globals['_STOPPINGCRITERIA']._serialized_start=742
-  _globals['_STOPPINGCRITERIA']._serialized_end=1036
-  _globals['_OUTPUTOPTIONS']._serialized_start=1039
-  _globals['_OUTPUTOPTIONS']._serialized_end=1198
+  _globals['_TOKENIDS']._serialized_start=67
+  _globals['_TOKENIDS']._serialized_end=90
+  _globals['_CHATMESSAGE']._serialized_start=92
+  _globals['_CHATMESSAGE']._serialized_end=136
+  _globals['_CHAT']._serialized_start=139
+  _globals['_CHAT']._serialized_end=596
+  _globals['_CHAT_CONTENTFORMAT']._serialized_start=405
+  _globals['_CHAT_CONTENTFORMAT']._serialized_end=506
+  _globals['_SAMPLINGPARAMS']._serialized_start=599
+  _globals['_SAMPLINGPARAMS']._serialized_end=1117
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=942
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=990
+  _globals['_STOPPINGCRITERIA']._serialized_start=1120
+  _globals['_STOPPINGCRITERIA']._serialized_end=1414
+  _globals['_OUTPUTOPTIONS']._serialized_start=1417
+  _globals['_OUTPUTOPTIONS']._serialized_end=1576
 # @@protoc_insertion_point(module_scope)

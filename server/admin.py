@@ -1,0 +1,82 @@
+"""AdminService: server and model facts, abort, load figures, prefix cache reset, sleep/wake."""
+
+from __future__ import annotations
+
+import logging
+
+from llmrpc.server import convert
+from llmrpc.server.errors import FailedPrecondition, handle_errors
+from llmrpc.server.state import API_VERSION, SERVICE_NAMES, ServerState, server_version
+from llmrpc.v1 import admin_pb2, admin_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    @handle_errors
+    async def GetServerInfo(self, request, context):
+        state = self.state
+        engine = state.engine
+        capabilities = admin_pb2.ServerCapabilities(
+            tls=state.tls,
+            auth_required=state.auth_required,
+            prefix_caching=state.effective_config.get("enable_prefix_caching") == "True",
+            device=getattr(engine.model_info, "device", "cpu") if engine is not None else "",
+            services=[*SERVICE_NAMES, *state.extra_services],
+        )
+        return admin_pb2.GetServerInfoResponse(
+            version=server_version(),
+            api_version=API_VERSION,
+            capabilities=capabilities,
+            config=state.effective_config,
+        )
+
+    @handle_errors
+    async def GetModelInfo(self, request, context):
+        name = self.state.model_name(request.model)
+        return convert.model_info_response(name, self.state.require_engine().model_info)
+
+    @handle_errors
+    async def ListModels(self, request, context):
+        return convert.list_models_response(self.state.require_engine().model_info)
+
+    @handle_errors
+    async def Abort(self, request, context):
+        engine = self.state.require_engine()
+        aborted = await engine.abort(list(request.request_ids))
+        if aborted:
+            logger.info("aborted %d request(s): %s", len(aborted), ", ".join(aborted))
+        return admin_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    @handle_errors
+    async def GetLoad(self, request, context):
+        return convert.load_response(self.state.require_engine().stats)
+
+    @handle_errors
+    async def ResetPrefixCache(self, request, context):
+        if not await self.state.require_engine().reset_prefix_cache():
+            raise FailedPrecondition(
+                "prefix_cache", "requests hold KV cache blocks; retry once they finish"
+            )
+        logger.info("prefix cache reset")
+        return admin_pb2.ResetPrefixCacheResponse()
+
+    @handle_errors
+    async def Sleep(self, request, context):
+        level = request.level if request.HasField("level") else 1
+        with convert.engine_errors(request):
+            await self.state.require_engine().sleep(level)
+        return admin_pb2.SleepResponse()
+
+    @handle_errors
+    async def WakeUp(self, request, context):
+        with convert.engine_errors(request):
+            await self.state.require_engine().wake_up()
+        return admin_pb2.WakeUpResponse()
+
+    @handle_errors
+    async def IsSleeping(self, request, context):
+        return admin_pb2.IsSleepingResponse(is_sleeping=self.state.require_engine().is_sleeping)

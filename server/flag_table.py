@@ -1,0 +1,400 @@
+"""The ``llmrpc serve`` flag table: every flag of ``vllm serve`` and our own, one row each.
+
+A row gives the flag's names, vLLM's default, its value parser, its state (works / refused /
+inert, see ``flags``) and, for a flag that works, the configuration field it sets. Changing a
+flag's state is changing its row. ``options`` builds the parser, ``--help`` and the
+configurations from this table alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmrpc.engine.config import DTYPES, LOAD_FORMATS
+from llmrpc.server.flags import (
+    Flag,
+    compilation_config,
+    human_readable_int,
+    inert,
+    json_object,
+    json_value,
+    ours,
+    refused,
+    works,
+)
+from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
+
+# Why a flag is refused or inert; each is the end of a sentence naming the flag.
+REST = "serves the REST gateway, which is not in this build (gRPC only)"
+ENGINE_TODO = "is not supported by this build's engine yet"
+ONE_DEVICE = "needs several devices or processes; this build runs the engine on one device"
+LORA = "needs LoRA adapters, which this build does not support"
+MULTIMODAL = "needs multimodal inputs, which this build does not support"
+STRUCTURED = "needs structured output (guided decoding), which this build does not support"
+TOOLS = "needs tool calling, which this build does not support"
+NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
+POOLING = "needs pooling (embedding) models; this build serves text generation only"
+TRACING = "needs OpenTelemetry tracing, which this build does not support"
+KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
+QUANTIZATION = "needs quantized weights, which this build does not support"
+NOT_SUPPORTED = "is not supported by this build"
+GPU_TUNING = "tunes CUDA graphs or GPU kernels; the engine makes these choices itself"
+GPU_MEMORY = (
+    "sizes GPU memory; size the KV cache with --kv-cache-memory or --num-gpu-blocks-override"
+)
+REMOVED = "was removed from vLLM; accepted so old command lines still start"
+NO_EFFECT_HERE = "has nothing to act on in this build"
+
+
+def _group(name: str, *flags: Flag) -> list[Flag]:
+    return [dataclasses.replace(flag, group=name) for flag in flags]
+
+
+_OURS = _group(
+    "llmrpc (our own flags)",
+    ours("--grpc-port", DEFAULT_GRPC_PORT, int, "frontend.grpc_port", "gRPC port; always on."),
+    ours(
+        "--health-port", None, int, "frontend.health_port",
+        "A second, plaintext port serving grpc.health.v1 alone, for Kubernetes gRPC probes "
+        "(which cannot use TLS). Default: none.",
+    ),
+    ours("--log-level", "info", str, "logs.level", "Logging level.",
+         choices=("debug", "info", "warning", "error", "critical")),
+    ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",
+         "Seconds between periodic stats lines (see --disable-log-stats).", metavar="SECONDS"),
+    ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
+         "GiB of host memory for the KV cache when no GPU is used; it sets the number of KV "
+         "blocks.", metavar="GIB"),
+    ours("--drain-delay", 0.0, float, "frontend.drain_delay_s",
+         "On SIGTERM, health turns NOT_SERVING at once and new calls are still served for this "
+         "many seconds, so load balancers can stop routing here; then the server stops. Set it "
+         "to the probe period behind a load balancer.", metavar="SECONDS"),
+    ours("--shutdown-grace", 10.0, float, "frontend.shutdown_grace_s",
+         "After the drain delay, calls in flight get this long to finish; new calls get "
+         "UNAVAILABLE. A second SIGTERM cancels them at once.", metavar="SECONDS"),
+    ours("--max-waiting-requests", None, int, "limits.max_waiting_requests",
+         "Most generation requests waiting for a place in the batch; past it, calls get "
+         "RESOURCE_EXHAUSTED with a RetryInfo detail. Default: no bound."),
+    ours("--grpc-max-receive-message-size", 16 * MIB, human_readable_int,
+         "limits.max_receive_message_size",
+         "Largest request message in bytes (16M = 16 MiB); larger ones get RESOURCE_EXHAUSTED.",
+         metavar="BYTES"),
+    ours("--grpc-max-send-message-size", 16 * MIB, human_readable_int,
+         "limits.max_send_message_size", "Largest response message in bytes.", metavar="BYTES"),
+    ours("--grpc-keepalive-time", 60.0, float, "limits.keepalive_time_s",
+         "Seconds between the server's keepalive pings on a connection.", metavar="SECONDS"),
+    ours("--grpc-keepalive-timeout", 20.0, float, "limits.keepalive_timeout_s",
+         "Seconds to wait for a keepalive ping's answer before closing the connection.",
+         metavar="SECONDS"),
+    ours("--grpc-keepalive-min-ping-interval", 10.0, float, "limits.min_ping_interval_s",
+         "Shortest interval allowed between a client's pings; a client pinging more often is "
+         "disconnected (GOAWAY too_many_pings).", metavar="SECONDS"),
+    ours("--grpc-max-connection-age", None, float, "limits.max_connection_age_s",
+         "Close connections after this many seconds, so clients spread over new replicas. "
+         "Default: never.", metavar="SECONDS"),
+    ours("--grpc-max-connection-age-grace", None, float, "limits.max_connection_age_grace_s",
+         "Calls in flight on a connection past its age get this long to finish. Default: "
+         "unlimited.", metavar="SECONDS"),
+    ours("--grpc-max-concurrent-streams", None, int, "limits.max_concurrent_streams",
+         "Most calls in flight on one connection; more wait on the client. Default: no limit."),
+)  # fmt: skip
+
+_FRONTEND = _group(
+    "frontend",
+    works("--config", None, str, None,
+          "YAML file of flags: keys are flag names without the leading dashes; the command line "
+          "wins over the file.", metavar="FILE"),
+    works("--host", None, str, "frontend.host", "Address to listen on. Default: all addresses."),
+    refused("--port", 8000, int, REST, target="frontend.port"),
+    refused("--uds", None, str, REST),
+    refused("--uvicorn-log-level", "info", str, REST,
+            choices=("critical", "error", "warning", "info", "debug", "trace")),
+    refused("--disable-uvicorn-access-log", False, None, REST),
+    refused("--allow-credentials", False, None, REST),
+    refused("--allowed-origins", ["*"], json_value, REST),
+    refused("--allowed-methods", ["*"], json_value, REST),
+    refused("--allowed-headers", ["*"], json_value, REST),
+    works("--api-key", (), str, "frontend.api_key",
+          "Bearer key(s) every call but health and reflection must send as metadata "
+          "'authorization: Bearer KEY'; else UNAUTHENTICATED.", nargs="+", secret=True),
+    works("--ssl-keyfile", None, str, "tls.keyfile", "Private key (PEM) of --ssl-certfile."),
+    works("--ssl-certfile", None, str, "tls.certfile", "Server certificate chain (PEM): TLS."),
+    works("--ssl-ca-certs", None, str, "tls.ca_certs",
+          "CA certificates (PEM) that client certificates must chain to."),
+    works("--ssl-cert-reqs", 0, int, "tls.cert_reqs",
+          "Client certificates: 0 not asked for, 2 required (mutual TLS). 1 (optional) is served "
+          "as 0, with a warning: gRPC servers can only require client certificates or not ask.",
+          choices=(0, 1, 2)),
+    works("--enable-ssl-refresh", False, None, "tls.refresh",
+          "Serve replaced certificate and key files to new connections without a restart."),
+    refused("--root-path", None, str, REST),
+    refused("--middleware", [], str, REST, nargs="+"),
+    refused("--disable-fastapi-docs", False, None, REST),
+    refused("--enable-request-id-headers", False, None, REST),
+    refused("--h11-max-incomplete-event-size", 4194304, int, REST),
+    refused("--h11-max-header-count", 256, int, REST),
+    works("--chat-template", None, str, "frontend.chat_template",
+          "Chat template for chat input: a file, or the template itself. Default: the "
+          "tokenizer's."),
+    refused("--chat-template-content-format", "auto", str, REST,
+            choices=("auto", "string", "openai")),
+    refused("--response-role", "assistant", str, REST),
+    refused("--lora-modules", None, str, LORA, nargs="+"),
+    refused("--return-tokens-as-token-ids", False, None, REST),
+    refused("--enable-auto-tool-choice", False, None, TOOLS),
+    refused("--tool-call-parser", None, str, TOOLS),
+    refused("--tool-parser-plugin", "", str, TOOLS),
+    refused("--exclude-tools-when-tool-choice-none", False, None, TOOLS),
+    refused("--tool-server", None, str, TOOLS),
+    refused("--enable-prompt-tokens-details", False, None, REST),
+    refused("--enable-force-include-usage", False, None, REST),
+    inert("--enable-server-load-tracking", False, None,
+          "is always on: AdminService/GetLoad reports the load"),
+    refused("--enable-tokenizer-info-endpoint", False, None, REST),
+    works("--enable-log-requests", False, None, "logs.enable_log_requests",
+          "Log each generation request: prompt (cut at --max-log-len) and parameters."),
+    inert("--disable-log-requests", False, None,
+          "is deprecated in vLLM: requests are logged only with --enable-log-requests"),
+    works("--enable-log-outputs", False, None, "logs.enable_log_outputs",
+          "Log each request's output when it finishes (cut at --max-log-len)."),
+    works("--max-log-len", None, int, "logs.max_log_len",
+          "Most prompt or output characters (and token ids) in a logged line. Default: all."),
+    works("--disable-log-stats", False, None, "logs.disable_log_stats",
+          "No periodic stats line (running, waiting, KV cache usage, throughput)."),
+    works("--log-config-file", None, str, "logs.config_file",
+          "JSON logging configuration (logging.config.dictConfig) for every logger; formats "
+          "may use %%(request_id)s."),
+    inert("--disable-frontend-multiprocessing", False, None,
+          "is how llmrpc always runs: the engine steps on a thread of the server's process"),
+    refused("--api-server-count", 1, int, ONE_DEVICE),
+    refused("--headless", False, None, "would serve no frontend; this build always serves gRPC"),
+)  # fmt: skip
+
+_MODEL = _group(
+    "model",
+    works("--model", None, str, "model.model",
+          "Model to serve (the same as MODEL): a local folder holding config.json, or a .gguf "
+          "file. Default: the packaged SmolLM2-135M-Instruct."),
+    works("--served-model-name", None, str, "model.served_model_name",
+          "Name(s) clients use in the model field; the first is the default. Default: the "
+          "--model string, or SmolLM2-135M-Instruct for the packaged model.", nargs="+"),
+    works("--tokenizer", None, str, "model.tokenizer",
+          "Tokenizer folder or .gguf file. Default: the model's."),
+    refused("--tokenizer-mode", "auto", str, NOT_SUPPORTED,
+            choices=("auto", "slow", "mistral", "custom")),
+    refused("--tokenizer-revision", None, str, NO_HUB),
+    refused("--revision", None, str, NO_HUB),
+    refused("--code-revision", None, str, NO_HUB),
+    inert("--trust-remote-code", False, None,
+          "has nothing to trust: llmrpc runs only its own model code"),
+    refused("--hf-config-path", None, str, NOT_SUPPORTED),
+    inert("--hf-token", None, str, "has no hub to authenticate to",
+          nargs="?", const=True, secret=True),
+    refused("--hf-overrides", {}, json_object, ENGINE_TODO, target="model.hf_overrides"),
+    refused("--config-format", "auto", str, NOT_SUPPORTED, choices=("auto", "hf", "mistral")),
+    works("--dtype", "auto", str, "model.dtype",
+          "Weight and activation dtype; auto: bfloat16 unless the checkpoint is float16.",
+          choices=DTYPES),
+    works("--seed", 0, int, "model.seed", "Random seed of requests that set none."),
+    works("--max-model-len", None, human_readable_int, "model.max_model_len",
+          "Context window in tokens (prompt plus output); takes 1k/1K/25.6k/2m: lower case "
+          "is powers of 1000, upper case powers of 1024. Default: the model's own."),
+    refused(("--quantization", "-q"), None, str, QUANTIZATION),
+    refused("--rope-scaling", {}, json_object, ENGINE_TODO, target="model.rope_scaling"),
+    refused("--rope-theta", None, float, ENGINE_TODO, target="model.rope_theta"),
+    inert("--enforce-eager", False, None, GPU_TUNING),
+    inert("--max-seq-len-to-capture", 8192, int, GPU_TUNING),
+    refused("--max-logprobs", 20, int, ENGINE_TODO, target="model.max_logprobs"),
+    refused("--logprobs-mode", "raw_logprobs", str, ENGINE_TODO, target="model.logprobs_mode",
+            choices=("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")),
+    inert("--disable-sliding-window", False, None,
+          "has nothing to disable: the native models attend over the whole context"),
+    inert("--disable-cascade-attn", False, None, GPU_TUNING),
+    refused("--skip-tokenizer-init", False, None, ENGINE_TODO,
+            target="model.skip_tokenizer_init"),
+    refused("--enable-prompt-embeds", False, None, NOT_SUPPORTED),
+    refused("--generation-config", "auto", str, ENGINE_TODO, target="model.generation_config"),
+    refused("--override-generation-config", {}, json_object, ENGINE_TODO,
+            target="model.override_generation_config"),
+    works("--enable-sleep-mode", False, None, "model.enable_sleep_mode",
+          "Allow AdminService Sleep and WakeUp (free the KV cache, and the weights at level 2)."),
+    refused("--model-impl", "auto", str, ENGINE_TODO, target="model.model_impl",
+            choices=("auto", "vllm", "transformers")),
+    refused("--runner", "auto", str, POOLING, accepted=("generate",),
+            choices=("auto", "generate", "pooling", "draft")),
+    refused("--convert", "auto", str, POOLING, accepted=("none",),
+            choices=("auto", "none", "embed", "classify", "reward")),
+    refused("--task", None, str, POOLING, accepted=("auto", "generate")),
+    refused("--logits-processors", None, str, NOT_SUPPORTED, nargs="+"),
+    refused("--logits-processor-pattern", None, str, NOT_SUPPORTED),
+    refused("--override-pooler-config", None, json_object, POOLING),
+    refused("--override-attention-dtype", None, str, NOT_SUPPORTED),
+    refused("--allowed-local-media-path", "", str, MULTIMODAL),
+    inert("--disable-async-output-proc", False, None, REMOVED),
+    inert("--override-neuron-config", {}, json_object, "configures AWS Neuron devices"),
+)  # fmt: skip
+
+_LOADING = _group(
+    "loading",
+    works("--load-format", "auto", str, "model.load_format",
+          "How to read the weights; dummy = random weights, for tests and benchmarks.",
+          choices=LOAD_FORMATS),
+    inert("--download-dir", None, str, "has nothing to download: models are local"),
+    refused("--model-loader-extra-config", {}, json_object, NOT_SUPPORTED),
+    inert("--ignore-patterns", None, str, "has nothing to download: models are local",
+          nargs="+"),
+    inert("--use-tqdm-on-load", True, None, "is always on: loading shows its progress"),
+    inert("--pt-load-map-location", "cpu", str, "applies to .pt checkpoints, not read here"),
+)  # fmt: skip
+
+_STRUCTURED_OUTPUT = _group(
+    "structured output and reasoning",
+    refused("--guided-decoding-backend", "auto", str, STRUCTURED,
+            choices=("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")),
+    refused("--guided-decoding-disable-fallback", False, None, STRUCTURED),
+    refused("--guided-decoding-disable-any-whitespace", False, None, STRUCTURED),
+    refused("--guided-decoding-disable-additional-properties", False, None, STRUCTURED),
+    refused("--reasoning-parser", "", str, NOT_SUPPORTED),
+    refused("--enable-reasoning", False, None, NOT_SUPPORTED),
+)  # fmt: skip
+
+_PARALLELISM = _group(
+    "parallelism",
+    refused(("--tensor-parallel-size", "-tp"), 1, int, ONE_DEVICE),
+    refused(("--pipeline-parallel-size", "-pp"), 1, int, ONE_DEVICE),
+    refused(("--data-parallel-size", "-dp"), 1, int, ONE_DEVICE),
+    refused(("--data-parallel-rank", "-dpn"), None, int, ONE_DEVICE),
+    refused(("--data-parallel-start-rank", "-dpr"), None, int, ONE_DEVICE),
+    refused(("--data-parallel-size-local", "-dpl"), None, int, ONE_DEVICE),
+    refused(("--data-parallel-address", "-dpa"), None, str, ONE_DEVICE),
+    refused(("--data-parallel-rpc-port", "-dpp"), None, int, ONE_DEVICE),
+    refused(("--data-parallel-backend", "-dpb"), "mp", str, ONE_DEVICE, choices=("mp", "ray")),
+    refused("--data-parallel-hybrid-lb", False, None, ONE_DEVICE),
+    refused("--distributed-executor-backend", None, str, ONE_DEVICE, accepted=("uni",),
+            choices=("mp", "ray", "uni", "external_launcher")),
+    refused("--enable-expert-parallel", False, None, ONE_DEVICE),
+    refused("--enable-eplb", False, None, ONE_DEVICE),
+    refused("--num-redundant-experts", 0, int, ONE_DEVICE),
+    refused("--eplb-window-size", 1000, int, ONE_DEVICE),
+    refused("--eplb-step-interval", 3000, int, ONE_DEVICE),
+    refused("--eplb-log-balancedness", False, None, ONE_DEVICE),
+    inert("--max-parallel-loading-workers", None, int, "applies to several workers; one loads"),
+    inert("--disable-custom-all-reduce", False, None, "applies to several devices; one is used"),
+    refused("--worker-cls", "auto", str, NOT_SUPPORTED),
+    refused("--worker-extension-cls", "", str, NOT_SUPPORTED),
+    inert("--ray-workers-use-nsight", False, None, "profiles Ray workers; there are none"),
+    refused("--enable-multimodal-encoder-data-parallel", False, None, MULTIMODAL),
+)  # fmt: skip
+
+_KV_CACHE = _group(
+    "KV cache",
+    works("--block-size", 16, int, "cache.block_size", "Tokens per KV cache block."),
+    inert("--gpu-memory-utilization", 0.9, float, GPU_MEMORY),
+    inert("--swap-space", 4.0, float, "sizes swap for preemption; preemption recomputes here"),
+    refused("--kv-cache-dtype", "auto", str, NOT_SUPPORTED,
+            choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
+    works("--num-gpu-blocks-override", None, int, "cache.num_gpu_blocks_override",
+          "Exact number of KV cache blocks, overriding --kv-cache-memory."),
+    works("--enable-prefix-caching", True, None, "cache.enable_prefix_caching",
+          "Reuse the KV cache of shared prompt prefixes."),
+    refused("--prefix-caching-hash-algo", "builtin", str, ENGINE_TODO,
+            target="cache.prefix_caching_hash_algo",
+            choices=("builtin", "sha256", "sha256_cbor_64bit")),
+    refused("--cpu-offload-gb", 0.0, float, NOT_SUPPORTED),
+    inert("--calculate-kv-scales", False, None, "applies to fp8 KV caches, not used here"),
+    inert("--kv-sharing-fast-prefill", False, None, GPU_TUNING),
+    inert("--mamba-cache-dtype", "auto", str, "applies to Mamba models, not served here"),
+    inert("--mamba-ssm-cache-dtype", "auto", str, "applies to Mamba models, not served here"),
+)  # fmt: skip
+
+_SCHEDULER = _group(
+    "scheduler",
+    works("--max-num-batched-tokens", 2048, human_readable_int,
+          "scheduler.max_num_batched_tokens", "Most tokens computed in one engine step."),
+    works("--max-num-seqs", 256, int, "scheduler.max_num_seqs", "Most requests in one batch."),
+    refused("--enable-chunked-prefill", True, None, ENGINE_TODO,
+            target="scheduler.enable_chunked_prefill"),
+    refused("--max-num-partial-prefills", 1, int, ENGINE_TODO,
+            target="scheduler.max_num_partial_prefills"),
+    refused("--max-long-partial-prefills", 1, int, ENGINE_TODO,
+            target="scheduler.max_long_partial_prefills"),
+    refused("--long-prefill-token-threshold", 0, human_readable_int, ENGINE_TODO,
+            target="scheduler.long_prefill_token_threshold"),
+    refused("--scheduling-policy", "fcfs", str, ENGINE_TODO, target="scheduler.scheduling_policy",
+            choices=("fcfs", "priority")),
+    refused("--preemption-mode", None, str, ENGINE_TODO, target="scheduler.preemption_mode",
+            accepted=("recompute",), choices=("recompute", "swap")),
+    refused("--num-lookahead-slots", 0, int, NOT_SUPPORTED),
+    refused("--scheduler-delay-factor", 0.0, float, NOT_SUPPORTED),
+    inert("--cuda-graph-sizes", [], int, GPU_TUNING, nargs="+"),
+    refused("--scheduler-cls", "vllm.core.scheduler.Scheduler", str, NOT_SUPPORTED),
+    inert("--disable-hybrid-kv-cache-manager", False, None, NO_EFFECT_HERE),
+    inert("--async-scheduling", False, None, "is the engine's own choice here"),
+    inert("--disable-chunked-mm-input", False, None, NO_EFFECT_HERE),
+    inert("--num-scheduler-steps", 1, int, REMOVED),
+    inert("--multi-step-stream-outputs", True, None, REMOVED),
+)  # fmt: skip
+
+_LORA = _group(
+    "LoRA",
+    refused("--enable-lora", False, None, LORA),
+    refused("--enable-lora-bias", False, None, LORA),
+    refused("--max-loras", 1, int, LORA),
+    refused("--max-lora-rank", 16, int, LORA),
+    refused("--lora-extra-vocab-size", 256, int, LORA),
+    refused("--lora-dtype", "auto", str, LORA),
+    refused("--max-cpu-loras", None, int, LORA),
+    refused("--fully-sharded-loras", False, None, LORA),
+    refused("--long-lora-scaling-factors", None, float, LORA, nargs="+"),
+    refused("--default-mm-loras", None, json_object, LORA),
+)  # fmt: skip
+
+_MULTIMODAL = _group(
+    "multimodal",
+    refused("--limit-mm-per-prompt", {}, json_object, MULTIMODAL),
+    refused("--media-io-kwargs", {}, json_object, MULTIMODAL),
+    refused("--mm-processor-kwargs", None, json_object, MULTIMODAL),
+    refused("--mm-processor-cache-gb", 4.0, float, MULTIMODAL),
+    refused("--disable-mm-preprocessor-cache", False, None, MULTIMODAL),
+    refused("--interleave-mm-strings", False, None, MULTIMODAL),
+    refused("--skip-mm-profiling", False, None, MULTIMODAL),
+)  # fmt: skip
+
+_OBSERVABILITY = _group(
+    "observability",
+    refused("--otlp-traces-endpoint", None, str, TRACING),
+    refused("--collect-detailed-traces", None, str, TRACING, nargs="+"),
+    refused("--show-hidden-metrics-for-version", None, str, REST),
+)  # fmt: skip
+
+_OTHER = _group(
+    "other",
+    refused("--speculative-config", None, json_object, NOT_SUPPORTED),
+    refused("--kv-transfer-config", None, json_object, KV_TRANSFER),
+    refused("--kv-events-config", None, json_object, KV_TRANSFER),
+    inert(("--compilation-config", "-O"), {}, compilation_config,
+          "configures torch.compile and CUDA graphs; the engine makes these choices itself"),
+    inert("--additional-config", {}, json_object, "configures other hardware platforms"),
+    inert("--use-v2-block-manager", False, None, REMOVED),
+    inert("--enable-prompt-adapter", False, None, REMOVED),
+    inert("--prompt-adapters", None, str, REMOVED, nargs="+"),
+    inert("--max-prompt-adapters", 1, int, REMOVED),
+    inert("--max-prompt-adapter-token", 0, int, REMOVED),
+    inert("--qlora-adapter-name-or-path", None, str, REMOVED),
+    inert("--device", "auto", str, "is chosen by the engine: CUDA when present, else the CPU"),
+)  # fmt: skip
+
+FLAGS: tuple[Flag, ...] = (
+    *_MODEL,
+    *_FRONTEND,
+    *_OURS,
+    *_LOADING,
+    *_STRUCTURED_OUTPUT,
+    *_PARALLELISM,
+    *_KV_CACHE,
+    *_SCHEDULER,
+    *_LORA,
+    *_MULTIMODAL,
+    *_OBSERVABILITY,
+    *_OTHER,
+)

@@ -1,0 +1,83 @@
+"""grpc.health.v1 for the server ("") and each service, and the plaintext health-only port.
+
+Kubernetes gRPC probes cannot use TLS, so with ``--health-port`` a second, plaintext server
+answers health alone, from the same servicer: both ports always report the same status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from llmrpc.server.settings import BindError, grpc_bind_address
+
+logger = logging.getLogger(__name__)
+
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """Ends its Watch streams (status OK) on ``end_watches``: left open, they would hold a
+    stopping server for its whole grace period."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ended = asyncio.Event()
+
+    async def Watch(self, request, context) -> None:
+        watching = asyncio.ensure_future(super().Watch(request, context))
+        ending = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait((watching, ending), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            ending.cancel()
+
+    def end_watches(self) -> None:
+        self._ended.set()
+
+
+class Health:
+    """The health servicer and the services it reports on."""
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        self.servicer = _HealthServicer()
+        self.services = ("", *services)
+
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING for all; Watch streams see the change at once."""
+        for service in self.services:
+            await self.servicer.set(service, SERVING if serving else NOT_SERVING)
+
+    async def shut_down(self) -> None:
+        """NOT_SERVING for good: later ``set_serving`` calls change nothing."""
+        await self.servicer.enter_graceful_shutdown()
+
+    def end_watches(self) -> None:
+        """End every Watch stream, once nothing else holds the stopping server."""
+        self.servicer.end_watches()
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def start_plaintext_port(
+        self, host: str | None, port: int
+    ) -> tuple[grpc.aio.Server, int]:
+        """A server answering health alone on ``host:port`` (0: the OS chooses)."""
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        self.add_to(server)
+        address = grpc_bind_address(host, port)
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise BindError(f"--health-port {port}: cannot listen on {address}") from error
+        await server.start()
+        logger.info(
+            "health alone, in plaintext, on %s (--health-port)", grpc_bind_address(host, bound)
+        )
+        return server, bound
