@@ -1,0 +1,178 @@
+"""The two ways ``llmrpc bench serve`` sends a request and times it.
+
+``grpc``: ``GenerationService.GenerateStream`` through ``AsyncClient``. ``openai``: streamed
+``POST /v1/completions`` (server-sent events) over httpx, which any OpenAI-compatible server
+accepts, vLLM's included; ``ignore_eos`` is vLLM's extension of that API, and token-id prompts
+use the API's list-of-integers form of ``prompt``.
+
+Timing is taken when a response carrying new tokens arrives: time to first token (TTFT) is
+from sending to the first one, inter-token latencies (ITL) are the gaps between later ones. A
+message that carries several tokens (a server merging deltas for a slow reader) counts as one
+gap, as in vLLM's benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from llmrpc.clients.async_client import AsyncClient
+from llmrpc.clients.bench.datasets import BenchRequest
+from llmrpc.clients.errors import LlmrpcError
+
+
+@dataclass
+class RequestResult:
+    """What one benchmark request measured; times in seconds."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+
+
+class _Timer:
+    def __init__(self, result: RequestResult) -> None:
+        self.result = result
+        self.start = self.last = time.perf_counter()
+        self.seen_token = False
+
+    def tokens_arrived(self) -> None:
+        now = time.perf_counter()
+        if self.seen_token:
+            self.result.itl.append(now - self.last)
+        else:
+            self.result.ttft = now - self.start
+            self.seen_token = True
+        self.last = now
+
+    def finish(self) -> RequestResult:
+        self.result.latency = time.perf_counter() - self.start
+        self.result.success = self.seen_token
+        if not self.seen_token:
+            self.result.error = "the server returned no tokens"
+        return self.result
+
+
+class GrpcBackend:
+    name = "grpc"
+
+    def __init__(self, client: AsyncClient, ignore_eos: bool, temperature: float) -> None:
+        self.client = client
+        self.params = {"ignore_eos": ignore_eos, "temperature": temperature}
+
+    async def model_name(self) -> str:
+        return (await self.client.model_info()).model
+
+    async def vocab_size(self) -> int:
+        return (await self.client.model_info()).vocab_size
+
+    async def send(self, request: BenchRequest) -> RequestResult:
+        result = RequestResult(prompt_len=request.prompt_len or 0)
+        timer = _Timer(result)
+        try:
+            stream = self.client.stream(
+                request.prompt, max_tokens=request.output_len, **self.params
+            )
+            async for delta in stream:
+                if delta.token_ids:
+                    timer.tokens_arrived()
+                if delta.usage is not None:
+                    result.prompt_len = delta.usage.prompt_tokens
+                    result.output_len = delta.usage.completion_tokens
+        except LlmrpcError as error:
+            result.error = str(error)
+            return result
+        return timer.finish()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        model: str,
+        vocab_size: int | None,
+        ignore_eos: bool,
+        temperature: float,
+    ) -> None:
+        self.http = http  # its base_url ends in /v1/
+        self.model = model
+        self._vocab_size = vocab_size
+        self.extra = {"ignore_eos": ignore_eos, "temperature": temperature}
+
+    async def vocab_size(self) -> int:
+        # The OpenAI API does not publish it; random token-id prompts need it.
+        if self._vocab_size is None:
+            raise ValueError(
+                "the openai backend needs --vocab-size (or --tokenizer DIR with a config.json) "
+                "for random prompts"
+            )
+        return self._vocab_size
+
+    async def model_name(self) -> str:
+        """The model to ask for: the one given, else the first the server lists."""
+        if self.model:
+            return self.model
+        response = await self.http.get("models")
+        response.raise_for_status()
+        self.model = response.json()["data"][0]["id"]
+        return self.model
+
+    def _body(self, request: BenchRequest) -> dict:
+        return {
+            "model": self.model,
+            "prompt": request.prompt,
+            "max_tokens": request.output_len,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.extra,
+        }
+
+    async def send(self, request: BenchRequest) -> RequestResult:
+        result = RequestResult(prompt_len=request.prompt_len or 0)
+        timer = _Timer(result)
+        num_chunks = 0
+        try:
+            async with self.http.stream("POST", "completions", json=self._body(request)) as reply:
+                if reply.status_code != 200:
+                    body = (await reply.aread()).decode(errors="replace")
+                    result.error = f"HTTP {reply.status_code}: {body[:200]}"
+                    return result
+                async for chunk in _events(reply):
+                    if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                        timer.tokens_arrived()
+                        num_chunks += 1
+                    if usage := chunk.get("usage"):
+                        result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
+                        result.output_len = usage.get("completion_tokens", 0)
+        except (httpx.HTTPError, ValueError) as error:  # connection lost, malformed event
+            result.error = f"{type(error).__name__}: {error}"
+            return result
+        # A server that sends no usage: one token per text chunk is the best estimate.
+        result.output_len = result.output_len or num_chunks
+        return timer.finish()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def _events(reply):
+    """The JSON payloads of an SSE stream, until ``data: [DONE]`` or its end."""
+    async for line in reply.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event names
+        payload = line.removeprefix("data:").strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)

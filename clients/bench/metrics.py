@@ -1,0 +1,90 @@
+"""From per-request measurements to the benchmark's figures, its printed table and its JSON.
+
+Throughputs divide by the wall time of the whole run (first send to last reply). Latencies are
+in milliseconds: TTFT per request; TPOT per request as (latency - TTFT) / (output tokens - 1),
+for requests with more than one output token; ITL over every gap of every request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from llmrpc.clients.bench.backends import RequestResult
+
+PERCENTILES = (50, 90, 99)
+_MAX_ERRORS_LISTED = 5
+
+
+def distribution(values_s: list[float]) -> dict[str, float]:
+    """Mean and percentiles, in milliseconds, of values given in seconds (zeros if none)."""
+    if not values_s:
+        return {"mean": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+    ms = np.asarray(values_s) * 1000.0
+    return {
+        "mean": float(ms.mean()),
+        **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES},
+    }
+
+
+def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
+    """TTFT, TPOT, ITL and end-to-end latency samples in seconds, over successful requests."""
+    done = [r for r in results if r.success]
+    return {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
+
+
+def summarize(results: list[RequestResult], duration_s: float, config: dict) -> dict:
+    """Everything ``bench serve`` reports, JSON-ready."""
+    done = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in done)
+    output_tokens = sum(r.output_len for r in done)
+    errors = Counter(r.error for r in results if not r.success)
+    samples = latency_samples(results)
+    return {
+        "config": config,
+        "duration_s": duration_s,
+        "completed": len(done),
+        "errors": sum(errors.values()),
+        "error_messages": [message for message, _ in errors.most_common(_MAX_ERRORS_LISTED)],
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        **{f"{name}_ms": distribution(values) for name, values in samples.items()},
+    }
+
+
+def format_table(summary: dict) -> str:
+    """The summary as an aligned two-column table, for the terminal."""
+    config = summary["config"]
+    rows = [
+        ("Backend", config["backend"]),
+        ("Concurrency", config["concurrency"]),
+        ("Request rate (req/s)", config["request_rate"]),
+        ("Successful requests", summary["completed"]),
+        ("Failed requests", summary["errors"]),
+        ("Benchmark duration (s)", f"{summary['duration_s']:.2f}"),
+        ("Total input tokens", summary["total_input_tokens"]),
+        ("Total output tokens", summary["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{summary['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{summary['total_token_throughput']:.2f}"),
+    ]
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        stats = summary[f"{name}_ms"]
+        rows.append((f"{title} (ms) mean / p50 / p90 / p99", _quartet(stats)))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    rule = "=" * max(len(line) for line in lines)
+    return "\n".join([rule, *lines, rule])
+
+
+def _quartet(stats: dict[str, float]) -> str:
+    return " / ".join(f"{stats[key]:.2f}" for key in ("mean", "p50", "p90", "p99"))

@@ -1,0 +1,222 @@
+"""``llmrpc bench serve``: load a running server (ours over gRPC, or any OpenAI-compatible one)
+with streamed requests at a set concurrency and arrival rate, and report what a user sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import ssl
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from llmrpc.clients.async_client import AsyncClient
+from llmrpc.clients.bench import datasets, metrics
+from llmrpc.clients.bench.backends import GrpcBackend, OpenAIBackend, RequestResult
+from llmrpc.clients.cli import common
+
+DEFAULT_URLS = {"grpc": "localhost:50051", "openai": "http://localhost:8000"}
+
+
+class BenchError(common.CommandError):
+    """The benchmark cannot run as asked (server unreachable, bad dataset...)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: an llmrpc server, --url host:port (default); openai: any OpenAI-compatible "
+        "server, --url http://host:port.",
+    )
+    parser.add_argument("--model", default="", help="Model to ask for (default: the server's).")
+    parser.add_argument("--num-prompts", type=int, default=100, help="Default 100.")
+    parser.add_argument(
+        "--concurrency",
+        "--max-concurrency",
+        type=int,
+        help="Most requests in flight at once (default: no limit).",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Mean arrivals per second, Poisson-distributed (default: inf, all at once).",
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="Random prompt tokens (128).")
+    parser.add_argument("--output-len", type=int, default=128, help="Tokens per output (128).")
+    parser.add_argument(
+        "--dataset", default="random", help="random, or a ShareGPT-format JSON file."
+    )
+    parser.add_argument("--seed", type=int, default=0, help="Prompts and arrivals.")
+    parser.add_argument("--temperature", type=float, default=0.0, help="Default 0: greedy.")
+    parser.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="Let EOS end outputs early (by default outputs are exactly --output-len tokens).",
+    )
+    parser.add_argument("--vocab-size", type=int, help="openai backend: vocabulary size.")
+    parser.add_argument(
+        "--tokenizer", help="openai backend: model folder whose config.json gives vocab_size."
+    )
+    parser.add_argument("--output-json", type=Path, help="Write the results here as JSON.")
+    parser.add_argument("--plot", type=Path, help="Draw the latency distributions to a PNG.")
+    common.add_connection_arguments(parser, default_target=None)
+
+
+def _openai_http(args: argparse.Namespace) -> httpx.AsyncClient:
+    base = args.target.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise BenchError(f"--url {base!r}: the openai backend needs an http:// or https:// URL")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    verify: ssl.SSLContext | bool = True
+    if args.ca_cert or args.client_cert:
+        verify = ssl.create_default_context(cafile=args.ca_cert)
+        if args.client_cert:
+            verify.load_cert_chain(args.client_cert, args.client_key)
+    return httpx.AsyncClient(
+        base_url=base if base.endswith("/v1") else f"{base}/v1",
+        headers=headers,
+        verify=verify,
+        timeout=httpx.Timeout(args.timeout),  # None: no limit, as long generations need
+        limits=httpx.Limits(max_connections=args.concurrency),
+    )
+
+
+def _vocab_size_of(folder: str | None) -> int | None:
+    config = Path(folder) / "config.json" if folder else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text())["vocab_size"]
+
+
+def make_backend(args: argparse.Namespace) -> GrpcBackend | OpenAIBackend:
+    args.target = args.target or DEFAULT_URLS[args.backend]
+    if args.backend == "openai":
+        vocab_size = args.vocab_size or _vocab_size_of(args.tokenizer or args.model)
+        return OpenAIBackend(
+            _openai_http(args), args.model, vocab_size, args.ignore_eos, args.temperature
+        )
+    client = AsyncClient(
+        args.target,
+        model=args.model,
+        tls=args.tls,
+        ca_cert=args.ca_cert,
+        client_cert=args.client_cert,
+        client_key=args.client_key,
+        server_name=args.server_name,
+        api_key=args.api_key,
+        timeout=args.timeout,
+    )
+    return GrpcBackend(client, args.ignore_eos, args.temperature)
+
+
+async def load_requests(args, backend) -> list[datasets.BenchRequest]:
+    if args.dataset != "random":
+        return datasets.sharegpt_requests(
+            args.dataset, args.num_prompts, args.output_len, args.seed
+        )
+    vocab_size = args.vocab_size or await backend.vocab_size()
+    return datasets.random_requests(
+        args.num_prompts, args.input_len, args.output_len, vocab_size, args.seed
+    )
+
+
+async def _arrivals(requests, rate: float, seed: int):
+    """Requests at Poisson-distributed times of mean rate ``rate`` (all at once if infinite)."""
+    rng = random.Random(seed)
+    for index, request in enumerate(requests):
+        if index and math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+        yield request
+
+
+async def drive(backend, requests, args) -> tuple[list[RequestResult], float]:
+    """Send every request, at most ``--concurrency`` at once; the results and the wall time."""
+    limit = asyncio.Semaphore(args.concurrency or len(requests))
+    progress = tqdm(total=len(requests), desc="bench", unit="req", file=sys.stderr)
+
+    async def send(request) -> RequestResult:
+        async with limit:
+            result = await backend.send(request)
+        progress.update(1)
+        return result
+
+    start = time.perf_counter()
+    tasks = [
+        asyncio.create_task(send(request))
+        async for request in _arrivals(requests, args.request_rate, args.seed)
+    ]
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    progress.close()
+    return list(results), duration
+
+
+async def _check(backend) -> None:
+    """One short request first, so a wrong address, key or model fails fast and clearly."""
+    result = await backend.send(datasets.BenchRequest("Hello", output_len=2))
+    if not result.success:
+        raise BenchError(f"the first test request failed: {result.error}")
+
+
+def run_config(args: argparse.Namespace, model: str) -> dict:
+    return {
+        "backend": args.backend,
+        "url": args.target,
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency or "unlimited",
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "input_len": args.input_len if args.dataset == "random" else None,
+        "output_len": args.output_len,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    }
+
+
+async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestResult]]:
+    backend = make_backend(args)
+    try:
+        model = await backend.model_name()
+        requests = await load_requests(args, backend)
+        await _check(backend)
+        results, duration = await drive(backend, requests, args)
+    except httpx.HTTPError as error:  # openai backend: nothing listens there, or it refused
+        raise BenchError(f"{args.target}: {error}", common.EXIT_UNAVAILABLE) from None
+    finally:
+        await backend.close()
+    return metrics.summarize(results, duration, run_config(args, model)), results
+
+
+def _plot_module():
+    """``bench.plot``, imported only for --plot (matplotlib is an optional dependency); checked
+    before the run, so a missing matplotlib does not waste one."""
+    try:
+        from llmrpc.clients.bench import plot
+    except ImportError as error:
+        message = f"--plot needs matplotlib ({error}); install it with: pip install 'llmrpc[bench]'"
+        raise BenchError(message, common.EXIT_USAGE) from None
+    return plot
+
+
+def main(args: argparse.Namespace) -> int:
+    plot = _plot_module() if args.plot else None
+    summary, results = asyncio.run(benchmark(args))
+    print(metrics.format_table(summary))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(summary, indent=2) + "\n")
+    if plot is not None:
+        plot.draw(metrics.latency_samples(results), summary["config"], args.plot)
+    return common.EXIT_OK if summary["errors"] == 0 else common.EXIT_SERVER_ERROR

@@ -1,0 +1,206 @@
+"""Offline throughput of the engine in this process, no server: every prompt is queued at once
+and the engine steps until all are done (continuous batching under its token budget).
+
+With ``--baseline transformers`` the same prompts also run through Transformers' static-batch
+``generate`` on the same weights and dtype, in the same process, and the ratio of output-token
+throughputs is printed. Prompts are random token ids of exactly --input-len tokens and outputs
+exactly --output-len tokens (EOS ignored; ``min_new_tokens`` for Transformers), greedy on both
+sides, so both do the same work.
+
+Each side first runs the same batch shape untimed, on other prompts and a few output tokens:
+PyTorch's CPU kernels pay a large one-time cost for each new shape, which is not throughput.
+With ``--repeats N`` the sides take turns N times and each keeps its fastest run, so a burst of
+load from other processes on a shared machine skews the ratio less. The engine's prefix cache
+is reset before each run: a repeat must not find its prompts cached.
+
+This module imports torch, the engine and Transformers lazily, inside its functions, so that
+``llmrpc bench`` parses its arguments (and ``bench serve`` runs) without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from llmrpc.clients.bench.datasets import random_requests
+
+_WARMUP_OUTPUT_LEN = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Model folder or .gguf (default: the packaged SmolLM2).")
+    parser.add_argument("--dtype", default="auto", help="As in `llmrpc serve` (default auto).")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the random prompts.")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="As in `llmrpc serve`.")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB for the cache.")
+    parser.add_argument(
+        "--baseline", choices=("transformers",), help="Also run this baseline and print the ratio."
+    )
+    parser.add_argument(
+        "--baseline-batch-size",
+        type=int,
+        help="Prompts per Transformers generate() call (default: all of them in one batch).",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="Runs per side; the best counts.")
+    parser.add_argument("--output-json", type=Path, help="Write the results here as JSON.")
+
+
+class EngineSide:
+    """The engine core, driven step by step in this thread."""
+
+    name = "engine"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+        from llmrpc.engine.core import EngineCore
+
+        self.core = EngineCore(
+            EngineConfig(
+                model=ModelConfig(model=args.model, dtype=args.dtype),
+                cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                ),
+            )
+        )
+        self._num_runs = 0
+
+    def run(self, prompts: list[list[int]], output_len: int) -> int:
+        """Queue every prompt, step until all finish; the number of output tokens."""
+        from llmrpc.engine.request import SamplingParams
+
+        self.core.reset_prefix_cache()
+        self._num_runs += 1
+        for index, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            self.core.add_request(f"run{self._num_runs}-{index}", prompt, params)
+        num_output_tokens = 0
+        while self.core.has_unfinished_requests:
+            num_output_tokens += sum(len(output.token_ids) for output in self.core.step())
+        return num_output_tokens
+
+
+class TransformersSide:
+    """Transformers' greedy static-batch ``generate``, ``batch_size`` prompts per call."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, dtype, batch_size: int | None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.batch_size = batch_size
+
+    def run(self, prompts: list[list[int]], output_len: int) -> int:
+        size = self.batch_size or len(prompts)
+        return sum(
+            self._generate(prompts[i : i + size], output_len) for i in range(0, len(prompts), size)
+        )
+
+    def _generate(self, batch: list[list[int]], num_tokens: int) -> int:
+        import torch
+
+        input_ids = torch.tensor(batch)  # [batch, input_len]: equal lengths, no padding
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,  # EOS suppressed: exactly num_tokens, as ignore_eos
+                do_sample=False,
+                pad_token_id=self.model.config.eos_token_id,
+            )
+        return (output.shape[1] - input_ids.shape[1]) * input_ids.shape[0]
+
+
+def _prompts(args: argparse.Namespace, vocab_size: int, seed: int) -> list[list[int]]:
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, seed)
+    return [request.prompt for request in requests]
+
+
+def _figures(num_requests: int, input_tokens: int, output_tokens: int, elapsed: float) -> dict:
+    return {
+        "elapsed_s": elapsed,
+        "requests": num_requests,
+        "output_tokens": output_tokens,
+        "request_throughput": num_requests / elapsed,
+        "output_throughput": output_tokens / elapsed,
+        "total_token_throughput": (input_tokens + output_tokens) / elapsed,
+    }
+
+
+def measure(sides: list, prompts, warmup_prompts, output_len: int, repeats: int) -> dict:
+    """Each side's figures from its fastest of ``repeats`` runs, the sides taking turns."""
+    for side in sides:
+        side.run(warmup_prompts, _WARMUP_OUTPUT_LEN)
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(repeats):
+        for side in sides:
+            start = time.perf_counter()
+            num_output_tokens = side.run(prompts, output_len)
+            elapsed = time.perf_counter() - start
+            if side.name not in best or elapsed < best[side.name][0]:
+                best[side.name] = (elapsed, num_output_tokens)
+    input_tokens = sum(len(prompt) for prompt in prompts)
+    return {
+        name: _figures(len(prompts), input_tokens, tokens, elapsed)
+        for name, (elapsed, tokens) in best.items()
+    }
+
+
+def format_table(results: dict) -> str:
+    rows = [("", "req/s", "output tok/s", "total tok/s", "seconds")]
+    for name in ("engine", "transformers"):
+        if name in results:
+            r = results[name]
+            rows.append(
+                (
+                    name,
+                    f"{r['request_throughput']:.2f}",
+                    f"{r['output_throughput']:.1f}",
+                    f"{r['total_token_throughput']:.1f}",
+                    f"{r['elapsed_s']:.2f}",
+                )
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+        for row in rows
+    ]
+    if "ratio" in results:
+        lines.append(f"engine / transformers output throughput: {results['ratio']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    engine = EngineSide(args)
+    core = engine.core
+    sides = [engine]
+    if args.baseline == "transformers":
+        sides.append(TransformersSide(core.model_dir, core.dtype, args.baseline_batch_size))
+    vocab_size = core.hf_config.vocab_size
+    prompts, warmup_prompts = (
+        _prompts(args, vocab_size, seed) for seed in (args.seed, args.seed + 1)
+    )
+    results = measure(sides, prompts, warmup_prompts, args.output_len, args.repeats)
+    if "transformers" in results:
+        ratio = (
+            results["engine"]["output_throughput"] / results["transformers"]["output_throughput"]
+        )
+        results["ratio"] = ratio
+    results["config"] = {
+        **{k: v for k, v in vars(args).items() if k not in ("output_json", "mode")},
+        "dtype": str(core.dtype).removeprefix("torch."),
+        "model_dir": str(core.model_dir),
+    }
+    print(format_table(results))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0

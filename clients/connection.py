@@ -1,0 +1,134 @@
+"""How a client reaches a server: target, TLS files, API key, and the retry policy.
+
+Shared by ``Client`` and ``AsyncClient`` (and the command-line client), so both accept the same
+targets: ``host:port``, ``unix:/path`` (or ``unix:///path``), and ``grpc://host:port`` or
+``grpcs://host:port`` (the latter turns TLS on). Giving a CA, a client certificate or
+``tls=True`` also turns TLS on; without a CA the system's roots verify the server.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from llmrpc.clients.errors import REQUEST_ID_METADATA, LlmrpcError
+
+API_KEY_METADATA = "authorization"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter, for UNAVAILABLE only.
+
+    Attempt ``n`` (from 1) waits a uniform random time in ``[0, min(max_backoff,
+    initial_backoff * multiplier ** (n - 1))]`` before the next try; jitter keeps many clients
+    from retrying in lockstep after a restart. A server's ``RetryInfo`` delay, when it sends
+    one, is waited instead. ``max_attempts`` counts the first try.
+    """
+
+    max_attempts: int = 5
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+
+    def backoff(self, attempt: int, server_delay: float | None = None) -> float:
+        if server_delay is not None:
+            return server_delay
+        ceiling = min(self.max_backoff, self.initial_backoff * self.multiplier ** (attempt - 1))
+        return random.uniform(0, ceiling)
+
+
+def retry_delay(
+    policy: RetryPolicy, error: LlmrpcError, attempt: int, deadline: float | None
+) -> float | None:
+    """Seconds to wait before retrying after ``error`` on try ``attempt``; None: give up.
+
+    Only UNAVAILABLE is retried (the server is starting, restarting or unreachable); every other
+    code is an answer that retrying cannot change. No retry may outlive the call's deadline.
+    """
+    if error.code != grpc.StatusCode.UNAVAILABLE or attempt >= policy.max_attempts:
+        return None
+    delay = policy.backoff(attempt, error.details.retry_delay)
+    if deadline is not None and time.monotonic() + delay >= deadline:
+        return None
+    return delay
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), at least a millisecond."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """Where and how to connect; see the module docstring for the target forms."""
+
+    target: str = "localhost:50051"
+    tls: bool = False
+    ca_cert: str | Path | None = None  # PEM file of the CA that signed the server's certificate
+    client_cert: str | Path | None = None  # PEM certificate chain for mTLS
+    client_key: str | Path | None = None  # PEM private key for mTLS
+    server_name: str | None = None  # expect this name in the server's certificate
+    api_key: str | None = None  # sent as "authorization: Bearer <key>" on every call
+    timeout: float | None = None  # default per-call deadline in seconds; None: no deadline
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together (mTLS needs both)")
+
+    @property
+    def uses_tls(self) -> bool:
+        return (
+            self.tls
+            or self.target.startswith("grpcs://")
+            or any(f is not None for f in (self.ca_cert, self.client_cert))
+        )
+
+    @property
+    def address(self) -> str:
+        """The target as gRPC dials it (scheme ``grpc://``/``grpcs://`` removed)."""
+        for scheme in ("grpcs://", "grpc://"):
+            if self.target.startswith(scheme):
+                return self.target.removeprefix(scheme).rstrip("/")
+        return self.target
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_cert),
+            private_key=_read(self.client_key),
+            certificate_chain=_read(self.client_cert),
+        )
+
+    def channel_options(self) -> list[tuple[str, object]]:
+        options: list[tuple[str, object]] = [
+            # Generation responses can be long; the 4 MiB default is too tight for big outputs.
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ]
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return options
+
+    def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        pairs = []
+        if self.api_key:
+            pairs.append((API_KEY_METADATA, f"Bearer {self.api_key}"))
+        if request_id:
+            pairs.append((REQUEST_ID_METADATA, request_id))
+        return tuple(pairs)
+
+
+def _read(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()

@@ -1,0 +1,142 @@
+"""``llmrpc bench``: serve over gRPC and over an OpenAI-compatible stand-in, the JSON and the
+plot it writes, and throughput against the Transformers baseline. Numbers are checked for
+consistency (token counts add up, percentiles are ordered), never for speed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai_standin import OpenAIStandIn
+
+from llmrpc.clients import Client
+from llmrpc.clients.bench import metrics
+from llmrpc.clients.bench.backends import RequestResult
+from llmrpc.clients.cli import common
+
+LLMRPC = str(Path(sys.executable).parent / "llmrpc")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([LLMRPC, "bench", *args], capture_output=True, text=True, timeout=300)
+
+
+async def bench_async(*args: str) -> tuple[int, str, str]:
+    """``bench`` in a subprocess while this event loop keeps serving (the OpenAI stand-in)."""
+    process = await asyncio.create_subprocess_exec(
+        LLMRPC, "bench", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+def assert_consistent(summary: dict, num_prompts: int, output_len: int) -> None:
+    assert (summary["completed"], summary["errors"]) == (num_prompts, 0)
+    assert summary["total_output_tokens"] == num_prompts * output_len
+    duration = summary["duration_s"]
+    assert summary["output_throughput"] * duration == pytest.approx(num_prompts * output_len)
+    assert summary["request_throughput"] * duration == pytest.approx(num_prompts)
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        stats = summary[name]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], name
+        assert stats["mean"] > 0, name
+    assert summary["ttft_ms"]["p99"] <= summary["e2el_ms"]["p99"]
+
+
+def test_serve_over_grpc_writes_json_and_a_plot(server, tmp_path):
+    out, plot = tmp_path / "result.json", tmp_path / "latency.png"
+    result = bench(
+        "serve", "--backend", "grpc", "--url", server.address, "--num-prompts", "6",
+        "--concurrency", "3", "--input-len", "16", "--output-len", "8", "--seed", "1",
+        "--output-json", str(out), "--plot", str(plot),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert_consistent(summary, num_prompts=6, output_len=8)
+    assert summary["total_input_tokens"] == 6 * 16
+    assert summary["config"]["concurrency"] == 3
+    assert "Output token throughput (tok/s)" in result.stdout
+    assert plot.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_serve_with_a_sharegpt_file_and_a_request_rate(server, tmp_path):
+    prompts = ["Tell me about the sea.", "What is a prime number?"]
+    conversations = [
+        {"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "..."}]}
+        for p in prompts
+    ] + [{"conversations": [{"from": "gpt", "value": "a reply with no question"}]}]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    out = tmp_path / "result.json"
+    result = bench(
+        "serve", "--url", server.address, "--dataset", str(dataset), "--num-prompts", "2",
+        "--request-rate", "20", "--output-len", "5", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert_consistent(summary, num_prompts=2, output_len=5)
+    with Client(server.address) as client:
+        assert summary["total_input_tokens"] == sum(client.tokenize(p).count for p in prompts)
+
+
+async def test_serve_over_the_openai_api(server, tmp_path):
+    standin = OpenAIStandIn(server.address)
+    port = await standin.start()
+    out = tmp_path / "result.json"
+    try:
+        code, stdout, stderr = await bench_async(
+            "serve", "--backend", "openai", "--url", f"http://127.0.0.1:{port}",
+            "--vocab-size", "49152", "--num-prompts", "4", "--concurrency", "2",
+            "--input-len", "12", "--output-len", "6", "--output-json", str(out),
+        )  # fmt: skip
+    finally:
+        await standin.stop()
+    assert code == 0, stderr
+    summary = json.loads(out.read_text())
+    assert_consistent(summary, num_prompts=4, output_len=6)
+    assert summary["total_input_tokens"] == 4 * 12
+    assert summary["config"]["model"] == server.running.engine.model_info.served_model_names[0]
+    assert standin.num_completions == 5  # the first test request, then the four measured
+
+
+def test_serve_with_no_server_exits_3(unused_tcp_port):
+    result = bench("serve", "--url", f"127.0.0.1:{unused_tcp_port}", "--num-prompts", "1")
+    assert result.returncode == common.EXIT_UNAVAILABLE
+    assert "UNAVAILABLE" in result.stderr
+
+
+def test_throughput_against_the_transformers_baseline(tiny_llama_dir, tmp_path):
+    out = tmp_path / "result.json"
+    result = bench(
+        "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32", "--num-prompts", "4",
+        "--input-len", "16", "--output-len", "8", "--kv-cache-memory", "0.05",
+        "--baseline", "transformers", "--repeats", "2", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "engine / transformers output throughput:" in result.stdout
+    results = json.loads(out.read_text())
+    assert results["engine"]["output_tokens"] == results["transformers"]["output_tokens"] == 32
+    ratio = results["engine"]["output_throughput"] / results["transformers"]["output_throughput"]
+    assert results["ratio"] == pytest.approx(ratio)
+    assert results["config"]["dtype"] == "float32"
+
+
+def test_summary_of_known_measurements():
+    ok = RequestResult(
+        success=True, prompt_len=4, output_len=11, ttft=0.1, itl=[0.1] * 10, latency=1.1
+    )
+    failed = RequestResult(error="UNAVAILABLE: gone")
+    summary = metrics.summarize([ok, failed], duration_s=2.0, config={})
+    assert (summary["completed"], summary["errors"]) == (1, 1)
+    assert summary["error_messages"] == ["UNAVAILABLE: gone"]
+    assert summary["output_throughput"] == pytest.approx(5.5)
+    assert summary["total_token_throughput"] == pytest.approx(7.5)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert summary["itl_ms"]["p99"] == pytest.approx(100.0)
+    assert summary["e2el_ms"]["mean"] == pytest.approx(1100.0)

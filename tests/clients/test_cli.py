@@ -1,0 +1,150 @@
+"""The command-line client end to end: ``llmrpc generate|chat|tokenize|admin`` in subprocesses
+against a running server; stdout, stderr and exit codes as a shell user relies on them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmrpc.clients import Client
+from llmrpc.clients.cli import common
+
+LLMRPC = str(Path(sys.executable).parent / "llmrpc")
+GREEDY_FLAGS = ["--temperature", "0", "--ignore-eos"]
+
+
+def llmrpc(*args: str, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [LLMRPC, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.address) as client:
+        yield client
+
+
+def test_generate_prints_the_output_text(server, client):
+    flags = ["--max-tokens", "5", *GREEDY_FLAGS, "--url", server.address]
+    result = llmrpc("generate", "Hello", *flags)
+    expected = client.generate("Hello", max_tokens=5, temperature=0.0, ignore_eos=True).text
+    assert (result.returncode, result.stdout, result.stderr) == (0, expected + "\n", "")
+    streamed = llmrpc("generate", "Hello", "--stream", *flags)
+    assert (streamed.returncode, streamed.stdout) == (0, expected + "\n")
+
+
+def test_generate_json_has_ids_finish_reason_and_usage(server):
+    result = llmrpc(
+        "generate", "-", "--json", "--max-tokens", "4", *GREEDY_FLAGS, "--request-id", "cli-1",
+        stdin="Hello", env={"LLMRPC_TARGET": server.address},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    completion = json.loads(result.stdout)
+    assert completion["request_id"] == "cli-1"
+    assert completion["finish_reason"] == "length"
+    assert len(completion["token_ids"]) == completion["usage"]["completion_tokens"] == 4
+
+
+def test_generate_stream_json_is_one_object_per_delta(server):
+    result = llmrpc(
+        "generate", "100 200 300", "--token-ids", "--stream", "--json", "--max-tokens", "3",
+        *GREEDY_FLAGS, "--url", server.address,
+    )  # fmt: skip
+    deltas = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sum(len(d["token_ids"]) for d in deltas) == 3
+    assert deltas[-1]["usage"]["prompt_tokens"] == 3
+
+
+def test_generate_prints_each_of_n_samples(server, client):
+    flags = ["--n", "2", "--seed", "3", "--max-tokens", "3", "--ignore-eos"]
+    result = llmrpc("generate", "Hello", *flags, "--url", server.address)
+    params = {"n": 2, "seed": 3, "max_tokens": 3, "ignore_eos": True}
+    samples = client.generate("Hello", **params).samples
+    assert (result.returncode, result.stdout) == (0, "".join(s.text + "\n" for s in samples))
+
+
+def test_a_rejected_request_exits_4_with_one_line(server):
+    result = llmrpc("generate", "Hi", "--top-p", "5", "--url", server.address)
+    assert result.returncode == common.EXIT_REJECTED
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert "INVALID_ARGUMENT" in result.stderr and "sampling.top_p" in result.stderr
+    assert "request id " in result.stderr
+
+
+def test_no_server_exits_3(unused_tcp_port):
+    result = llmrpc("admin", "models", "--url", f"127.0.0.1:{unused_tcp_port}", "--timeout", "2")
+    assert result.returncode in (common.EXIT_UNAVAILABLE, common.EXIT_TIMEOUT)
+    assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+
+
+def test_bad_flags_exit_2():
+    result = llmrpc("generate", "Hi", "--max-tokens", "many")
+    assert result.returncode == common.EXIT_USAGE
+    assert "--max-tokens" in result.stderr
+
+
+def test_help_documents_the_exit_codes():
+    result = llmrpc("generate", "--help")
+    assert result.returncode == 0
+    assert "exit codes:" in result.stdout and "UNAVAILABLE" in result.stdout
+
+
+def test_chat_keeps_the_history(server, client):
+    result = llmrpc(
+        "chat", "--max-tokens", "3", *GREEDY_FLAGS, "--system", "Be brief.",
+        "--url", server.address, stdin="Hello\n\nHow are you?\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    params = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = client.chat(history, **params).text
+    history += [
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "How are you?"},
+    ]
+    second = client.chat(history, **params).text
+    assert result.stdout == f"{first}\n{second}\n"
+
+
+def test_tokenize_prints_ids_and_strings(server, client):
+    result = llmrpc("tokenize", "Hello world", "--target", server.address)
+    assert result.returncode == 0, result.stderr
+    tokens = json.loads(result.stdout)
+    assert tokens["token_ids"] == client.tokenize("Hello world").token_ids
+    assert tokens["token_strings"] == ["Hello", "Ġworld"]
+    assert tokens["count"] == 2
+
+
+def test_admin_verbs(server, client):
+    env = {"LLMRPC_TARGET": server.address}
+    info = json.loads(llmrpc("admin", "info", env=env).stdout)
+    assert info["server"]["api_version"] == "v1"
+    assert info["model"]["model"] == client.model_info().model
+    models = json.loads(llmrpc("admin", "models", env=env).stdout)
+    assert [m["id"] for m in models] == [m.id for m in client.models()]
+    load = json.loads(llmrpc("admin", "load", env=env).stdout)
+    assert load["num_running_requests"] == 0 and load["num_kv_blocks"] == 256
+    abort = llmrpc("admin", "abort", "no-such-request", env=env)
+    assert json.loads(abort.stdout) == {"aborted_request_ids": []}
+    reset = llmrpc("admin", "reset-prefix-cache", env=env)
+    assert (reset.returncode, json.loads(reset.stdout)) == (0, {"prefix_cache_reset": True})
+    health = llmrpc("admin", "health", env=env)
+    assert (health.returncode, health.stdout) == (0, "SERVING\n")
+
+
+def test_admin_sleep_without_sleep_mode_is_rejected(server):
+    result = llmrpc("admin", "sleep", "--url", server.address)
+    assert result.returncode == common.EXIT_REJECTED
+    assert "FAILED_PRECONDITION" in result.stderr
