@@ -1,0 +1,24 @@
+"""Fixtures of the gateway tests: a thread running the servers' event loop, and one gRPC replica
+of the tiny model per test module (gateways are cheap: tests start their own in front of it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from envoy_support import Replica, ServerLoop, tiny_engine_config
+
+
+@pytest.fixture(scope="module")
+def server_loop() -> Iterator[ServerLoop]:
+    server_loop = ServerLoop()
+    yield server_loop
+    server_loop.close()
+
+
+@pytest.fixture(scope="module")
+def replica(server_loop: ServerLoop, tiny_llama_dir: Path) -> Iterator[Replica]:
+    started = server_loop.start_replica(tiny_engine_config(tiny_llama_dir), port=0)
+    yield started
+    started.stop()
