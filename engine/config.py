@@ -81,7 +81,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1  # of those, how many may be long
     long_prefill_token_threshold: int = 0  # a longer prompt is "long"; also its chunk cap
     scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    preemption_mode: str | None = None  # None: recompute
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -105,7 +105,7 @@ class SchedulerConfig:
                 "--preemption-mode swap is refused: the KV cache already lives in host memory "
                 "here, so there is nowhere to swap it to; use recompute"
             )
-        if self.preemption_mode != "recompute":
+        if self.preemption_mode not in (None, "recompute"):
             raise ValueError(f"--preemption-mode must be recompute, got {self.preemption_mode!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")

@@ -191,9 +191,8 @@ def test_dash_o_is_the_compilation_level():
 def test_no_booleans_and_default_on_flags():
     assert not parse("--no-enable-prefix-caching").values["enable_prefix_caching"]
     assert parse("--enable-prefix-caching").values["enable_prefix_caching"]
-    options.build_configs(parse("--enable-chunked-prefill"))  # its default: accepted
-    with pytest.raises(ValueError, match="--enable-chunked-prefill false is refused"):
-        options.build_configs(parse("--no-enable-chunked-prefill"))
+    engine_config, _ = options.build_configs(parse("--no-enable-chunked-prefill"))
+    assert not engine_config.scheduler.enable_chunked_prefill
 
 
 def test_config_file_gives_flags_and_the_command_line_wins(tmp_path):
@@ -235,3 +234,41 @@ def test_bad_config_file_is_one_line(tmp_path, capsys, content, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_engine_flags_reach_the_engine_config():
+    engine_config, _ = options.build_configs(
+        parse(
+            "--hf-overrides.rms_norm_eps", "1e-3",
+            "--rope-theta", "5e5",
+            "--rope-scaling", '{"rope_type": "linear", "factor": 2}',
+            "--max-logprobs", "5",
+            "--logprobs-mode", "processed_logits",
+            "--generation-config", "vllm",
+            "--override-generation-config", '{"temperature": 0.5}',
+            "--model-impl", "transformers",
+            "--skip-tokenizer-init",
+            "--prefix-caching-hash-algo", "sha256",
+            "--max-num-partial-prefills", "4",
+            "--max-long-partial-prefills", "2",
+            "--long-prefill-token-threshold", "1k",
+            "--scheduling-policy", "priority",
+            "--preemption-mode", "recompute",
+        )
+    )  # fmt: skip
+    model, cache, scheduler = engine_config.model, engine_config.cache, engine_config.scheduler
+    assert model.hf_overrides == {"rms_norm_eps": 1e-3}
+    assert model.rope_theta == 5e5 and model.rope_scaling == {"rope_type": "linear", "factor": 2}
+    assert (model.max_logprobs, model.logprobs_mode) == (5, "processed_logits")
+    assert model.generation_config == "vllm"
+    assert model.override_generation_config == {"temperature": 0.5}
+    assert model.model_impl == "transformers" and model.skip_tokenizer_init
+    assert cache.prefix_caching_hash_algo == "sha256"
+    assert (scheduler.max_num_partial_prefills, scheduler.max_long_partial_prefills) == (4, 2)
+    assert scheduler.long_prefill_token_threshold == 1000
+    assert scheduler.scheduling_policy == "priority"
+
+
+def test_swap_preemption_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="--preemption-mode swap is refused"):
+        options.build_configs(parse("--preemption-mode", "swap"))
