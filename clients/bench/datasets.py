@@ -32,19 +32,24 @@ class BenchRequest:
 
 
 def random_requests(
-    num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+    shared_prefix_len: int = 0,
 ) -> list[BenchRequest]:
-    """``num_prompts`` prompts of ``input_len`` random token ids each (no shared prefixes)."""
+    """``num_prompts`` prompts of ``input_len`` random token ids each, all after the same
+    ``shared_prefix_len`` random tokens (a common system prompt; 0: nothing shared)."""
     if vocab_size <= _FIRST_ORDINARY_TOKEN:
         raise ValueError(f"vocabulary of {vocab_size} tokens is too small for random prompts")
     rng = random.Random(seed)
-    return [
-        BenchRequest(
-            [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(input_len)],
-            output_len,
-        )
-        for _ in range(num_prompts)
-    ]
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(count)]
+
+    prefix = tokens(shared_prefix_len)
+    return [BenchRequest(prefix + tokens(input_len), output_len) for _ in range(num_prompts)]
 
 
 def sharegpt_requests(

@@ -58,6 +58,9 @@ def summarize(results: list[RequestResult], duration_s: float, config: dict) -> 
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         **{f"{name}_ms": distribution(values) for name, values in samples.items()},
+        # In the order the requests were sent: with --concurrency 1 the first paid for a cold
+        # prefix cache, the rest may find a shared prefix there.
+        "ttft_ms_by_request": [r.ttft * 1000.0 if r.success else None for r in results],
     }
 
 

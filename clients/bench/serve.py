@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Mean arrivals per second, Poisson-distributed (default: inf, all at once).",
     )
     parser.add_argument("--input-len", type=int, default=128, help="Random prompt tokens (128).")
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="Random dataset: this many tokens, the same for every prompt, before each prompt's "
+        "own --input-len tokens (a shared system prompt, to measure prefix caching). Default 0.",
+    )
     parser.add_argument("--output-len", type=int, default=128, help="Tokens per output (128).")
     parser.add_argument(
         "--dataset", default="random", help="random, or a ShareGPT-format JSON file."
@@ -127,7 +134,12 @@ async def load_requests(args, backend) -> list[datasets.BenchRequest]:
         )
     vocab_size = args.vocab_size or await backend.vocab_size()
     return datasets.random_requests(
-        args.num_prompts, args.input_len, args.output_len, vocab_size, args.seed
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        vocab_size,
+        args.seed,
+        args.shared_prefix_len,
     )
 
 
@@ -179,6 +191,7 @@ def run_config(args: argparse.Namespace, model: str) -> dict:
         "concurrency": args.concurrency or "unlimited",
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "input_len": args.input_len if args.dataset == "random" else None,
+        "shared_prefix_len": args.shared_prefix_len if args.dataset == "random" else None,
         "output_len": args.output_len,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,

@@ -140,3 +140,29 @@ def test_summary_of_known_measurements():
     assert summary["tpot_ms"]["mean"] == pytest.approx(100.0)
     assert summary["itl_ms"]["p99"] == pytest.approx(100.0)
     assert summary["e2el_ms"]["mean"] == pytest.approx(1100.0)
+
+
+def test_shared_prefix_prompts_hit_the_prefix_cache(server, tmp_path):
+    out = tmp_path / "prefix.json"
+    result = bench(
+        "serve", "--backend", "grpc", "--url", server.address, "--num-prompts", "3",
+        "--concurrency", "1", "--input-len", "8", "--shared-prefix-len", "64",
+        "--output-len", "4", "--seed", "7", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["total_input_tokens"] == 3 * (64 + 8)
+    assert summary["config"]["shared_prefix_len"] == 64
+    assert len(summary["ttft_ms_by_request"]) == 3
+    load = Client(server.address).load()
+    assert load.prefix_cache_hit_rate > 0  # the second and third prompts found the prefix
+
+
+def test_random_prompts_share_exactly_the_prefix():
+    from llmrpc.clients.bench.datasets import random_requests
+
+    requests = random_requests(4, 10, 2, vocab_size=1000, seed=3, shared_prefix_len=20)
+    prefixes = {tuple(r.prompt[:20]) for r in requests}
+    suffixes = {tuple(r.prompt[20:]) for r in requests}
+    assert len(prefixes) == 1 and len(suffixes) == 4
+    assert all(len(r.prompt) == 30 for r in requests)
