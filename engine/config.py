@@ -27,7 +27,7 @@ class ModelConfig:
     max_logprobs: int = 20  # -1: no limit
     logprobs_mode: str = "raw_logprobs"
     hf_overrides: dict = field(default_factory=dict)  # set on the model's config after loading
-    rope_scaling: dict | None = None
+    rope_scaling: dict = field(default_factory=dict)  # over the model's own rope parameters
     rope_theta: float | None = None
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     override_generation_config: dict = field(default_factory=dict)

@@ -107,9 +107,9 @@ def apply_config_overrides(hf_config, model_config: ModelConfig):
     """``--hf-overrides``, ``--rope-scaling`` and ``--rope-theta`` on the model's own config."""
     for key, value in model_config.hf_overrides.items():
         setattr(hf_config, key, value)
-    if model_config.rope_scaling is not None or model_config.rope_theta is not None:
+    if model_config.rope_scaling or model_config.rope_theta is not None:
         params = rope_parameters(hf_config)
-        params.update(model_config.rope_scaling or {})
+        params.update(model_config.rope_scaling)
         if model_config.rope_theta is not None:
             params["rope_theta"] = model_config.rope_theta
         hf_config.rope_parameters = params
