@@ -61,8 +61,12 @@ class _Collector:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    """One thread owns everything torch does (model load and every step): PyTorch's CPU
+    kernels keep a team of worker threads per calling thread, and two teams contend for the
+    cores."""
+
+    def __init__(self) -> None:
+        self.core: EngineCore | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, _Collector] = {}
         self._thread: threading.Thread | None = None
@@ -72,9 +76,15 @@ class AsyncEngine:
 
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model off the event loop and start the step loop."""
-        engine = cls(await asyncio.to_thread(EngineCore, config))
-        engine.start()
+        """Load the model on the engine's own thread, then run the step loop there."""
+        engine = cls()
+        loaded: concurrent.futures.Future = concurrent.futures.Future()
+        engine._loop = asyncio.get_running_loop()
+        engine._thread = threading.Thread(
+            target=engine._run, args=(config, loaded), name="llmrpc-engine", daemon=True
+        )
+        engine._thread.start()
+        await asyncio.wrap_future(loaded)  # raises what loading raised
         return engine
 
     @property
@@ -92,11 +102,6 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="llmrpc-engine", daemon=True)
-        self._thread.start()
 
     async def shutdown(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -163,7 +168,13 @@ class AsyncEngine:
 
     # --- the loop thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig, loaded: concurrent.futures.Future) -> None:
+        try:
+            self.core = EngineCore(config)
+        except BaseException as error:  # noqa: BLE001 - handed to create()
+            loaded.set_exception(error)
+            return
+        loaded.set_result(None)
         try:
             while self._handle_commands(block=not self.core.has_unfinished_requests):
                 if self.core.has_unfinished_requests:
