@@ -84,13 +84,27 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
     return torch.float16 if config_dtype in (torch.float16, "float16") else torch.bfloat16
 
 
+def sliding_window_of(hf_config) -> int | None:
+    """The attention window of a model that uses one (Mistral v0.1; Qwen2 when enabled)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
     limit = hf_config.max_position_embeddings
+    window = sliding_window_of(hf_config)
+    if window is not None and window < limit:
+        # Within the window, full attention is exact; past it, the model would see too much.
+        logger.info("context limited to the model's %d-token attention window", window)
+        limit = window
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"--max-model-len {requested} exceeds the model's context length ({limit})"
+            f"--max-model-len {requested} exceeds the model's context length ({limit}"
+            f"{', its attention window' if limit == window else ''})"
         )
     return requested
 

@@ -14,7 +14,7 @@ from llmrpc.engine.core import EngineCore
 from llmrpc.engine.loader import iter_weights, load_hf_config, load_tokenizer
 from llmrpc.engine.models import build_model, model_class
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
-from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.request import InvalidRequestError, SamplingParams
 
 PROMPT_TEXTS = [
     "Hi",
@@ -95,11 +95,19 @@ def wide_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory(initializer_range=0.2)
 
 
-def _core(model_dir: Path, model_impl: str, max_num_batched_tokens: int = 32) -> EngineCore:
+def _core(
+    model_dir: Path,
+    model_impl: str,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int | None = 512,
+) -> EngineCore:
     return EngineCore(
         EngineConfig(
             model=ModelConfig(
-                model=str(model_dir), dtype="float32", max_model_len=512, model_impl=model_impl
+                model=str(model_dir),
+                dtype="float32",
+                max_model_len=max_model_len,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(num_gpu_blocks_override=256),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
@@ -191,13 +199,14 @@ def test_loads_legacy_checkpoint_names(tiny_gpt2_dir):
         TransformersForCausalLM(reference.config).load_weights(list(state.items())[1:])
 
 
-def test_refuses_sliding_windows_shorter_than_the_context(tmp_path_factory, smollm2_dir):
+def test_the_sliding_window_bounds_the_context(tmp_path_factory, smollm2_dir):
     model_dir = make_tiny_hf_model_dir(tmp_path_factory, smollm2_dir, "mistral")
-    core = _core(model_dir, "transformers")
+    core = _core(model_dir, "transformers", max_model_len=None)
+    assert core.max_model_len == 16  # the model's attention window
     params = SamplingParams(temperature=0.0, max_tokens=4)
     short = run_to_completion(core, {"short": (list(range(10, 20)), params)})
     assert len(short["short"].token_ids) == 4  # 14 tokens: the window covers them all
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    with pytest.raises(InvalidRequestError):  # refused up front, not cut off mid-way
         run_to_completion(core, {"long": (list(range(10, 30)), params)})
 
 
