@@ -27,6 +27,7 @@ from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, Request
 from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
 from llmrpc.server.options import effective_config
+from llmrpc.server.rest import PrivatePort, start_gateway
 from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
@@ -59,6 +60,7 @@ class RunningServer:
         self.host = host
         self.health_server: grpc.aio.Server | None = None  # the plaintext health-only port
         self.health_port: int | None = None
+        self.private_port: PrivatePort | None = None  # the REST gateway's way in
         self.engine_failure: BaseException | None = None
         self.engine_died = asyncio.Event()
         self._stats_task: asyncio.Task | None = None
@@ -110,6 +112,8 @@ class RunningServer:
             self._stats_task.cancel()
         if self.state.engine is not None:
             await self.state.engine.shutdown()
+        if self.private_port is not None:
+            self.private_port.remove()
         logger.info("server stopped")
 
     async def _drain(self, delay: float) -> None:
@@ -214,6 +218,8 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
     _add_services(server, state, health)
     port = _add_port(server, frontend)
     running = RunningServer(server, state, health, calls, port, frontend.host or "[::]")
+    if frontend.rest.enabled:
+        running.private_port = PrivatePort(server)
     state.effective_config.update(effective_config(engine_config, frontend), grpc_port=str(port))
     await health.set_serving(False)
     await server.start()
@@ -254,8 +260,13 @@ async def start_server(
 
 async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
     """Run until SIGTERM/SIGINT (exit status 0), the engine dies (1) or loading fails (1, or 2
-    for a bad flag value)."""
+    for a bad flag value).
+
+    The REST gateway (unless --no-rest-gateway) listens from the start, answering 503 until the
+    model serves and again once the drain begins; it stops after the gRPC server.
+    """
     running = await bind_server(engine_config, frontend)
+    gateway = await _start_gateway(running, frontend)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -271,10 +282,24 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
         await asyncio.wait([load, *waits])  # never raises: outcomes are read below
         drain = frontend.drain_delay_s if running.engine_failure is None else 0.0
         await running.stop(frontend.shutdown_grace_s, drain_delay=drain)
+        if gateway is not None:
+            await gateway.stop()
         return _exit_code(load, running)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+
+
+async def _start_gateway(running: RunningServer, frontend: FrontendConfig):
+    """The REST gateway in front of ``running`` (None with --no-rest-gateway); it answers
+    503 until the model serves."""
+    if running.private_port is None:
+        return None
+    try:
+        return await start_gateway(frontend, running.private_port.target)
+    except BaseException:
+        await running.stop(grace=0)
+        raise
 
 
 def _on_signal(signum: int, stop_requested: asyncio.Event, running: RunningServer) -> None:

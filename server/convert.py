@@ -11,11 +11,10 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from jinja2 import TemplateError
-
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.core import EngineStats, ModelInfo
 from llmrpc.engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+from llmrpc.server.chat_render import render_chat
 from llmrpc.server.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -96,25 +95,6 @@ def engine_errors(request) -> Iterator[None]:
 # --- prompts -------------------------------------------------------------------------------
 
 
-def _render_chat(chat: common_pb2.Chat, tokenizer, has_chat_template: bool) -> str:
-    if not has_chat_template:
-        raise InvalidArgument(
-            "chat", "the model's tokenizer has no chat template; send text or token_ids instead"
-        )
-    if not chat.messages:
-        raise InvalidArgument("chat.messages", "must hold at least one message")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    add_generation_prompt = (
-        chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    )
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-    except TemplateError as error:  # e.g. "roles must alternate user/assistant"
-        raise InvalidArgument("chat", f"the chat template rejected the messages: {error}") from None
-
-
 def prompt_token_ids(request, tokenizer, model_info: ModelInfo) -> list[int]:
     """Token ids of a GenerateRequest's or TokenizeRequest's ``input`` oneof."""
     kind = request.WhichOneof("input")
@@ -128,7 +108,7 @@ def prompt_token_ids(request, tokenizer, model_info: ModelInfo) -> list[int]:
     if kind == "text":
         text = request.text
     else:
-        text = _render_chat(request.chat, tokenizer, model_info.has_chat_template)
+        text = render_chat(request.chat, tokenizer, model_info.has_chat_template)
     return tokenizer.encode(text, add_special_tokens=add_special)
 
 

@@ -25,7 +25,6 @@ from llmrpc.server.flags import (
 from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
-REST = "serves the REST gateway, which is not in this build (gRPC only)"
 ONE_DEVICE = "needs several devices or processes; this build runs the engine on one device"
 LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
@@ -52,6 +51,9 @@ def _group(name: str, *flags: Flag) -> list[Flag]:
 _OURS = _group(
     "llmrpc (our own flags)",
     ours("--grpc-port", DEFAULT_GRPC_PORT, int, "frontend.grpc_port", "gRPC port; always on."),
+    ours("--rest-gateway", True, None, "rest.enabled",
+         "Serve the OpenAI-compatible REST gateway on --host/--port (--no-rest-gateway: gRPC "
+         "only)."),
     ours(
         "--health-port", None, int, "frontend.health_port",
         "A second, plaintext port serving grpc.health.v1 alone, for Kubernetes gRPC probes "
@@ -103,53 +105,80 @@ _FRONTEND = _group(
     works("--config", None, str, None,
           "YAML file of flags: keys are flag names without the leading dashes; the command line "
           "wins over the file.", metavar="FILE"),
-    works("--host", None, str, "frontend.host", "Address to listen on. Default: all addresses."),
-    refused("--port", 8000, int, REST, target="frontend.port"),
-    refused("--uds", None, str, REST),
-    refused("--uvicorn-log-level", "info", str, REST,
-            choices=("critical", "error", "warning", "info", "debug", "trace")),
-    refused("--disable-uvicorn-access-log", False, None, REST),
-    refused("--allow-credentials", False, None, REST),
-    refused("--allowed-origins", ["*"], json_value, REST),
-    refused("--allowed-methods", ["*"], json_value, REST),
-    refused("--allowed-headers", ["*"], json_value, REST),
+    works("--host", None, str, "frontend.host",
+          "Address the gRPC server and the REST gateway listen on. Default: all addresses."),
+    works("--port", 8000, int, "rest.port",
+          "Port of the OpenAI-compatible REST gateway (0: the OS chooses; the log says which)."),
+    works("--uds", None, str, "rest.uds",
+          "Serve the REST gateway on this Unix socket instead of --host/--port."),
+    works("--uvicorn-log-level", "info", str, "rest.uvicorn_log_level",
+          "Log level of the REST gateway's HTTP server (uvicorn).",
+          choices=("critical", "error", "warning", "info", "debug", "trace")),
+    works("--disable-uvicorn-access-log", False, None, "rest.disable_uvicorn_access_log",
+          "No access log line per REST request."),
+    works("--allow-credentials", False, None, "rest.allow_credentials",
+          "CORS: allow credentials on the REST gateway."),
+    works("--allowed-origins", ["*"], json_value, "rest.allowed_origins",
+          "CORS: origins allowed on the REST gateway (a JSON list)."),
+    works("--allowed-methods", ["*"], json_value, "rest.allowed_methods",
+          "CORS: methods allowed on the REST gateway (a JSON list)."),
+    works("--allowed-headers", ["*"], json_value, "rest.allowed_headers",
+          "CORS: headers allowed on the REST gateway (a JSON list)."),
     works("--api-key", (), str, "frontend.api_key",
-          "Bearer key(s) every call but health and reflection must send as metadata "
-          "'authorization: Bearer KEY'; else UNAUTHENTICATED.", nargs="+", secret=True),
+          "Bearer key(s) every call must send: gRPC metadata or the REST header "
+          "'authorization: Bearer KEY' (else UNAUTHENTICATED, HTTP 401). Health, reflection, "
+          "/health, /version and /metrics are exempt.", nargs="+", secret=True),
     works("--ssl-keyfile", None, str, "tls.keyfile", "Private key (PEM) of --ssl-certfile."),
-    works("--ssl-certfile", None, str, "tls.certfile", "Server certificate chain (PEM): TLS."),
+    works("--ssl-certfile", None, str, "tls.certfile",
+          "Server certificate chain (PEM): TLS on the gRPC port and the REST gateway."),
     works("--ssl-ca-certs", None, str, "tls.ca_certs",
           "CA certificates (PEM) that client certificates must chain to."),
     works("--ssl-cert-reqs", 0, int, "tls.cert_reqs",
-          "Client certificates: 0 not asked for, 2 required (mutual TLS). 1 (optional) is served "
-          "as 0, with a warning: gRPC servers can only require client certificates or not ask.",
+          "Client certificates: 0 not asked for, 2 required (mutual TLS). 1 (optional) is "
+          "honoured by the REST gateway and served as 0 on gRPC, with a warning: gRPC servers "
+          "can only require client certificates or not ask.",
           choices=(0, 1, 2)),
     works("--enable-ssl-refresh", False, None, "tls.refresh",
           "Serve replaced certificate and key files to new connections without a restart."),
-    refused("--root-path", None, str, REST),
-    refused("--middleware", [], str, REST, nargs="+"),
-    refused("--disable-fastapi-docs", False, None, REST),
-    refused("--enable-request-id-headers", False, None, REST),
-    refused("--h11-max-incomplete-event-size", 4194304, int, REST),
-    refused("--h11-max-header-count", 256, int, REST),
+    works("--root-path", None, str, "rest.root_path",
+          "Path prefix a path-routing proxy strips before the REST gateway."),
+    works("--middleware", [], str, "rest.middleware",
+          "Import path of an ASGI middleware class or async HTTP middleware function added to "
+          "the REST gateway; several allowed.", nargs="+"),
+    works("--disable-fastapi-docs", False, None, "rest.disable_fastapi_docs",
+          "No OpenAPI schema, Swagger UI or ReDoc on the REST gateway."),
+    works("--enable-request-id-headers", False, None, "rest.enable_request_id_headers",
+          "X-Request-Id on REST responses (the caller's, else a new one: the gRPC request id)."),
+    works("--h11-max-incomplete-event-size", 4194304, int, "rest.h11_max_incomplete_event_size",
+          "Largest unfinished HTTP/1.1 request head in bytes on the REST gateway."),
+    works("--h11-max-header-count", 256, int, "rest.h11_max_header_count",
+          "Most header fields in a REST request; more get HTTP 431."),
     works("--chat-template", None, str, "frontend.chat_template",
           "Chat template for chat input: a file, or the template itself. Default: the "
           "tokenizer's."),
-    refused("--chat-template-content-format", "auto", str, REST,
-            choices=("auto", "string", "openai")),
-    refused("--response-role", "assistant", str, REST),
+    works("--chat-template-content-format", "auto", str, "rest.chat_template_content_format",
+          "Message content given to chat templates: a string, or OpenAI's list of text parts; "
+          "auto: parts for templates that loop over the content.",
+          choices=("auto", "string", "openai")),
+    works("--response-role", "assistant", str, "rest.response_role",
+          "Role of REST chat answers when add_generation_prompt is true."),
     refused("--lora-modules", None, str, LORA, nargs="+"),
-    refused("--return-tokens-as-token-ids", False, None, REST),
+    works("--return-tokens-as-token-ids", False, None, "rest.return_tokens_as_token_ids",
+          "REST logprob tokens written as token_id:N."),
     refused("--enable-auto-tool-choice", False, None, TOOLS),
     refused("--tool-call-parser", None, str, TOOLS),
     refused("--tool-parser-plugin", "", str, TOOLS),
     refused("--exclude-tools-when-tool-choice-none", False, None, TOOLS),
     refused("--tool-server", None, str, TOOLS),
-    refused("--enable-prompt-tokens-details", False, None, REST),
-    refused("--enable-force-include-usage", False, None, REST),
-    inert("--enable-server-load-tracking", False, None,
-          "is always on: AdminService/GetLoad reports the load"),
-    refused("--enable-tokenizer-info-endpoint", False, None, REST),
+    works("--enable-prompt-tokens-details", False, None, "rest.enable_prompt_tokens_details",
+          "usage.prompt_tokens_details.cached_tokens in REST responses."),
+    works("--enable-force-include-usage", False, None, "rest.enable_force_include_usage",
+          "REST streams end with a usage chunk even when the request does not ask."),
+    works("--enable-server-load-tracking", False, None, "rest.enable_server_load_tracking",
+          "GET /load on the REST gateway: generation requests in flight there (AdminService "
+          "GetLoad always reports the engine's load)."),
+    works("--enable-tokenizer-info-endpoint", False, None, "rest.enable_tokenizer_info_endpoint",
+          "GET /get_tokenizer_info on the REST gateway."),
     works("--enable-log-requests", False, None, "logs.enable_log_requests",
           "Log each generation request: prompt (cut at --max-log-len) and parameters."),
     inert("--disable-log-requests", False, None,
@@ -376,7 +405,8 @@ _OBSERVABILITY = _group(
     "observability",
     refused("--otlp-traces-endpoint", None, str, TRACING),
     refused("--collect-detailed-traces", None, str, TRACING, nargs="+"),
-    refused("--show-hidden-metrics-for-version", None, str, REST),
+    inert("--show-hidden-metrics-for-version", None, str,
+          "has nothing to show: the gateway's /metrics hides no deprecated metric"),
 )  # fmt: skip
 
 _OTHER = _group(

@@ -23,13 +23,13 @@ import yaml
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, MergeJsonAction, State, json_value
-from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig, TLSConfig
+from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig, RestConfig, TLSConfig
 
 FLAGS_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
 _JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
 # A flag's target is "section.field"; the sections are these configuration classes.
 _ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-_FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig}
+_FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig, "rest": RestConfig}
 SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
 _EPILOG = (
     "Flags take vLLM's names, defaults and syntax. A flag marked [refused] stops start-up if set "

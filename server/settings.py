@@ -109,6 +109,35 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class RestConfig:
+    """The OpenAI-compatible REST gateway ``llmrpc serve`` runs on ``--host``/``--port`` (vLLM's
+    flags); checked when the gateway's own settings are built from it (``server.rest``)."""
+
+    enabled: bool = True
+    port: int = 8000
+    uds: str | None = None
+    root_path: str | None = None
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    middleware: tuple[str, ...] = ()
+    disable_fastapi_docs: bool = False
+    enable_request_id_headers: bool = False
+    h11_max_incomplete_event_size: int = 4194304
+    h11_max_header_count: int = 256
+    chat_template_content_format: str = "auto"
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
+
+
+@dataclass(frozen=True)
 class FrontendConfig:
     """Everything about the gRPC server that is not the engine."""
 
@@ -122,6 +151,7 @@ class FrontendConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logs: LogConfig = field(default_factory=LogConfig)
+    rest: RestConfig = field(default_factory=RestConfig)
 
     def __post_init__(self) -> None:
         _check_port("--grpc-port", self.grpc_port)

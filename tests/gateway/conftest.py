@@ -3,6 +3,7 @@ of the tiny model per test module (gateways are cheap: tests start their own in 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,3 +23,18 @@ def replica(server_loop: ServerLoop, tiny_llama_dir: Path) -> Iterator[Replica]:
     started = server_loop.start_replica(tiny_engine_config(tiny_llama_dir), port=0)
     yield started
     started.stop()
+
+
+@pytest.fixture
+def slow_engine(replica: Replica):
+    """The replica's engine with steps of at least 20 ms, so a long request stays live."""
+    engine = replica.running.engine
+    real_step = engine.core.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return real_step()
+
+    engine.core.step = slow_step
+    yield engine
+    engine.core.step = real_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_utils import num_live_requests, read_rest, slow_down, tiny_engine_config, wait_until
 
 from llmrpc.server import app
-from llmrpc.server.settings import FrontendConfig
+from llmrpc.server.settings import FrontendConfig, RestConfig
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 REQUEST = generation_pb2.GenerateRequest(
@@ -191,6 +192,7 @@ async def serve_in_process(model_dir, frontend: FrontendConfig, monkeypatch):
         return servers[-1]
 
     monkeypatch.setattr(app, "bind_server", bind_and_record)
+    frontend = dataclasses.replace(frontend, rest=RestConfig(port=0))  # REST on a free port
     serving = asyncio.ensure_future(app.serve(tiny_engine_config(model_dir), frontend))
     await wait_until(lambda: servers, what="the server to bind")
     async with grpc.aio.insecure_channel(servers[0].address) as channel:

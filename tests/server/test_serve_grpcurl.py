@@ -68,6 +68,7 @@ def serve(tiny_llama_dir: Path):
         str(tiny_llama_dir),
         "--host=127.0.0.1",
         "--grpc-port=0",
+        "--port=0",  # the REST gateway, on a port of the OS's choosing
         "--dtype=float32",
         "--num-gpu-blocks-override=64",
     ]

@@ -1,0 +1,75 @@
+"""The gateway's FastAPI application: the OpenAI routes over the gRPC replicas, with the
+middleware its settings ask for.
+
+Middleware order, outermost first: CORS (so preflights and error replies carry its headers),
+the header-count limit, request ids, API keys, load tracking, then ``--middleware`` ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from llmrpc.gateway import chat, completions, routes
+from llmrpc.gateway.errors import install_handlers
+from llmrpc.gateway.middleware import (
+    ApiKeyMiddleware,
+    HeaderCountMiddleware,
+    LoadTrackingMiddleware,
+    RequestIdMiddleware,
+    add_user_middleware,
+)
+from llmrpc.gateway.settings import GatewaySettings
+from llmrpc.gateway.state import GatewayState
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """Raises ValueError naming the flag for a ``--middleware`` that cannot be imported."""
+    gateway = GatewayState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.pool.start()
+        try:
+            yield
+        finally:
+            await gateway.pool.close()
+
+    app = FastAPI(title="llmrpc OpenAI-compatible gateway", lifespan=lifespan, **_docs(settings))
+    app.state.gateway = gateway
+    install_handlers(app)
+    for router in (completions.router, chat.router, routes.router):
+        app.include_router(router)
+    routes.add_optional_routes(app, settings.api)
+    _add_middleware(app, settings, gateway)
+    return app
+
+
+def _docs(settings: GatewaySettings) -> dict:
+    options: dict = {}
+    if settings.api.disable_fastapi_docs:
+        options.update(openapi_url=None, docs_url=None, redoc_url=None)
+    return options
+
+
+def _add_middleware(app: FastAPI, settings: GatewaySettings, gateway: GatewayState) -> None:
+    api = settings.api
+    for import_path in api.middleware:
+        add_user_middleware(app, import_path)
+    if api.enable_server_load_tracking:
+        app.add_middleware(LoadTrackingMiddleware, gateway=gateway)
+    if api.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=api.api_keys)
+    if api.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HeaderCountMiddleware, max_headers=settings.http.h11_max_header_count)
+    cors = settings.cors
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(cors.allowed_origins),
+        allow_methods=list(cors.allowed_methods),
+        allow_headers=list(cors.allowed_headers),
+        allow_credentials=cors.allow_credentials,
+    )

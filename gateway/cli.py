@@ -1,0 +1,219 @@
+"""``llmrpc gateway --backend HOST:PORT [--backend ...]``: the OpenAI-compatible REST gateway alone,
+in front of gRPC replicas (``llmrpc serve`` runs the same gateway in front of its own server).
+
+The REST flags are ``vllm serve``'s, with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from llmrpc.gateway.settings import (
+    CONTENT_FORMATS,
+    UVICORN_LOG_LEVELS,
+    ApiSettings,
+    BackendSettings,
+    CorsSettings,
+    GatewaySettings,
+    HttpSettings,
+)
+
+logger = logging.getLogger("llmrpc.gateway")
+
+
+def _json_list(text: str) -> list:
+    value = json.loads(text)
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {text!r}")
+    return value
+
+
+def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gRPC replicas")
+    add = group.add_argument
+    add(
+        "--backend",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="A gRPC replica (llmrpc serve --grpc-port); repeat for each. Requests go to the "
+        "serving replica with the fewest in flight; NOT_SERVING ones get none.",
+    )
+    add("--backend-api-key", help="API key the replicas require. Default: the first --api-key.")
+    add("--backend-tls", action="store_true", help="Connect to the replicas over TLS.")
+    add("--backend-ca-certs", help="CA certificates (PEM) of the replicas (turns TLS on).")
+    add("--backend-certfile", help="Client certificate (PEM) for replicas requiring mTLS.")
+    add("--backend-keyfile", help="Private key (PEM) of --backend-certfile.")
+    add("--backend-server-name", help="Name expected in the replicas' certificates.")
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("REST listener")
+    add = group.add_argument
+    add("--host", help="Address to listen on. Default: all addresses.")
+    add("--port", type=int, default=8000, help="Default: %(default)s.")
+    add("--uds", help="Listen on this Unix socket instead (host and port ignored).")
+    add("--root-path", help="Path prefix when behind a path-routing proxy.")
+    add("--ssl-keyfile", help="Private key (PEM) of --ssl-certfile.")
+    add("--ssl-certfile", help="Certificate chain (PEM): HTTPS.")
+    add("--ssl-ca-certs", help="CA certificates (PEM) that client certificates must chain to.")
+    add(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="Client certificates: 0 not asked for, 1 optional, 2 required (mutual TLS).",
+    )
+    add(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="Serve replaced certificate files to new connections without a restart.",
+    )
+    add(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=4194304,
+        help="Largest request head in bytes. Default: %(default)s.",
+    )
+    add(
+        "--h11-max-header-count",
+        type=int,
+        default=256,
+        help="Most header fields in a request. Default: %(default)s.",
+    )
+    add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    add("--disable-uvicorn-access-log", action="store_true")
+    add("--allowed-origins", type=_json_list, default=["*"], help="CORS: a JSON list.")
+    add("--allowed-methods", type=_json_list, default=["*"], help="CORS: a JSON list.")
+    add("--allowed-headers", type=_json_list, default=["*"], help="CORS: a JSON list.")
+    add("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+
+
+# On/off flags of the OpenAI API: (flag, help).
+_API_SWITCHES = (
+    ("--return-tokens-as-token-ids", "Logprob tokens written as token_id:N."),
+    ("--enable-prompt-tokens-details", "usage.prompt_tokens_details.cached_tokens in responses."),
+    ("--enable-force-include-usage", "Streams end with a usage chunk even when not asked for."),
+    ("--enable-tokenizer-info-endpoint", "GET /get_tokenizer_info (may reveal the chat template)."),
+    ("--enable-server-load-tracking", "GET /load: generation requests in flight here."),
+    ("--enable-request-id-headers", "X-Request-Id on responses."),
+    ("--disable-fastapi-docs", "No OpenAPI schema, Swagger UI or ReDoc."),
+)
+
+
+def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("OpenAI API")
+    add = group.add_argument
+    add(
+        "--api-key",
+        nargs="+",
+        default=[],
+        help="Bearer key(s) REST callers must send (health, version and metrics exempt).",
+    )
+    add(
+        "--chat-template",
+        help="Chat template (a file, or the template itself) to render chat requests with, "
+        "instead of the replicas' model's.",
+    )
+    add("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS)
+    add("--response-role", default="assistant", help="Role of chat answers.")
+    for flag, help_text in _API_SWITCHES:
+        add(flag, action="store_true", help=help_text)
+    add(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="IMPORT.PATH",
+        help="ASGI middleware class or async HTTP middleware function; repeatable.",
+    )
+    add("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmrpc gateway", description=__doc__.split("\n\n")[0])
+    _add_backend_arguments(parser)
+    _add_http_arguments(parser)
+    _add_api_arguments(parser)
+    return parser
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the value itself if it looks like a template."""
+    if value is None or "{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
+    return path.read_text()
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """Raises ValueError naming the flag."""
+    v = vars(args)
+    http_fields = {name: v[name] for name in HttpSettings.__dataclass_fields__}
+    api_key = args.backend_api_key or (args.api_key[0] if args.api_key else None)
+    backends = BackendSettings(
+        targets=tuple(args.backend),
+        api_key=api_key,
+        tls=args.backend_tls,
+        ca_certs=args.backend_ca_certs,
+        client_cert=args.backend_certfile,
+        client_key=args.backend_keyfile,
+        server_name=args.backend_server_name,
+    )
+    cors = CorsSettings(
+        tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+        args.allow_credentials,
+    )  # fmt: skip
+    api_fields = {name: v[name] for name in ApiSettings.__dataclass_fields__ if name in v}
+    api_fields.update(
+        api_keys=tuple(args.api_key),
+        chat_template=read_chat_template(args.chat_template),
+        middleware=tuple(args.middleware),
+    )
+    return GatewaySettings(backends, HttpSettings(**http_fields), cors, ApiSettings(**api_fields))
+
+
+async def run(settings: GatewaySettings) -> int:
+    """Serve until SIGTERM or SIGINT (exit status 0)."""
+    from llmrpc.gateway.app import create_app
+    from llmrpc.gateway.server import GatewayServer
+
+    server = GatewayServer(create_app(settings), settings.http)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((stopping, server.stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    logger.info("stopping the REST gateway")
+    await server.stop()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = settings_from_args(args)
+        return asyncio.run(run(settings))
+    except ValueError as error:
+        parser.error(str(error))
+    except RuntimeError as error:  # the listener could not be bound
+        logger.error("%s", error)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

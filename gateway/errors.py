@@ -1,0 +1,155 @@
+"""Errors in OpenAI's envelope, ``{"error": {"message", "type", "param", "code"}}``.
+
+gRPC statuses map to the HTTP statuses of Google's API design guide; a BadRequest field
+violation's path (``sampling.temperature``) becomes the OpenAI parameter (``temperature``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from llmrpc.clients import LlmrpcError
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+}
+
+# Field paths of the gRPC request -> the OpenAI parameter; the rest lose their section prefix.
+_PARAMS = {
+    "text": "prompt",
+    "token_ids": "prompt",
+    "input": "prompt",
+    "chat": "messages",
+    "chat.messages": "messages",
+    "output.prompt_logprobs": "logprobs",
+    "stopping.time_limit_ms": None,
+}
+
+
+# Sub-messages of GenerateRequest whose fields are top-level OpenAI parameters.
+_SECTIONS = ("sampling.", "stopping.", "output.", "chat.")
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's envelope with this HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status, "server_error")
+        return {
+            "error": {
+                "message": self.message,
+                "type": error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["retry-after"] = str(math.ceil(self.retry_after))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def sse_event(self) -> bytes:
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+def invalid(param: str | None, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="invalid_argument")
+
+
+def param_of(field: str, renames: dict[str, str] | None = None) -> str | None:
+    """The OpenAI parameter a gRPC field path names (``stopping.max_tokens`` -> ``max_tokens``)."""
+    if renames and field in renames:
+        return renames[field]
+    if field in _PARAMS:
+        return _PARAMS[field]
+    return field.split(".", 1)[-1] if field.startswith(_SECTIONS) else field
+
+
+def from_grpc(error: LlmrpcError, renames: dict[str, str] | None = None) -> OpenAIError:
+    """The OpenAI error for a failed gRPC call; ``renames`` maps field paths to parameters for
+    one endpoint (chat's ``output.logprobs`` is ``top_logprobs``)."""
+    violations = error.field_violations
+    param = param_of(violations[0].field, renames) if violations else None
+    message = error.message
+    if violations and violations[0].description not in message:
+        message = f"{message}: {violations[0].description}"
+    status = _HTTP_STATUS.get(error.code, 500)
+    return OpenAIError(status, message, param, error.code_name.lower(), error.details.retry_delay)
+
+
+def _validation_param(location: tuple) -> str | None:
+    parts = [str(p) for p in location if p != "body"]
+    return ".".join(parts) or None
+
+
+async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    param = _validation_param(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    return invalid(param, message).response()
+
+
+async def _on_http_error(request: Request, error: HTTPException) -> JSONResponse:
+    return OpenAIError(error.status_code, str(error.detail)).response()
+
+
+async def _on_openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    return error.response()
+
+
+async def _on_grpc_error(request: Request, error: LlmrpcError) -> JSONResponse:
+    return from_grpc(error).response()
+
+
+def install_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(LlmrpcError, _on_grpc_error)

@@ -1,0 +1,122 @@
+"""ASGI middleware of the gateway: API keys, request ids, the header-count limit, load tracking,
+and the user's own (``--middleware``). Pure ASGI, so streamed responses pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib
+import inspect
+import uuid
+
+from fastapi import FastAPI
+
+from llmrpc.gateway.errors import OpenAIError
+from llmrpc.gateway.state import REQUEST_ID_HEADER, GatewayState
+
+# Answered without an API key: probes and scrapers carry none.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# Requests counted by --enable-server-load-tracking.
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _path(scope) -> str:
+    root = scope.get("root_path", "")
+    path = scope["path"]
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+async def _reply_error(scope, receive, send, error: OpenAIError, headers=()) -> None:
+    response = error.response()
+    response.raw_headers.extend(headers)
+    await response(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` with one of the keys."""
+
+    def __init__(self, app, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [f"Bearer {key}".encode() for key in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or _path(scope) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if any(hmac.compare_digest(given, key) for key in self.keys):
+            return await self.app(scope, receive, send)
+        error = OpenAIError(401, "Unauthorized: send 'Authorization: Bearer <api key>'")
+        await _reply_error(scope, receive, send, error, [(b"www-authenticate", b"Bearer")])
+
+
+class RequestIdMiddleware:
+    """``X-Request-Id`` on every response: the caller's, else a new one (which the request then
+    carries too, so the gRPC request gets the same id)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = REQUEST_ID_HEADER.encode()
+        value = dict(scope["headers"]).get(header)
+        if value is None:
+            value = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*scope["headers"], (header, value)]}
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (header, value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class HeaderCountMiddleware:
+    """Refuses requests with more header fields than ``--h11-max-header-count`` (431)."""
+
+    def __init__(self, app, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
+            message = f"too many header fields: at most {self.max_headers}"
+            return await _reply_error(scope, receive, send, OpenAIError(431, message))
+        await self.app(scope, receive, send)
+
+
+class LoadTrackingMiddleware:
+    """Counts generation requests in flight, streams until their last byte (``GET /load``)."""
+
+    def __init__(self, app, gateway: GatewayState) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or _path(scope) not in LOAD_PATHS:
+            return await self.app(scope, receive, send)
+        self.gateway.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gateway.server_load -= 1
+
+
+def add_user_middleware(app: FastAPI, import_path: str) -> None:
+    """``--middleware module.name``: a class is added as ASGI middleware, a coroutine function
+    as an HTTP middleware ``(request, call_next)``."""
+    module_name, _, attribute = import_path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--middleware {import_path}: give an import path, module.name")
+    try:
+        middleware = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--middleware {import_path}: cannot import it: {error}") from None
+    if inspect.isclass(middleware):
+        app.add_middleware(middleware)
+    elif inspect.iscoroutinefunction(middleware):
+        app.middleware("http")(middleware)
+    else:
+        raise ValueError(f"--middleware {import_path}: not a class or an async function")

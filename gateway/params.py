@@ -1,0 +1,145 @@
+"""OpenAI request fields -> the gRPC client's generation parameters and chat rendering options.
+
+What the gRPC API cannot do is refused with a 400 naming the parameter, never ignored.
+"""
+
+from __future__ import annotations
+
+from llmrpc.clients import ChatOptions
+from llmrpc.gateway.errors import invalid
+from llmrpc.gateway.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from llmrpc.gateway.settings import ApiSettings
+
+# Request fields passed to the gRPC API as they are (GenerateParams has the same names).
+_DIRECT = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "priority",
+    "allowed_token_ids",
+    "bad_words",
+)
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token_id): value for token_id, value in bias.items()}
+    except ValueError:
+        raise invalid("logit_bias", "keys must be token ids (integers as strings)") from None
+
+
+def sampling_params(request: SamplingFields, max_tokens: int | None) -> dict:
+    params = {name: getattr(request, name) for name in _DIRECT}
+    params["max_tokens"] = max_tokens
+    if request.logit_bias:
+        params["logit_bias"] = _logit_bias(request.logit_bias)
+    return {name: value for name, value in params.items() if value is not None}
+
+
+def completion_params(request: CompletionRequest) -> dict:
+    if request.suffix is not None:
+        raise invalid("suffix", "suffix (insertion) is not supported by this server's models")
+    if request.best_of is not None and request.best_of != request.n:
+        raise invalid("best_of", "best_of is not supported; use n")
+    params = sampling_params(request, request.max_tokens)
+    if request.logprobs is not None:
+        params["logprobs"] = request.logprobs
+        if request.echo:
+            params["prompt_logprobs"] = request.logprobs
+    if request.prompt_logprobs is not None:
+        params["prompt_logprobs"] = request.prompt_logprobs
+    return params
+
+
+def chat_params(request: ChatCompletionRequest) -> dict:
+    if request.response_format is not None and request.response_format.type != "text":
+        raise invalid("response_format", "structured output is not supported by this build")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    params = sampling_params(request, max_tokens)
+    if request.logprobs:
+        params["logprobs"] = request.top_logprobs or 0
+    if request.prompt_logprobs is not None:
+        params["prompt_logprobs"] = request.prompt_logprobs
+    return params
+
+
+def _content(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            param = f"messages.{index}.content"
+            raise invalid(
+                param, f"content parts of type {part.type!r} are not supported: text only"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(messages)]
+
+
+def _template_kwargs(request, tools: list | None) -> dict | None:
+    kwargs = dict(request.chat_template_kwargs or {})
+    if tools:
+        kwargs.setdefault("tools", tools)
+    return kwargs or None
+
+
+def _check_tools(request: ChatCompletionRequest) -> None:
+    if request.tools and request.tool_choice not in ("none",):
+        raise invalid(
+            "tool_choice",
+            "tool calling (tool_choice auto, required or a named tool) is not supported by "
+            'this build; send tool_choice "none" to show the tools to the model only',
+        )
+
+
+def chat_options(request, settings: ApiSettings) -> ChatOptions:
+    """Rendering options of a chat completion or chat tokenization request."""
+    if request.add_generation_prompt and request.continue_final_message:
+        raise invalid(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        )
+    tools = None
+    if isinstance(request, ChatCompletionRequest):
+        _check_tools(request)
+        tools = request.tools
+    content_format = settings.chat_template_content_format
+    return ChatOptions(
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message or None,
+        chat_template=request.chat_template or settings.chat_template,
+        chat_template_kwargs=_template_kwargs(request, tools),
+        content_format=None if content_format == "auto" else content_format,
+    )
+
+
+def response_role(request: ChatCompletionRequest, settings: ApiSettings) -> str:
+    if request.add_generation_prompt:
+        return settings.response_role
+    return request.messages[-1].role

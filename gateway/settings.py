@@ -1,0 +1,114 @@
+"""Settings of the OpenAI-compatible gateway: frozen dataclasses built once from the command line
+(``llmrpc gateway`` or ``llmrpc serve``). Bad values raise ``ValueError`` naming the flag.
+
+The flag names and defaults are vLLM's (``vllm serve``), so a command line moves over unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """How the gateway reaches its gRPC replicas."""
+
+    targets: tuple[str, ...] = ("localhost:50051",)
+    api_key: str | None = None  # sent to the replicas as "authorization: Bearer KEY"
+    tls: bool = False
+    ca_certs: str | None = None  # verifies the replicas' certificates
+    client_cert: str | None = None  # for replicas that require client certificates
+    client_key: str | None = None
+    server_name: str | None = None  # expected in the replicas' certificates
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("--backend: give at least one gRPC replica (HOST:PORT)")
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The REST listener: address, TLS, HTTP/1.1 limits, uvicorn's logging."""
+
+    host: str | None = None  # None: all addresses
+    port: int = 8000
+    uds: str | None = None  # a Unix socket path instead of host/port
+    root_path: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # 0 none, 1 optional, 2 required (mutual TLS)
+    enable_ssl_refresh: bool = False
+    h11_max_incomplete_event_size: int = 4194304
+    h11_max_header_count: int = 256
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be a port number in [0, 65535], got {self.port}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs")
+        if self.enable_ssl_refresh and self.ssl_certfile is None:
+            raise ValueError("--enable-ssl-refresh needs --ssl-certfile and --ssl-keyfile")
+        for flag, value in (
+            ("--h11-max-incomplete-event-size", self.h11_max_incomplete_event_size),
+            ("--h11-max-header-count", self.h11_max_header_count),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """What the OpenAI API answers and how."""
+
+    api_keys: tuple[str, ...] = ()  # REST callers must send one as "Authorization: Bearer KEY"
+    chat_template: str | None = None  # a Jinja template, sent with every chat request
+    chat_template_content_format: str = "auto"
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
+    enable_request_id_headers: bool = False
+    disable_fastapi_docs: bool = False
+    middleware: tuple[str, ...] = ()  # import paths of ASGI middleware
+
+    def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("--api-key must not be empty")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"--chat-template-content-format must be one of {', '.join(CONTENT_FORMATS)}"
+            )
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    backends: BackendSettings = field(default_factory=BackendSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    api: ApiSettings = field(default_factory=ApiSettings)

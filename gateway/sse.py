@@ -1,0 +1,99 @@
+"""Server-sent events as OpenAI sends them, and the client-disconnect rule.
+
+Each event is ``data: {json}\\n\\n``; a stream ends with ``data: [DONE]\\n\\n``. An error after
+the stream began is sent as an event ``data: {"error": {...}}`` (the OpenAI SDK raises it), then
+``[DONE]``. A client that goes away cancels the upstream gRPC call, which aborts the request in
+the engine: Starlette cancels a streaming body on disconnect, and ``until_disconnect`` does the
+same for a request still waiting for its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from llmrpc.clients import LlmrpcError
+from llmrpc.gateway.errors import OpenAIError, from_grpc
+
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(body) -> str:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+class ChunkFramer:
+    """Writes the chunks of one streamed response: the fields every chunk repeats are encoded
+    once, then each chunk adds its choices (and ``usage`` where asked for)."""
+
+    def __init__(self, response_id: str, kind: str, created: int, model: str, usage: bool) -> None:
+        head = dumps({"id": response_id, "object": kind, "created": created, "model": model})
+        self._head = b"data: " + head[:-1].encode() + b',"choices":['
+        self._tail = b'],"usage":null}\n\n' if usage else b"]}\n\n"
+
+    def choice(self, choice: dict) -> bytes:
+        return self._head + dumps(choice).encode() + self._tail
+
+    def usage(self, usage: dict) -> bytes:
+        return self._head + b'],"usage":' + dumps(usage).encode() + b"}\n\n"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable):
+    """Await ``awaitable``, cancelling it (and raising ``ClientGone``) if the client leaves."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+async def first_then_rest(
+    request: Request, chunks: AsyncIterator[bytes], renames: dict | None = None
+) -> StreamingResponse:
+    """An SSE response from ``chunks``, sent once the first chunk exists: an error before it
+    is answered with its HTTP status, an error after it as an error event. ``renames``: see
+    ``errors.from_grpc``."""
+    try:
+        first = await until_disconnect(request, anext(chunks))
+    except LlmrpcError as error:
+        await chunks.aclose()
+        raise from_grpc(error, renames) from None
+    except BaseException:
+        await chunks.aclose()
+        raise
+    body = _body(first, chunks, renames)
+    return StreamingResponse(body, media_type="text/event-stream")
+
+
+async def _body(first: bytes, chunks: AsyncIterator[bytes], renames) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    except LlmrpcError as error:
+        yield from_grpc(error, renames).sse_event()
+        yield DONE
+    except OpenAIError as error:
+        yield error.sse_event()
+        yield DONE
+    finally:
+        await chunks.aclose()

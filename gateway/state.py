@@ -1,0 +1,49 @@
+"""What every route of one gateway shares: its settings, replicas, metrics and load counter."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import Request
+
+from llmrpc.gateway.backends import BackendPool
+from llmrpc.gateway.metrics import GatewayMetrics
+from llmrpc.gateway.settings import GatewaySettings
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class GatewayState:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.api = settings.api
+        self.pool = BackendPool(settings.backends)
+        self.metrics = GatewayMetrics()
+        self.server_load = 0  # requests in flight (--enable-server-load-tracking)
+
+    async def model_name(self, requested: str | None) -> str:
+        """The name a response reports: the one asked for, else the default model's."""
+        if not self.metrics.model_name:
+            self.metrics.model_name = await self.pool.default_model()
+        return requested or self.metrics.model_name
+
+
+def gateway_of(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def request_id(request: Request) -> str:
+    """The caller's ``X-Request-Id``, else a new one; it is also the gRPC request id."""
+    return request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+async def gather_or_cancel(*awaitables):
+    """``asyncio.gather`` that cancels the others when one fails (no TaskGroup on 3.10)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

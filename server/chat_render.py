@@ -1,0 +1,98 @@
+"""Rendering a ``Chat`` into prompt text with a chat template (the model's, or the request's).
+
+The request's options reach the template as Transformers' ``apply_chat_template`` takes them:
+``add_generation_prompt`` (default true, false when continuing), ``continue_final_message``,
+extra template variables (``chat_template_kwargs``, e.g. ``tools`` or ``enable_thinking``), and
+the content format: a string, or OpenAI's list of text parts for templates that iterate over a
+message's content (detected from the template unless the request says). Templates run in
+Jinja's sandbox, as Transformers renders them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from google.protobuf import json_format
+from jinja2 import TemplateError
+
+from llmrpc.server.errors import InvalidArgument
+from llmrpc.v1 import common_pb2
+
+# apply_chat_template's own parameters: not template variables.
+_RESERVED = {"conversation", "add_generation_prompt", "continue_final_message", "tokenize"}
+_RESERVED |= {"chat_template", "return_dict", "return_tensors", "tokenizer_kwargs"}
+# A template looping over a message's content: `for part in message['content']` or `.content`.
+_ITERATES_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)")
+
+
+def _template(chat: common_pb2.Chat, tokenizer, has_chat_template: bool) -> str | None:
+    if chat.HasField("chat_template"):
+        return chat.chat_template
+    if not has_chat_template:
+        raise InvalidArgument(
+            "chat", "the model's tokenizer has no chat template; send text or token_ids instead"
+        )
+    return None
+
+
+def _uses_parts(chat: common_pb2.Chat, template: str) -> bool:
+    if chat.content_format == common_pb2.Chat.CONTENT_FORMAT_OPENAI:
+        return True
+    if chat.content_format == common_pb2.Chat.CONTENT_FORMAT_STRING:
+        return False
+    return bool(_ITERATES_CONTENT.search(template))
+
+
+def _messages(chat: common_pb2.Chat, as_parts: bool) -> list[dict]:
+    if not chat.messages:
+        raise InvalidArgument("chat.messages", "must hold at least one message")
+    if as_parts:
+        return [
+            {"role": m.role, "content": [{"type": "text", "text": m.content}]}
+            for m in chat.messages
+        ]
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def _template_kwargs(chat: common_pb2.Chat) -> dict:
+    if not chat.HasField("chat_template_kwargs"):
+        return {}
+    kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
+    clashing = sorted(_RESERVED & kwargs.keys())
+    if clashing:
+        raise InvalidArgument(
+            "chat.chat_template_kwargs", f"{', '.join(clashing)} cannot be set here"
+        )
+    return kwargs
+
+
+def _generation_flags(chat: common_pb2.Chat) -> tuple[bool, bool]:
+    continue_final = chat.continue_final_message
+    add_generation_prompt = not continue_final
+    if chat.HasField("add_generation_prompt"):
+        add_generation_prompt = chat.add_generation_prompt
+    if continue_final and add_generation_prompt:
+        raise InvalidArgument(
+            "chat.continue_final_message", "cannot be combined with add_generation_prompt true"
+        )
+    return add_generation_prompt, continue_final
+
+
+def render_chat(chat: common_pb2.Chat, tokenizer, has_chat_template: bool) -> str:
+    """The prompt text of ``chat``; InvalidArgument naming the field for what cannot render."""
+    template = _template(chat, tokenizer, has_chat_template)
+    messages = _messages(chat, _uses_parts(chat, template or tokenizer.chat_template or ""))
+    add_generation_prompt, continue_final = _generation_flags(chat)
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            tokenize=False,
+            **_template_kwargs(chat),
+        )
+    except TemplateError as error:  # e.g. "roles must alternate user/assistant"
+        raise InvalidArgument("chat", f"the chat template rejected the messages: {error}") from None
+    except ValueError as error:  # e.g. continuing a final message the template does not end
+        raise InvalidArgument("chat", str(error)) from None

