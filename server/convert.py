@@ -102,6 +102,8 @@ def prompt_token_ids(request, tokenizer, model_info: ModelInfo) -> list[int]:
         raise InvalidArgument("input", "set exactly one of text, token_ids or chat")
     if kind == "token_ids":
         return list(request.token_ids.ids)
+    if tokenizer is None:
+        raise InvalidArgument(kind, _NO_TOKENIZER)
     add_special = kind == "text"  # a chat template already writes the special tokens
     if request.HasField("add_special_tokens"):
         add_special = request.add_special_tokens
@@ -309,9 +311,20 @@ def engine_failure(output: RequestOutput) -> str | None:
 # --- tokenization --------------------------------------------------------------------------
 
 
+_NO_TOKENIZER = "this server runs with --skip-tokenizer-init: send token_ids"
+
+
+def _require_tokenizer(tokenizer) -> None:
+    if tokenizer is None:
+        raise FailedPrecondition(
+            "tokenizer", "this server runs with --skip-tokenizer-init and has no tokenizer"
+        )
+
+
 def tokenize(
     request: tokenization_pb2.TokenizeRequest, tokenizer, model_info: ModelInfo
 ) -> tokenization_pb2.TokenizeResponse:
+    _require_tokenizer(tokenizer)
     token_ids = prompt_token_ids(request, tokenizer, model_info)
     return tokenization_pb2.TokenizeResponse(
         token_ids=token_ids,
@@ -324,6 +337,7 @@ def tokenize(
 def detokenize(
     request: tokenization_pb2.DetokenizeRequest, tokenizer, model_info: ModelInfo
 ) -> tokenization_pb2.DetokenizeResponse:
+    _require_tokenizer(tokenizer)
     token_ids = list(request.token_ids)
     vocab_size = model_info.vocab_size
     if any(t >= vocab_size for t in token_ids):
