@@ -20,11 +20,18 @@ class IncrementalDetokenizer:
         stop: list[str] | tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
+        # Kept special tokens stand apart from the text around them, one space each side.
+        self.special_ids = (
+            frozenset(tokenizer.all_special_ids)
+            if spaces_between_special_tokens and not skip_special_tokens
+            else frozenset()
+        )
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -45,7 +52,20 @@ class IncrementalDetokenizer:
         return self._find_stop(previous_len)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        if not self.special_ids:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        segments, run = [], []
+        for token_id in token_ids:
+            if token_id in self.special_ids:
+                if run:
+                    segments.append(self.tokenizer.decode(run))
+                    run = []
+                segments.append(self.tokenizer.decode([token_id]))
+            else:
+                run.append(token_id)
+        if run:
+            segments.append(self.tokenizer.decode(run))
+        return " ".join(segments)
 
     def _find_stop(self, previous_len: int) -> str | None:
         matches = []  # (index, stop) of each stop string ending in the new text

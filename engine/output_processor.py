@@ -47,6 +47,7 @@ class OutputProcessor:
                     params.stop,
                     params.include_stop_str_in_output,
                     params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
                 )
             generator = torch.Generator().manual_seed(sample_seed(seed, index))
             deadline = None if limit is None else request.arrival_time + limit

@@ -166,6 +166,9 @@ def sampling_params(
             stopping, "include_stop_str_in_output", defaults.include_stop_str_in_output
         ),
         skip_special_tokens=_optional(output, "skip_special_tokens", defaults.skip_special_tokens),
+        spaces_between_special_tokens=_optional(
+            output, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
+        ),
         logprobs=_optional(output, "logprobs", None),
         prompt_logprobs=_optional(output, "prompt_logprobs", None),
         time_limit_s=_time_limit_s(stopping),

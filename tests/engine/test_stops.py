@@ -110,3 +110,17 @@ def test_eos_ends_generation_without_text_unless_ignored(core):
         core.input_processor.eos_token_ids = real_eos
     assert out.finish_reason is FinishReason.EOS and out.stop_reason == eos_like
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos_like) + 1]
+
+
+@pytest.mark.parametrize(
+    ("spaces", "expected"),
+    # As slow tokenizers join: every piece, text or special token, with one space.
+    [(True, " Hi <|im_end|> <|im_start|>  yo"), (False, " Hi<|im_end|><|im_start|> yo")],
+)
+def test_spaces_between_kept_special_tokens(tokenizer, spaces, expected):
+    ids = tokenizer.encode(" Hi<|im_end|><|im_start|> yo", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=spaces
+    )
+    deltas, _ = stream(detokenizer, ids)
+    assert "".join(deltas) == expected

@@ -100,11 +100,13 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("skip_special_tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("skip_special_tokens", "logprobs", "prompt_logprobs", "spaces_between_special_tokens")
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     skip_special_tokens: bool
     logprobs: int
     prompt_logprobs: int
-    def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    spaces_between_special_tokens: bool
+    def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
