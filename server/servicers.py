@@ -39,19 +39,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     @handle_errors
     async def Generate(self, request, context):
-        engine, request_id, prompt, params = self._prepare(request, context)
-        outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
-        with self.state.admission.admit(engine), convert.engine_errors(request):
-            async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
-                async for output in outputs:
-                    _raise_engine_failure(output)
-                    outputs_so_far.add(output)
-        if self.state.logs.enable_log_outputs:
-            log_output(outputs_so_far.samples[0], self.state.logs.max_log_len)
-        return outputs_so_far.unary_response()
+        return (await self._generate(request, context)).unary_response()
 
     @handle_errors
     async def GenerateStream(self, request, context):
+        await self._generate(request, context, stream_to=context)
+
+    async def _generate(self, request, context, stream_to=None) -> convert.OutputAccumulator:
+        """Run one request to its end; with ``stream_to``, write each delta as it comes."""
         engine, request_id, prompt, params = self._prepare(request, context)
         outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
         with self.state.admission.admit(engine), convert.engine_errors(request):
@@ -59,9 +54,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 async for output in outputs:
                     _raise_engine_failure(output)
                     outputs_so_far.add(output)
-                    await context.write(outputs_so_far.stream_response(output))
+                    if stream_to is not None:
+                        await stream_to.write(outputs_so_far.stream_response(output))
         if self.state.logs.enable_log_outputs:
             log_output(outputs_so_far.samples[0], self.state.logs.max_log_len)
+        return outputs_so_far
 
 
 def _deadline(context) -> float | None:

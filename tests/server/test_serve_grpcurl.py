@@ -148,7 +148,9 @@ def test_generate_stream_returns_several_json_messages(grpcurl, address):
     data = {"text": "Hello", "stopping": {"max_tokens": 5, "ignore_eos": True}}
     reply = run_grpcurl(grpcurl, address, "llmrpc.v1.GenerationService/GenerateStream", data=data)
     messages = json_messages(reply)
-    assert len(messages) == 5
+    # One message per token, unless the server merged deltas while this reader lagged.
+    assert len(messages) >= 2
+    assert sum(len(m["token_ids"]) for m in messages) == 5
     assert all("usage" not in m for m in messages[:-1])
     assert messages[-1]["usage"]["completion_tokens"] == 5
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
