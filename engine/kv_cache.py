@@ -287,7 +287,3 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
