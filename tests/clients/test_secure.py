@@ -9,12 +9,13 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import pytest_asyncio
-from certs import make_certificates
 from client_utils import Caller, ServerThread, tiny_engine_config
+from tls_certs import CertificateAuthority
 
 from llmrpc.clients import AsyncClient, Client, FinishReason, LlmrpcError, RetryPolicy
 from llmrpc.clients.cli import common
@@ -27,7 +28,16 @@ LLMRPC = str(Path(sys.executable).parent / "llmrpc")
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory):
-    return make_certificates(tmp_path_factory.mktemp("certs"))
+    ca = CertificateAuthority(tmp_path_factory.mktemp("certs"))
+    server = ca.issue("server", server=True, dns_names=("llmrpc.test",))
+    client = ca.issue("client", server=False)
+    return SimpleNamespace(
+        ca=ca.cert,
+        server_cert=server.cert,
+        server_key=server.key,
+        client_cert=client.cert,
+        client_key=client.key,
+    )
 
 
 @pytest.fixture(scope="module", params=["tls", "mtls"])

@@ -1,7 +1,7 @@
 """Certificates made by the tests: a CA, and server and client certificates it signs.
 
-EC P-256 keys: quick to make, and accepted by gRPC and grpcurl. The server certificate names
-``localhost`` and ``127.0.0.1``, the names the tests dial.
+EC P-256 keys: quick to make, and accepted by gRPC and grpcurl. A server certificate names
+``127.0.0.1`` and ``localhost`` (the names the tests dial), plus any other names asked for.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ class CertificateAuthority:
     def cert_pem(self) -> bytes:
         return self.cert.read_bytes()
 
-    def issue(self, stem: str, *, server: bool) -> Identity:
-        """A leaf certificate for a server (``localhost``, ``127.0.0.1``) or a client."""
+    def issue(self, stem: str, *, server: bool, dns_names: tuple[str, ...] = ()) -> Identity:
+        """A leaf certificate for a server (``localhost``, ``127.0.0.1``, ``dns_names``) or a
+        client."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
@@ -89,7 +90,8 @@ class CertificateAuthority:
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
         if server:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            names = [x509.DNSName(name) for name in ("localhost", *dns_names)]
+            names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self._key, hashes.SHA256())
         identity = Identity(self.directory / f"{stem}.pem", self.directory / f"{stem}.key")
