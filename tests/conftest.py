@@ -14,17 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from tiny_models import TINY_DECODER, save_tiny_model
 
-from llmrpc.engine.loader import CACHE_ENV, load_tokenizer, resolve_model_dir
+from llmrpc.engine.loader import CACHE_ENV, resolve_model_dir
 
 TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
+    **TINY_DECODER,
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }
@@ -41,23 +36,9 @@ def make_tiny_model_dir(
 
     ``config_overrides`` replace entries of TINY_LLAMA_CONFIG (e.g. ``tie_word_embeddings=False``).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = load_tokenizer(tokenizer_dir)
-    config = LlamaConfig(
-        **{**TINY_LLAMA_CONFIG, **config_overrides},
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):  # a fixed seed without touching the global RNG
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
     out_dir = tmp_path_factory.mktemp(name)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    config = {**TINY_LLAMA_CONFIG, **config_overrides}
+    return save_tiny_model(out_dir, tokenizer_dir, "llama", seed=seed, **config)
 
 
 @pytest.fixture(scope="session")

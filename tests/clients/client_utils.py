@@ -77,26 +77,6 @@ class Caller:
             self.client.close()
 
 
-def slow_down(engine, seconds_per_step: float) -> None:
-    """Make every engine step take at least ``seconds_per_step``, so requests stay live a while."""
-    real_step = engine.core.step
-
-    def slow_step():
-        time.sleep(seconds_per_step)
-        return real_step()
-
-    engine.core.step = slow_step
-
-
-def restore_speed(engine) -> None:
-    del engine.core.step  # the instance attribute set by slow_down hid the method
-
-
-def num_live_requests(engine) -> int:
-    stats = engine.stats
-    return stats.num_running + stats.num_waiting
-
-
 async def wait_until(condition, timeout: float = 10.0, what: str = "") -> None:
     """Poll ``condition`` every few milliseconds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

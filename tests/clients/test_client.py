@@ -6,7 +6,8 @@ import asyncio
 
 import grpc
 import pytest
-from client_utils import num_live_requests, restore_speed, slow_down, wait_until
+from client_utils import wait_until
+from engine_pace import num_live_requests, restore_speed, slow_down
 
 from llmrpc.clients import Client, FinishReason, LlmrpcError, RetryPolicy
 from llmrpc.v1 import generation_pb2

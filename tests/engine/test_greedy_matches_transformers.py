@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from engine_utils import hf_greedy, make_core, run_to_completion, save_tiny_model
+from engine_utils import hf_greedy, make_core, run_to_completion
+from tiny_models import TINY_DECODER, save_tiny_model
 
 from llmrpc.engine.request import SamplingParams
 
@@ -37,7 +38,7 @@ def _as_ids(encoded) -> list[int]:
 FAMILIES = {
     # Llama 3.1-style: llama3 rope scaling, untied embeddings, larger rope theta
     "llama3": (
-        "LlamaConfig",
+        "llama",
         {
             "tie_word_embeddings": False,
             "rope_parameters": {
@@ -51,20 +52,23 @@ FAMILIES = {
         },
     ),
     "llama-linear-rope": (
-        "LlamaConfig",
+        "llama",
         {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
     ),
-    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
-    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
-    "mistral": ("MistralConfig", {"sliding_window": None, "tie_word_embeddings": False}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+    "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_dir(request, tmp_path_factory, smollm2_dir):
-    config_class, overrides = FAMILIES[request.param]
+    model_type, overrides = FAMILIES[request.param]
     out_dir = tmp_path_factory.mktemp(request.param)
-    return save_tiny_model(out_dir, smollm2_dir, config_class, **overrides)
+    config = {**TINY_DECODER, **overrides}
+    return save_tiny_model(
+        out_dir, smollm2_dir, model_type, randomize_biases_and_norms=True, **config
+    )
 
 
 def test_every_native_family_matches_transformers(family_dir):

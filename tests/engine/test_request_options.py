@@ -96,9 +96,11 @@ def test_without_chunked_prefill_a_whole_prompt_must_fit_one_step(tiny_llama_dir
 
 
 def test_a_sliding_window_bounds_the_context(tmp_path, smollm2_dir):
-    from engine_utils import save_tiny_model
+    from tiny_models import TINY_DECODER, save_tiny_model
 
-    model_dir = save_tiny_model(tmp_path / "m", smollm2_dir, "MistralConfig", sliding_window=64)
+    model_dir = save_tiny_model(
+        tmp_path / "m", smollm2_dir, "mistral", **{**TINY_DECODER, "sliding_window": 64}
+    )
     assert make_core(model_dir, max_model_len=None).max_model_len == 64
     with pytest.raises(ValueError, match="attention window"):
         make_core(model_dir, max_model_len=128)

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 from engine_utils import hf_greedy, run_to_completion
+from tiny_models import save_tiny_model
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmrpc.engine.core import EngineCore
-from llmrpc.engine.loader import iter_weights, load_hf_config, load_tokenizer
+from llmrpc.engine.loader import iter_weights, load_hf_config
 from llmrpc.engine.models import build_model, model_class
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.request import InvalidRequestError, SamplingParams
@@ -59,24 +60,8 @@ def make_tiny_hf_model_dir(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, model_type: str
 ) -> Path:
     """Save a random-weight float32 ``model_type`` causal LM with the SmolLM2 tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tokenizer = load_tokenizer(tokenizer_dir)
-    config = AutoConfig.for_model(
-        model_type,
-        **TINY_CONFIGS[model_type],
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     out_dir = tmp_path_factory.mktemp(f"tiny-{model_type}")
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_tiny_model(out_dir, tokenizer_dir, model_type, **TINY_CONFIGS[model_type])
 
 
 @pytest.fixture(scope="session")

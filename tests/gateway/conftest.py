@@ -3,11 +3,11 @@ of the tiny model per test module (gateways are cheap: tests start their own in 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_pace import restore_speed, slow_down
 from envoy_support import Replica, ServerLoop, tiny_engine_config
 
 
@@ -29,12 +29,6 @@ def replica(server_loop: ServerLoop, tiny_llama_dir: Path) -> Iterator[Replica]:
 def slow_engine(replica: Replica):
     """The replica's engine with steps of at least 20 ms, so a long request stays live."""
     engine = replica.running.engine
-    real_step = engine.core.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return real_step()
-
-    engine.core.step = slow_step
+    slow_down(engine, 0.02)
     yield engine
-    engine.core.step = real_step
+    restore_speed(engine)

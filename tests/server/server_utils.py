@@ -105,19 +105,3 @@ async def read_rest(call) -> list:
     while (message := await call.read()) is not grpc.aio.EOF:
         messages.append(message)
     return messages
-
-
-def slow_down(engine, seconds_per_step: float) -> None:
-    """Make every engine step take at least ``seconds_per_step``, so requests stay live a while."""
-    real_step = engine.core.step
-
-    def slow_step():
-        time.sleep(seconds_per_step)
-        return real_step()
-
-    engine.core.step = slow_step
-
-
-def num_live_requests(engine) -> int:
-    stats = engine.stats
-    return stats.num_running + stats.num_waiting

@@ -9,16 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
+from engine_pace import num_live_requests
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_utils import (
-    field_violations,
-    num_live_requests,
-    status_detail,
-    tiny_engine_config,
-    wait_until,
-)
+from server_utils import field_violations, status_detail, tiny_engine_config, wait_until
 
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2

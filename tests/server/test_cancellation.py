@@ -11,14 +11,8 @@ import asyncio
 import grpc
 import pytest
 import pytest_asyncio
-from server_utils import (
-    NUM_KV_BLOCKS,
-    field_violations,
-    num_live_requests,
-    read_rest,
-    slow_down,
-    wait_until,
-)
+from engine_pace import num_live_requests, slow_down
+from server_utils import NUM_KV_BLOCKS, field_violations, read_rest, wait_until
 
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2
 

@@ -11,8 +11,9 @@ import signal
 
 import grpc
 import pytest
+from engine_pace import num_live_requests, slow_down
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_utils import num_live_requests, read_rest, slow_down, tiny_engine_config, wait_until
+from server_utils import read_rest, tiny_engine_config, wait_until
 
 from llmrpc.server import app
 from llmrpc.server.settings import FrontendConfig, RestConfig
