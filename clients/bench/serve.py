@@ -113,17 +113,7 @@ def make_backend(args: argparse.Namespace) -> GrpcBackend | OpenAIBackend:
         return OpenAIBackend(
             _openai_http(args), args.model, vocab_size, args.ignore_eos, args.temperature
         )
-    client = AsyncClient(
-        args.target,
-        model=args.model,
-        tls=args.tls,
-        ca_cert=args.ca_cert,
-        client_cert=args.client_cert,
-        client_key=args.client_key,
-        server_name=args.server_name,
-        api_key=args.api_key,
-        timeout=args.timeout,
-    )
+    client = common.client_from_args(args, args.model, AsyncClient)
     return GrpcBackend(client, args.ignore_eos, args.temperature)
 
 

@@ -108,8 +108,9 @@ def add_connection_arguments(
     group.add_argument("--timeout", type=float, help="Deadline of each call in seconds.")
 
 
-def client_from_args(args: argparse.Namespace, model: str = "") -> Client:
-    return Client(
+def client_from_args(args: argparse.Namespace, model: str = "", client_class=Client):
+    """A ``Client`` (or ``client_class``, e.g. ``AsyncClient``) from the connection flags."""
+    return client_class(
         args.target,
         model=model,
         tls=args.tls,
