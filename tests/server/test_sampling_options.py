@@ -69,12 +69,13 @@ async def test_penalties_bias_and_allowed_tokens_steer_the_output(generation):
     assert set(response.token_ids) <= set(allowed)
     biased = common_pb2.SamplingParams(temperature=0.0, logit_bias={42: 100.0})
     assert list((await generation.Generate(request(4, biased))).token_ids) == [42] * 4
-    penalised = common_pb2.SamplingParams(temperature=0.0, logit_bias={42: 100.0})
-    penalised.frequency_penalty = 2.0
-    penalised.presence_penalty = 2.0
-    penalised.repetition_penalty = 1.5
+    # Once generated, token 42's biased logit (about 100) is divided by the repetition penalty
+    # and falls below the best other token: the penalty reaches the engine after the bias.
+    penalised = common_pb2.SamplingParams(
+        temperature=0.0, logit_bias={42: 100.0}, repetition_penalty=1000.0
+    )
     tokens = list((await generation.Generate(request(4, penalised))).token_ids)
-    assert tokens[0] == 42  # the bias wins once; the penalties are applied after it
+    assert tokens[0] == 42 and 42 not in tokens[1:]
 
 
 @pytest.mark.parametrize(
