@@ -45,11 +45,13 @@ class ClientBase:
         api_key: str | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        channel=None,
     ) -> None:
         """``model``: served model name for calls that do not name one ("": server default).
 
         ``timeout``: default deadline in seconds for each call, retries included; every method
-        also takes ``timeout=``. See ``ConnectionOptions`` for the others.
+        also takes ``timeout=``. ``channel``: one to use instead of opening one to ``target``
+        (a server's in-process channel to itself). See ``ConnectionOptions`` for the others.
         """
         self.model = model
         self.options = ConnectionOptions(
@@ -63,7 +65,7 @@ class ClientBase:
             timeout=timeout,
             retry=retry or RetryPolicy(),
         )
-        self._channel = self._open_channel()
+        self._channel = self._open_channel() if channel is None else channel
         self._generation = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self._tokenization = tokenization_pb2_grpc.TokenizationServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)

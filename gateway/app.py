@@ -25,9 +25,10 @@ from llmrpc.gateway.settings import GatewaySettings
 from llmrpc.gateway.state import GatewayState
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    """Raises ValueError naming the flag for a ``--middleware`` that cannot be imported."""
-    gateway = GatewayState(settings)
+def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
+    """``channels``: see ``BackendPool``. Raises ValueError naming the flag for a
+    ``--middleware`` that cannot be imported."""
+    gateway = GatewayState(settings, channels)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

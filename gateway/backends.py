@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -58,8 +58,11 @@ class NoBackendError(LlmrpcError):
 class BackendPool:
     """The replicas and their health watchers; ``start`` and ``close`` on the serving loop."""
 
-    def __init__(self, settings: BackendSettings) -> None:
+    def __init__(self, settings: BackendSettings, channels: Mapping | None = None) -> None:
+        """``channels``: open channels to use for some targets (the in-process one of the
+        server running this gateway); the others are dialled."""
         self.settings = settings
+        self._channels = dict(channels or {})
         self.backends: list[Backend] = []
         self._watchers: list[asyncio.Task] = []
         self._default_model: str | None = None
@@ -76,6 +79,7 @@ class BackendPool:
             server_name=s.server_name,
             api_key=s.api_key,
             retry=RetryPolicy(max_attempts=1),  # the pool fails over instead
+            channel=self._channels.get(target),
         )
 
     async def start(self) -> None:

@@ -15,10 +15,10 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class GatewayState:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, channels=None) -> None:
         self.settings = settings
         self.api = settings.api
-        self.pool = BackendPool(settings.backends)
+        self.pool = BackendPool(settings.backends, channels)
         self.metrics = GatewayMetrics()
         self.server_load = 0  # requests in flight (--enable-server-load-tracking)
 

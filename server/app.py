@@ -26,8 +26,9 @@ from llmrpc.server.health import HEALTH_SERVICE_NAME, Health
 from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, RequestContextInterceptor
 from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
+from llmrpc.server.loopback import HandlerRegistry, LoopbackChannel
 from llmrpc.server.options import effective_config
-from llmrpc.server.rest import PrivatePort, start_gateway
+from llmrpc.server.rest import start_gateway
 from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
@@ -51,6 +52,7 @@ class RunningServer:
         calls: CallsInFlight,
         port: int,
         host: str,
+        loopback: LoopbackChannel,
     ) -> None:
         self.server = server
         self.state = state
@@ -60,7 +62,7 @@ class RunningServer:
         self.host = host
         self.health_server: grpc.aio.Server | None = None  # the plaintext health-only port
         self.health_port: int | None = None
-        self.private_port: PrivatePort | None = None  # the REST gateway's way in
+        self.loopback = loopback  # the in-process channel the REST gateway calls through
         self.engine_failure: BaseException | None = None
         self.engine_died = asyncio.Event()
         self._stats_task: asyncio.Task | None = None
@@ -112,8 +114,6 @@ class RunningServer:
             self._stats_task.cancel()
         if self.state.engine is not None:
             await self.state.engine.shutdown()
-        if self.private_port is not None:
-            self.private_port.remove()
         logger.info("server stopped")
 
     async def _drain(self, delay: float) -> None:
@@ -125,7 +125,7 @@ class RunningServer:
     async def _stop_serving(self, grace: float | None) -> None:
         logger.info("stopping: calls in flight get %s s to finish, new calls are refused", grace)
         # One stop call only: concurrent stop calls race inside grpc.aio (a crash, seen).
-        stopping = asyncio.create_task(self.server.stop(grace))
+        stopping = asyncio.gather(self.server.stop(grace), self.loopback.stop(grace))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.calls.wait_idle(), grace)
         self.health.end_watches()
@@ -159,23 +159,30 @@ def _engine_facts(model_info) -> dict[str, str]:
     }
 
 
-def _new_server(frontend: FrontendConfig, calls: CallsInFlight) -> grpc.aio.Server:
+def _interceptors(frontend: FrontendConfig, calls: CallsInFlight) -> list:
     interceptors: list[grpc.aio.ServerInterceptor] = [
         RequestContextInterceptor(SERVICE_NAMES, calls)
     ]
     if frontend.api_key:
         interceptors.insert(0, ApiKeyInterceptor(frontend.api_key, OPEN_SERVICES))
-    return grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
+    return interceptors
 
 
-def _add_services(server: grpc.aio.Server, state: ServerState, health: Health) -> None:
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(state), server)
-    tokenization_pb2_grpc.add_TokenizationServiceServicer_to_server(
-        TokenizationServicer(state), server
+def _add_services(servers, state: ServerState, health: Health) -> None:
+    """The services, on the network server and the in-process channel's registry alike."""
+    services = (
+        (generation_pb2_grpc.add_GenerationServiceServicer_to_server, GenerationServicer(state)),
+        (
+            tokenization_pb2_grpc.add_TokenizationServiceServicer_to_server,
+            TokenizationServicer(state),
+        ),
+        (admin_pb2_grpc.add_AdminServiceServicer_to_server, AdminServicer(state)),
     )
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(state), server)
-    health.add_to(server)
-    reflection.enable_server_reflection((*SERVICE_NAMES, *OPEN_SERVICES), server)
+    for server in servers:
+        for add, servicer in services:
+            add(servicer, server)
+        health.add_to(server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, *OPEN_SERVICES), servers[0])
 
 
 def _add_port(server: grpc.aio.Server, frontend: FrontendConfig) -> int:
@@ -214,12 +221,13 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
     )
     health = Health(SERVICE_NAMES)
     calls = CallsInFlight()
-    server = _new_server(frontend, calls)
-    _add_services(server, state, health)
+    interceptors = _interceptors(frontend, calls)
+    server = grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
+    registry = HandlerRegistry()
+    _add_services((server, registry), state, health)
     port = _add_port(server, frontend)
-    running = RunningServer(server, state, health, calls, port, frontend.host or "[::]")
-    if frontend.rest.enabled:
-        running.private_port = PrivatePort(server)
+    loopback = LoopbackChannel(registry, interceptors)
+    running = RunningServer(server, state, health, calls, port, frontend.host or "[::]", loopback)
     state.effective_config.update(effective_config(engine_config, frontend), grpc_port=str(port))
     await health.set_serving(False)
     await server.start()
@@ -293,10 +301,10 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
 async def _start_gateway(running: RunningServer, frontend: FrontendConfig):
     """The REST gateway in front of ``running`` (None with --no-rest-gateway); it answers
     503 until the model serves."""
-    if running.private_port is None:
+    if not frontend.rest.enabled:
         return None
     try:
-        return await start_gateway(frontend, running.private_port.target)
+        return await start_gateway(frontend, running.loopback)
     except BaseException:
         await running.stop(grace=0)
         raise

@@ -1,39 +1,22 @@
 """The OpenAI-compatible REST gateway ``llmrpc serve`` runs beside its gRPC server.
 
-It runs in the server's process, on its event loop: the gateway is a few percent of a core at
-32 streams (JSON and HTTP framing), measured at the same throughput as gRPC, and one process
-keeps one lifecycle (signals, drain, exit status) with no second interpreter to supervise.
-
-It reaches the gRPC server through a private plaintext Unix socket in a directory only this
-user can enter, so it needs no client certificate when the gRPC port requires mutual TLS; the
-API key interceptor still applies there, and the gateway sends the first ``--api-key``. REST
-takes the same keys, host, TLS files and client-certificate rule as gRPC.
+It runs in the server's process, on its event loop, and reaches the gRPC services through the
+server's in-process channel (``loopback``): the same interceptors and servicers as a network
+call, with no serialization or HTTP/2 per streamed token, so REST streams cost the server about
+what gRPC streams do. One process keeps one lifecycle (signals, drain, exit status). The API
+key interceptor still applies (the gateway sends the first ``--api-key``); REST takes the same
+keys, host, TLS files and client-certificate rule as gRPC.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
-from pathlib import Path
-
-import grpc
 
 from llmrpc.server.settings import BindError, FrontendConfig
 
 logger = logging.getLogger(__name__)
 
-
-class PrivatePort:
-    """A plaintext gRPC port on a Unix socket in a fresh mode-0700 directory."""
-
-    def __init__(self, server: grpc.aio.Server) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="llmrpc-"))  # created with mode 0700
-        self.target = f"unix:{self.directory / 'grpc.sock'}"
-        server.add_insecure_port(self.target)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+IN_PROCESS_TARGET = "in-process"  # the gateway's name for its server (logs, /metrics)
 
 
 def gateway_settings(frontend: FrontendConfig, grpc_target: str):
@@ -71,15 +54,16 @@ def gateway_settings(frontend: FrontendConfig, grpc_target: str):
     return GatewaySettings(backends, http, cors, api)
 
 
-async def start_gateway(frontend: FrontendConfig, grpc_target: str):
-    """A started ``GatewayServer``; BindError if its socket cannot be bound."""
+async def start_gateway(frontend: FrontendConfig, channel):
+    """A started ``GatewayServer`` calling the server through ``channel``; BindError if its
+    socket cannot be bound."""
     from llmrpc.gateway.app import create_app
     from llmrpc.gateway.server import BindError as GatewayBindError
     from llmrpc.gateway.server import GatewayServer
 
-    settings = gateway_settings(frontend, grpc_target)
+    settings = gateway_settings(frontend, IN_PROCESS_TARGET)
     try:
-        server = GatewayServer(create_app(settings), settings.http)
+        server = GatewayServer(create_app(settings, {IN_PROCESS_TARGET: channel}), settings.http)
     except GatewayBindError as error:
         raise BindError(str(error)) from None
     await server.start()
