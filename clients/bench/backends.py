@@ -1,7 +1,7 @@
 """The two ways ``llmrpc bench serve`` sends a request and times it.
 
 ``grpc``: ``GenerationService.GenerateStream`` through ``AsyncClient``. ``openai``: streamed
-``POST /v1/completions`` (server-sent events) over httpx, which any OpenAI-compatible server
+``POST /v1/completions`` (server-sent events) over aiohttp, which any OpenAI-compatible server
 accepts, vLLM's included; ``ignore_eos`` is vLLM's extension of that API, and token-id prompts
 use the API's list-of-integers form of ``prompt``.
 
@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from llmrpc.clients.async_client import AsyncClient
 from llmrpc.clients.bench.datasets import BenchRequest
@@ -100,13 +100,15 @@ class OpenAIBackend:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
+        base_url: str,
         model: str,
         vocab_size: int | None,
         ignore_eos: bool,
         temperature: float,
     ) -> None:
-        self.http = http  # its base_url ends in /v1/
+        self.http = http
+        self.base_url = base_url  # ends in /v1
         self.model = model
         self._vocab_size = vocab_size
         self.extra = {"ignore_eos": ignore_eos, "temperature": temperature}
@@ -124,9 +126,8 @@ class OpenAIBackend:
         """The model to ask for: the one given, else the first the server lists."""
         if self.model:
             return self.model
-        response = await self.http.get("models")
-        response.raise_for_status()
-        self.model = response.json()["data"][0]["id"]
+        async with self.http.get(f"{self.base_url}/models", raise_for_status=True) as response:
+            self.model = (await response.json())["data"][0]["id"]
         return self.model
 
     def _body(self, request: BenchRequest) -> dict:
@@ -144,10 +145,11 @@ class OpenAIBackend:
         timer = _Timer(result)
         num_chunks = 0
         try:
-            async with self.http.stream("POST", "completions", json=self._body(request)) as reply:
-                if reply.status_code != 200:
-                    body = (await reply.aread()).decode(errors="replace")
-                    result.error = f"HTTP {reply.status_code}: {body[:200]}"
+            url = f"{self.base_url}/completions"
+            async with self.http.post(url, json=self._body(request)) as reply:
+                if reply.status != 200:
+                    body = (await reply.read()).decode(errors="replace")
+                    result.error = f"HTTP {reply.status}: {body[:200]}"
                     return result
                 async for chunk in _events(reply):
                     if any(choice.get("text") for choice in chunk.get("choices") or ()):
@@ -156,7 +158,7 @@ class OpenAIBackend:
                     if usage := chunk.get("usage"):
                         result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
                         result.output_len = usage.get("completion_tokens", 0)
-        except (httpx.HTTPError, ValueError) as error:  # connection lost, malformed event
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:  # lost, malformed
             result.error = f"{type(error).__name__}: {error}"
             return result
         # A server that sends no usage: one token per text chunk is the best estimate.
@@ -164,15 +166,15 @@ class OpenAIBackend:
         return timer.finish()
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await self.http.close()
 
 
-async def _events(reply):
+async def _events(reply: aiohttp.ClientResponse):
     """The JSON payloads of an SSE stream, until ``data: [DONE]`` or its end."""
-    async for line in reply.aiter_lines():
-        if not line.startswith("data:"):
+    async for line in reply.content:
+        if not line.startswith(b"data:"):
             continue  # blank separators, comments, event names
-        payload = line.removeprefix("data:").strip()
-        if payload == "[DONE]":
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
             return
         yield json.loads(payload)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from llmrpc.clients.async_client import AsyncClient
@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_connection_arguments(parser, default_target=None)
 
 
-def _openai_http(args: argparse.Namespace) -> httpx.AsyncClient:
+def _openai_http(args: argparse.Namespace) -> tuple[aiohttp.ClientSession, str]:
+    """The HTTP session of the openai backend, and the API's base URL (ending in /v1)."""
     base = args.target.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise BenchError(f"--url {base!r}: the openai backend needs an http:// or https:// URL")
@@ -90,13 +91,12 @@ def _openai_http(args: argparse.Namespace) -> httpx.AsyncClient:
         verify = ssl.create_default_context(cafile=args.ca_cert)
         if args.client_cert:
             verify.load_cert_chain(args.client_cert, args.client_key)
-    return httpx.AsyncClient(
-        base_url=base if base.endswith("/v1") else f"{base}/v1",
+    session = aiohttp.ClientSession(
         headers=headers,
-        verify=verify,
-        timeout=httpx.Timeout(args.timeout),  # None: no limit, as long generations need
-        limits=httpx.Limits(max_connections=args.concurrency),
+        timeout=aiohttp.ClientTimeout(total=args.timeout),  # None: no limit, as long outputs need
+        connector=aiohttp.TCPConnector(ssl=verify, limit=args.concurrency or 0),  # 0: no limit
     )
+    return session, base if base.endswith("/v1") else f"{base}/v1"
 
 
 def _vocab_size_of(folder: str | None) -> int | None:
@@ -110,8 +110,9 @@ def make_backend(args: argparse.Namespace) -> GrpcBackend | OpenAIBackend:
     args.target = args.target or DEFAULT_URLS[args.backend]
     if args.backend == "openai":
         vocab_size = args.vocab_size or _vocab_size_of(args.tokenizer or args.model)
+        session, base_url = _openai_http(args)
         return OpenAIBackend(
-            _openai_http(args), args.model, vocab_size, args.ignore_eos, args.temperature
+            session, base_url, args.model, vocab_size, args.ignore_eos, args.temperature
         )
     client = common.client_from_args(args, args.model, AsyncClient)
     return GrpcBackend(client, args.ignore_eos, args.temperature)
@@ -196,7 +197,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestResult]
         requests = await load_requests(args, backend)
         await _check(backend)
         results, duration = await drive(backend, requests, args)
-    except httpx.HTTPError as error:  # openai backend: nothing listens there, or it refused
+    except aiohttp.ClientError as error:  # openai backend: nothing listens there, or it refused
         raise BenchError(f"{args.target}: {error}", common.EXIT_UNAVAILABLE) from None
     finally:
         await backend.close()
