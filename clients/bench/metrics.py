@@ -91,3 +91,43 @@ def format_table(summary: dict) -> str:
 
 def _quartet(stats: dict[str, float]) -> str:
     return " / ".join(f"{stats[key]:.2f}" for key in ("mean", "p50", "p90", "p99"))
+
+
+def comparison(runs: list[dict], baseline_runs: list[dict]) -> dict:
+    """Rounds of runs against a server and a baseline: the output throughput ratio of each
+    round (server / baseline), their median and mean, and every run's summary."""
+    ratios = [
+        run["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
+        for run, base in zip(runs, baseline_runs, strict=True)
+    ]
+    return {
+        "throughput_ratios": ratios,
+        "throughput_ratio_median": float(np.median(ratios)),
+        "throughput_ratio_mean": float(np.mean(ratios)),
+        "errors": sum(run["errors"] for run in (*runs, *baseline_runs)),
+        "runs": runs,
+        "baseline_runs": baseline_runs,
+    }
+
+
+def format_comparison(summary: dict) -> str:
+    """One line per round (each server's throughput, TTFT and TPOT p50), then the ratios."""
+    lines = []
+    pairs = zip(
+        summary["runs"], summary["baseline_runs"], summary["throughput_ratios"], strict=True
+    )
+    for round_, (run, base, ratio) in enumerate(pairs, 1):
+        lines.append(f"round {round_}: {_brief(run)} | baseline {_brief(base)} | ratio {ratio:.3f}")
+    lines.append(
+        f"output throughput ratio (server / baseline): median "
+        f"{summary['throughput_ratio_median']:.3f}, mean {summary['throughput_ratio_mean']:.3f}, "
+        f"failed requests {summary['errors']}"
+    )
+    return "\n".join(lines)
+
+
+def _brief(run: dict) -> str:
+    return (
+        f"{run['config']['backend']} {run['output_throughput']:.1f} tok/s, "
+        f"TTFT p50 {run['ttft_ms']['p50']:.0f} ms, TPOT p50 {run['tpot_ms']['p50']:.1f} ms"
+    )

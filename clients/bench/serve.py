@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import math
 import random
@@ -77,6 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-json", type=Path, help="Write the results here as JSON.")
     parser.add_argument("--plot", type=Path, help="Draw the latency distributions to a PNG.")
+    comparison = parser.add_argument_group(
+        "comparison with a baseline (one run, alternating servers)",
+        "With --baseline-url, each round runs the same load once against --url and once against "
+        "the baseline, in alternating order, and reports the output throughput ratio of each "
+        "round (--url / baseline) and their median. Every run draws its own prompts (--seed plus "
+        "the run's number), so no run finds another's prompts in a prefix cache.",
+    )
+    comparison.add_argument("--baseline-url", help="The baseline server's address.")
+    comparison.add_argument(
+        "--baseline-backend", choices=("grpc", "openai"), help="Its backend (default: --backend)."
+    )
+    comparison.add_argument("--rounds", type=int, default=3, help="Rounds (default 3).")
     common.add_connection_arguments(parser, default_target=None)
 
 
@@ -118,18 +131,17 @@ def make_backend(args: argparse.Namespace) -> GrpcBackend | OpenAIBackend:
     return GrpcBackend(client, args.ignore_eos, args.temperature)
 
 
-async def load_requests(args, backend) -> list[datasets.BenchRequest]:
+async def load_requests(args, backend, seed: int | None = None) -> list[datasets.BenchRequest]:
+    seed = args.seed if seed is None else seed
     if args.dataset != "random":
-        return datasets.sharegpt_requests(
-            args.dataset, args.num_prompts, args.output_len, args.seed
-        )
+        return datasets.sharegpt_requests(args.dataset, args.num_prompts, args.output_len, seed)
     vocab_size = args.vocab_size or await backend.vocab_size()
     return datasets.random_requests(
         args.num_prompts,
         args.input_len,
         args.output_len,
         vocab_size,
-        args.seed,
+        seed,
         args.shared_prefix_len,
     )
 
@@ -204,6 +216,34 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestResult]
     return metrics.summarize(results, duration, run_config(args, model)), results
 
 
+async def compare(args: argparse.Namespace) -> dict:
+    """``--rounds`` rounds of one run against ``--url`` and one against the baseline."""
+    baseline_args = copy.copy(args)
+    baseline_args.backend = args.baseline_backend or args.backend
+    baseline_args.target = args.baseline_url
+    pairs = [(args, make_backend(args)), (baseline_args, make_backend(baseline_args))]
+    runs: tuple[list[dict], list[dict]] = ([], [])
+    try:
+        models = [await backend.model_name() for _, backend in pairs]
+        for _, backend in pairs:
+            await _check(backend)
+        for round_ in range(args.rounds):
+            order = (0, 1) if round_ % 2 == 0 else (1, 0)  # alternate who goes first
+            for which in order:
+                run_args, backend = pairs[which]
+                seed = args.seed + 2 * round_ + which
+                requests = await load_requests(run_args, pairs[0][1], seed)
+                results, duration = await drive(backend, requests, run_args)
+                config = {**run_config(run_args, models[which]), "seed": seed}
+                runs[which].append(metrics.summarize(results, duration, config))
+    except aiohttp.ClientError as error:  # openai backend: nothing listens there, or it refused
+        raise BenchError(str(error), common.EXIT_UNAVAILABLE) from None
+    finally:
+        for _, backend in pairs:
+            await backend.close()
+    return metrics.comparison(*runs)
+
+
 def _plot_module():
     """``bench.plot``, imported only for --plot (matplotlib is an optional dependency); checked
     before the run, so a missing matplotlib does not waste one."""
@@ -216,6 +256,8 @@ def _plot_module():
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.baseline_url is not None:
+        return _main_compare(args)
     plot = _plot_module() if args.plot else None
     summary, results = asyncio.run(benchmark(args))
     print(metrics.format_table(summary))
@@ -223,4 +265,15 @@ def main(args: argparse.Namespace) -> int:
         args.output_json.write_text(json.dumps(summary, indent=2) + "\n")
     if plot is not None:
         plot.draw(metrics.latency_samples(results), summary["config"], args.plot)
+    return common.EXIT_OK if summary["errors"] == 0 else common.EXIT_SERVER_ERROR
+
+
+def _main_compare(args: argparse.Namespace) -> int:
+    if args.plot or args.rounds < 1:
+        message = "--baseline-url takes --rounds 1 or more, and no --plot"
+        raise BenchError(message, common.EXIT_USAGE)
+    summary = asyncio.run(compare(args))
+    print(metrics.format_comparison(summary))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(summary, indent=2) + "\n")
     return common.EXIT_OK if summary["errors"] == 0 else common.EXIT_SERVER_ERROR

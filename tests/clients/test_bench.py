@@ -104,6 +104,29 @@ async def test_serve_over_the_openai_api(server, tmp_path):
     assert standin.num_completions == 5  # the first test request, then the four measured
 
 
+def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(server, tmp_path):
+    out = tmp_path / "comparison.json"
+    result = bench(
+        "serve", "--url", server.address, "--baseline-url", server.address, "--rounds", "2",
+        "--num-prompts", "4", "--concurrency", "2", "--input-len", "12", "--output-len", "6",
+        "--seed", "5", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    runs, baseline_runs = summary["runs"], summary["baseline_runs"]
+    assert len(runs) == len(baseline_runs) == 2
+    for run in (*runs, *baseline_runs):
+        assert_consistent(run, num_prompts=4, output_len=6)
+    # every run draws its own prompts: none finds another's in the prefix cache
+    seeds = [run["config"]["seed"] for run in (*runs, *baseline_runs)]
+    assert sorted(seeds) == [5, 6, 7, 8]
+    pairs = zip(runs, baseline_runs, strict=True)
+    expected = [run["output_throughput"] / base["output_throughput"] for run, base in pairs]
+    assert summary["throughput_ratios"] == pytest.approx(expected)
+    assert summary["throughput_ratio_median"] == pytest.approx(sum(expected) / 2)
+    assert result.stdout.count("ratio") == 3  # one line per round, then the summary
+
+
 def test_serve_with_no_server_exits_3(unused_tcp_port):
     result = bench("serve", "--url", f"127.0.0.1:{unused_tcp_port}", "--num-prompts", "1")
     assert result.returncode == common.EXIT_UNAVAILABLE
