@@ -37,6 +37,14 @@ def generation(channel) -> generation_pb2_grpc.GenerationServiceStub:
     return generation_pb2_grpc.GenerationServiceStub(channel)
 
 
+@pytest.fixture(params=["network", "in-process"])
+def any_generation(request, server, channel) -> generation_pb2_grpc.GenerationServiceStub:
+    """GenerationService over the network, then over the server's in-process channel (the REST
+    gateway's way in)."""
+    chosen = channel if request.param == "network" else server.loopback
+    return generation_pb2_grpc.GenerationServiceStub(chosen)
+
+
 @pytest.fixture(scope="module")
 def tokenization(channel) -> tokenization_pb2_grpc.TokenizationServiceStub:
     return tokenization_pb2_grpc.TokenizationServiceStub(channel)

@@ -48,14 +48,16 @@ async def finish(generation, req) -> generation_pb2.GenerateResponse:
     return messages[-1]
 
 
-async def test_cancelled_stream_is_aborted_and_the_others_finish(generation, engine):
+async def test_cancelled_stream_is_aborted_and_the_others_finish(any_generation, engine):
+    generation = any_generation
     others = [
         asyncio.ensure_future(finish(generation, request(SHORT, text=f"Prompt number {i}")))
         for i in range(3)
     ]
     victim = generation.GenerateStream(request(LONG, text="A much longer prompt " * 4))
+    messages = aiter(victim)
     for _ in range(3):
-        await victim.read()
+        await anext(messages)
     await wait_until(lambda: num_live_requests(engine) == 4, what="four live requests")
     victim.cancel()
     await wait_until(lambda: num_live_requests(engine) == 3, what="the victim's abort")
@@ -68,12 +70,12 @@ async def test_cancelled_stream_is_aborted_and_the_others_finish(generation, eng
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-async def test_expired_deadline_aborts_the_request(generation, engine, streaming):
+async def test_expired_deadline_aborts_the_request(any_generation, engine, streaming):
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         if streaming:
-            [m async for m in generation.GenerateStream(request(LONG), timeout=0.3)]
+            [m async for m in any_generation.GenerateStream(request(LONG), timeout=0.3)]
         else:
-            await generation.Generate(request(LONG), timeout=0.3)
+            await any_generation.Generate(request(LONG), timeout=0.3)
     assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await wait_until(lambda: num_live_requests(engine) == 0, timeout=5, what="the abort")
     assert engine.stats.num_free_blocks == NUM_KV_BLOCKS

@@ -1,46 +1,21 @@
 """The in-process channel (what ``llmrpc serve``'s REST gateway calls through) behaves as the
-network one: same outputs, same statuses and details, request ids, deadlines and cancellation
-that abort the engine request, the API key, and refusal once the server stops.
-
-Each behaviour is checked over both channels on one server whose engine is slowed to 20 ms a
-step, so a request of 400 tokens stays live for about eight seconds.
+network one: same outputs, same statuses, details and request ids, the API key, and refusal once
+the server stops. (Deadlines and cancellation over both channels: ``test_cancellation``.)
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
-import pytest_asyncio
-from engine_pace import num_live_requests, slow_down
-from server_utils import NUM_KV_BLOCKS, bound_server, field_violations, wait_until
+from engine_pace import slow_down
+from server_utils import bound_server, field_violations, tiny_engine_config
 
+from llmrpc.server.app import start_server
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LONG = 400  # tokens; never reached here
-CHANNELS = ["network", "in-process"]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(server):
-    slow_down(server.engine, 0.02)
-    return server
-
-
-@pytest.fixture(params=CHANNELS)
-def stub(request, server, channel) -> generation_pb2_grpc.GenerationServiceStub:
-    chosen = channel if request.param == "network" else server.loopback
-    return generation_pb2_grpc.GenerationServiceStub(chosen)
-
-
-@pytest.fixture
-def engine(server):
-    assert num_live_requests(server.engine) == 0
-    assert server.engine.stats.num_free_blocks == NUM_KV_BLOCKS
-    return server.engine
 
 
 def request(max_tokens: int, text: str = "Hello there", **fields) -> generation_pb2.GenerateRequest:
@@ -66,51 +41,19 @@ def _essentials(message: generation_pb2.GenerateResponse) -> tuple:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-async def test_bad_argument_status_details_and_request_id(stub, streaming):
+async def test_bad_argument_status_details_and_request_id(any_generation, streaming):
     bad = request(8, request_id="bad-one")
     bad.sampling.temperature = -1
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         if streaming:
-            [m async for m in stub.GenerateStream(bad)]
+            [m async for m in any_generation.GenerateStream(bad)]
         else:
-            await stub.Generate(bad)
+            await any_generation.Generate(bad)
     error = failure.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature" in error.details()
     assert field_violations(error) == ["sampling.temperature"]
     assert ("x-request-id", "bad-one") in tuple(error.initial_metadata())
-
-
-@pytest.mark.parametrize("streaming", [False, True])
-async def test_expired_deadline_aborts_the_request(stub, engine, streaming):
-    with pytest.raises(grpc.aio.AioRpcError) as failure:
-        if streaming:
-            [m async for m in stub.GenerateStream(request(LONG), timeout=0.3)]
-        else:
-            await stub.Generate(request(LONG), timeout=0.3)
-    assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await wait_until(lambda: num_live_requests(engine) == 0, timeout=5, what="the abort")
-    assert engine.stats.num_free_blocks == NUM_KV_BLOCKS
-
-
-async def test_cancelled_stream_is_aborted_and_another_finishes(stub, engine):
-    other = asyncio.ensure_future(_last(stub.GenerateStream(request(30, text="Another one"))))
-    victim = stub.GenerateStream(request(LONG))
-    messages = aiter(victim)
-    for _ in range(3):
-        await anext(messages)
-    await wait_until(lambda: num_live_requests(engine) == 2, what="two live requests")
-    victim.cancel()
-    await wait_until(lambda: num_live_requests(engine) == 1, what="the victim's abort")
-    assert not other.done()
-    last = await other
-    assert last.usage.completion_tokens == 30
-    await wait_until(lambda: num_live_requests(engine) == 0, what="no live requests")
-    assert engine.stats.num_free_blocks == NUM_KV_BLOCKS
-
-
-async def _last(call):
-    return [m async for m in call][-1]
 
 
 async def test_unknown_method_is_unimplemented(server):
@@ -133,10 +76,6 @@ async def test_the_api_key_applies_in_process():
 
 
 async def test_a_stopping_server_ends_calls_past_the_grace_and_refuses_new_ones(tiny_llama_dir):
-    from server_utils import tiny_engine_config
-
-    from llmrpc.server.app import start_server
-
     running = await start_server(tiny_engine_config(tiny_llama_dir), host="127.0.0.1", port=0)
     slow_down(running.engine, 0.02)
     stub = generation_pb2_grpc.GenerationServiceStub(running.loopback)
