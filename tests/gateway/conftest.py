@@ -1,5 +1,6 @@
-"""Fixtures of the gateway tests: a thread running the servers' event loop, and one gRPC replica
-of the tiny model per test module (gateways are cheap: tests start their own in front of it)."""
+"""Fixtures of the gateway tests: a thread running the servers' event loop, one gRPC replica of
+the tiny model per test module (gateways are cheap: tests start their own in front of it), and
+a gateway in front of it over each way in."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from engine_pace import restore_speed, slow_down
 from envoy_support import Replica, ServerLoop, tiny_engine_config
+from gateway_support import RunningGateway, running_gateway
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +34,16 @@ def slow_engine(replica: Replica):
     slow_down(engine, 0.02)
     yield engine
     restore_speed(engine)
+
+
+@pytest.fixture(scope="module", params=["network", "in-process"])
+def gateway(request, server_loop: ServerLoop, replica: Replica) -> Iterator[RunningGateway]:
+    """A gateway in front of the replica: over gRPC to its port (``llmrpc gateway``), then
+    through its in-process channel (as ``llmrpc serve`` runs it)."""
+    if request.param == "network":
+        started = running_gateway(server_loop, [replica.address])
+    else:
+        channels = {"in-process": replica.running.loopback}
+        started = running_gateway(server_loop, ["in-process"], channels=channels)
+    with started as gateway:
+        yield gateway

@@ -25,10 +25,10 @@ from llmrpc.gateway.settings import (
 
 
 class RunningGateway:
-    def __init__(self, server_loop, settings: GatewaySettings) -> None:
+    def __init__(self, server_loop, settings: GatewaySettings, channels=None) -> None:
         self.server_loop = server_loop
         self.settings = settings
-        self.app = create_app(settings)
+        self.app = create_app(settings, channels)
         self.server = server_loop.run(_make_server(self.app, settings.http))
         server_loop.run(self.server.start())
 
@@ -65,8 +65,11 @@ def gateway_settings(backends: list[str], **sections) -> GatewaySettings:
 
 
 @contextlib.contextmanager
-def running_gateway(server_loop, backends: list[str], **sections) -> Iterator[RunningGateway]:
-    gateway = RunningGateway(server_loop, gateway_settings(backends, **sections))
+def running_gateway(
+    server_loop, backends: list[str], channels=None, **sections
+) -> Iterator[RunningGateway]:
+    """A started gateway; ``channels``: see ``BackendPool``."""
+    gateway = RunningGateway(server_loop, gateway_settings(backends, **sections), channels)
     try:
         wait_serving(gateway)
         yield gateway

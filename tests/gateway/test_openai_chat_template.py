@@ -34,12 +34,6 @@ def render(grpc_client):
     return render
 
 
-@pytest.fixture(scope="module")
-def gateway(server_loop, replica):
-    with running_gateway(server_loop, [replica.address]) as gateway:
-        yield gateway
-
-
 def test_continue_final_message_leaves_the_answer_open(gateway, render):
     messages = [*USER, {"role": "assistant", "content": "The capital is"}]
     body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}

@@ -11,19 +11,13 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
-from gateway_support import post, running_gateway, sse_data
+from gateway_support import post, sse_data
 
 from llmrpc.clients import ErrorDetails, FieldViolation, LlmrpcError
 from llmrpc.gateway.errors import from_grpc, install_handlers
 from llmrpc.gateway.sse import first_then_rest
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def gateway(server_loop, replica):
-    with running_gateway(server_loop, [replica.address]) as gateway:
-        yield gateway
 
 
 def _error(reply: httpx.Response, status: int, param: str | None) -> dict:

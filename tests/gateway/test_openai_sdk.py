@@ -7,19 +7,13 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from gateway_support import post, running_gateway, sse_data, sse_json
+from gateway_support import post, sse_data, sse_json
 
 from llmrpc.clients import Client
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def gateway(server_loop, replica):
-    with running_gateway(server_loop, [replica.address]) as gateway:
-        yield gateway
 
 
 @pytest.fixture(scope="module")
