@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 
 import grpc
+import httpx
 import pytest
 from engine_pace import num_live_requests, slow_down
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -127,6 +129,48 @@ async def test_sigterm_drains_then_stops_and_the_stream_in_flight_finishes(
     assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 100
     assert statuses == [SERVING, NOT_SERVING]
+
+
+async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes(
+    tiny_llama_dir, monkeypatch
+):
+    gateways = []
+    real_start = app.start_gateway
+
+    async def start_and_record(*args):
+        gateways.append(await real_start(*args))
+        return gateways[-1]
+
+    monkeypatch.setattr(app, "start_gateway", start_and_record)
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=0.5, shutdown_grace_s=30)
+    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
+    url = f"http://127.0.0.1:{gateways[0].port}"
+    body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        await wait_until_async(lambda: _status(http, "/health"), 200, what="REST health 200")
+        slow_down(running.engine, 0.02)
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            events = reply.aiter_lines()
+            assert (await anext(events)).startswith("data: {")
+            os.kill(os.getpid(), signal.SIGTERM)
+            await wait_until_async(lambda: _status(http, "/health"), 503, what="REST health 503")
+            rest = [line async for line in events if line]
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert await asyncio.wait_for(serving, timeout=30) == 0
+
+
+async def _status(http: httpx.AsyncClient, path: str) -> int:
+    return (await http.get(path)).status_code
+
+
+async def wait_until_async(probe, expected, what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await probe() != expected:
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def long_request(max_tokens: int) -> generation_pb2.GenerateRequest:
