@@ -5,7 +5,9 @@ API key check, request ids and drain accounting, then the servicer) and ends the
 servicer's status, details and metadata, raised to the caller as ``grpc.aio.AioRpcError``), but
 its messages pass as objects: no serialization, no HTTP/2, no poller-thread wake-up per
 message. Per streamed token that is most of what the gateway would otherwise add to the
-server's work. ``llmrpc gateway`` in front of remote replicas uses real gRPC channels.
+server's work. ``llmrpc gateway`` in front of remote replicas uses real gRPC channels. Since
+nothing is copied, neither side may change a message once handed over (the servicers build a
+new message for every response, and the clients one for every request).
 
 Each call runs in a task of its own, as grpc.aio runs a handler: cancelling the call (the
 client closes its stream, or its deadline passes) cancels that task, which aborts the engine
