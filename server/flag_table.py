@@ -127,7 +127,8 @@ _FRONTEND = _group(
     works("--api-key", (), str, "frontend.api_key",
           "Bearer key(s) every call must send: gRPC metadata or the REST header "
           "'authorization: Bearer KEY' (else UNAUTHENTICATED, HTTP 401). Health, reflection, "
-          "/health, /version and /metrics are exempt.", nargs="+", secret=True),
+          "/health, /version and /metrics are exempt. Default: the VLLM_API_KEY environment "
+          "variable, if set.", nargs="+", secret=True),
     works("--ssl-keyfile", None, str, "tls.keyfile", "Private key (PEM) of --ssl-certfile."),
     works("--ssl-certfile", None, str, "tls.certfile",
           "Server certificate chain (PEM): TLS on the gRPC port and the REST gateway."),

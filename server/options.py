@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -215,6 +216,9 @@ def _frozen(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+API_KEY_ENV = "VLLM_API_KEY"  # the key --api-key stands for when not given
+
+
 def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
     """The typed configurations; raises ValueError naming a flag."""
     check_states(serve)
@@ -224,6 +228,8 @@ def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
             section, name = flag.target.split(".")
             fields[section][name] = _frozen(serve.values[flag.dest])
     fields["model"]["model"] = _model_of(serve)
+    if not fields["frontend"]["api_key"] and os.environ.get(API_KEY_ENV):
+        fields["frontend"]["api_key"] = (os.environ[API_KEY_ENV],)  # as vLLM reads it
     fields["model"]["served_model_name"] = fields["model"]["served_model_name"] or ()
     engine = EngineConfig(**{part: cls(**fields[part]) for part, cls in _ENGINE_PARTS.items()})
     parts = {part: cls(**fields[part]) for part, cls in _FRONTEND_PARTS.items()}

@@ -21,6 +21,17 @@ def configs(*argv: str):
     return options.build_configs(options.parse_serve_values(SERVE_PARSER, list(argv)))
 
 
+@pytest.fixture(autouse=True)
+def no_api_key_in_the_environment(monkeypatch):
+    monkeypatch.delenv(options.API_KEY_ENV, raising=False)
+
+
+def test_vllm_api_key_from_the_environment_unless_the_flag_gives_keys(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert configs()[1].api_key == ("from-env",)
+    assert configs("--api-key", "a", "b")[1].api_key == ("a", "b")
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [
