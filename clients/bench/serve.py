@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import math
@@ -227,12 +228,13 @@ async def compare(args: argparse.Namespace) -> dict:
         models = [await backend.model_name() for _, backend in pairs]
         for _, backend in pairs:
             await _check(backend)
+        vocab_source = await _knows_vocab_size([backend for _, backend in pairs])
         for round_ in range(args.rounds):
             order = (0, 1) if round_ % 2 == 0 else (1, 0)  # alternate who goes first
             for which in order:
                 run_args, backend = pairs[which]
                 seed = args.seed + 2 * round_ + which
-                requests = await load_requests(run_args, pairs[0][1], seed)
+                requests = await load_requests(run_args, vocab_source, seed)
                 results, duration = await drive(backend, requests, run_args)
                 config = {**run_config(run_args, models[which]), "seed": seed}
                 runs[which].append(metrics.summarize(results, duration, config))
@@ -242,6 +244,16 @@ async def compare(args: argparse.Namespace) -> dict:
         for _, backend in pairs:
             await backend.close()
     return metrics.comparison(*runs)
+
+
+async def _knows_vocab_size(backends: list):
+    """The first backend that can tell the vocabulary size (an openai one needs flags for it;
+    the first one's error names them)."""
+    for backend in backends:
+        with contextlib.suppress(ValueError):
+            await backend.vocab_size()
+            return backend
+    return backends[0]
 
 
 def _plot_module():

@@ -104,14 +104,21 @@ async def test_serve_over_the_openai_api(server, tmp_path):
     assert standin.num_completions == 5  # the first test request, then the four measured
 
 
-def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(server, tmp_path):
+async def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(server, tmp_path):
+    standin = OpenAIStandIn(server.address)
+    port = await standin.start()
     out = tmp_path / "comparison.json"
-    result = bench(
-        "serve", "--url", server.address, "--baseline-url", server.address, "--rounds", "2",
-        "--num-prompts", "4", "--concurrency", "2", "--input-len", "12", "--output-len", "6",
-        "--seed", "5", "--output-json", str(out),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    try:  # no --vocab-size: the gRPC baseline tells it
+        code, stdout, stderr = await bench_async(
+            "serve", "--backend", "openai", "--url", f"http://127.0.0.1:{port}",
+            "--baseline-backend", "grpc", "--baseline-url", server.address, "--rounds", "2",
+            "--num-prompts", "4", "--concurrency", "2", "--input-len", "12", "--output-len", "6",
+            "--seed", "5", "--output-json", str(out),
+        )  # fmt: skip
+    finally:
+        await standin.stop()
+    assert code == 0, stderr
+    assert standin.num_completions == 1 + 2 * 4  # the check request, then two runs of four
     summary = json.loads(out.read_text())
     runs, baseline_runs = summary["runs"], summary["baseline_runs"]
     assert len(runs) == len(baseline_runs) == 2
@@ -124,7 +131,9 @@ def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(server, t
     expected = [run["output_throughput"] / base["output_throughput"] for run, base in pairs]
     assert summary["throughput_ratios"] == pytest.approx(expected)
     assert summary["throughput_ratio_median"] == pytest.approx(sum(expected) / 2)
-    assert result.stdout.count("ratio") == 3  # one line per round, then the summary
+    assert [run["config"]["backend"] for run in runs] == ["openai", "openai"]
+    assert [run["config"]["backend"] for run in baseline_runs] == ["grpc", "grpc"]
+    assert stdout.count("ratio") == 3  # one line per round, then the summary
 
 
 def test_serve_with_no_server_exits_3(unused_tcp_port):
