@@ -25,6 +25,7 @@ from llmrpc.clients.bench.backends import GrpcBackend, OpenAIBackend, RequestRes
 from llmrpc.clients.cli import common
 
 DEFAULT_URLS = {"grpc": "localhost:50051", "openai": "http://localhost:8000"}
+DEFAULT_ROUNDS = 3  # with --baseline-url
 
 
 class BenchError(common.CommandError):
@@ -90,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     comparison.add_argument(
         "--baseline-backend", choices=("grpc", "openai"), help="Its backend (default: --backend)."
     )
-    comparison.add_argument("--rounds", type=int, default=3, help="Rounds (default 3).")
+    comparison.add_argument("--rounds", type=int, help="Rounds (default 3).")
     common.add_connection_arguments(parser, default_target=None)
 
 
@@ -229,7 +230,7 @@ async def compare(args: argparse.Namespace) -> dict:
         for _, backend in pairs:
             await _check(backend)
         vocab_source = await _knows_vocab_size([backend for _, backend in pairs])
-        for round_ in range(args.rounds):
+        for round_ in range(args.rounds or DEFAULT_ROUNDS):
             order = (0, 1) if round_ % 2 == 0 else (1, 0)  # alternate who goes first
             for which in order:
                 run_args, backend = pairs[which]
@@ -270,6 +271,8 @@ def _plot_module():
 def main(args: argparse.Namespace) -> int:
     if args.baseline_url is not None:
         return _main_compare(args)
+    if args.rounds is not None or args.baseline_backend is not None:
+        raise BenchError("--rounds and --baseline-backend need --baseline-url", common.EXIT_USAGE)
     plot = _plot_module() if args.plot else None
     summary, results = asyncio.run(benchmark(args))
     print(metrics.format_table(summary))
@@ -281,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main_compare(args: argparse.Namespace) -> int:
-    if args.plot or args.rounds < 1:
+    if args.plot or (args.rounds is not None and args.rounds < 1):
         message = "--baseline-url takes --rounds 1 or more, and no --plot"
         raise BenchError(message, common.EXIT_USAGE)
     summary = asyncio.run(compare(args))

@@ -136,6 +136,12 @@ async def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(ser
     assert stdout.count("ratio") == 3  # one line per round, then the summary
 
 
+def test_baseline_options_without_a_baseline_are_a_usage_error(server):
+    result = bench("serve", "--url", server.address, "--rounds", "2", "--num-prompts", "1")
+    assert result.returncode == common.EXIT_USAGE
+    assert "--baseline-url" in result.stderr
+
+
 def test_serve_with_no_server_exits_3(unused_tcp_port):
     result = bench("serve", "--url", f"127.0.0.1:{unused_tcp_port}", "--num-prompts", "1")
     assert result.returncode == common.EXIT_UNAVAILABLE
