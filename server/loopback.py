@@ -154,7 +154,9 @@ class LoopbackChannel:
 
     def __init__(self, registry: HandlerRegistry, interceptors: Sequence) -> None:
         self._registry = registry
-        self._interceptors = tuple(interceptors)
+        self._handler = self._lookup
+        for interceptor in reversed(interceptors):  # built once: the chain never changes
+            self._handler = _bind(interceptor, self._handler)
         self._calls: set[_Call] = set()
         self._closed = False
 
@@ -164,18 +166,12 @@ class LoopbackChannel:
     def unary_stream(self, method: str, *_codecs, **_options):
         return functools.partial(_Call, self, method, True)
 
-    async def _handler(self, details: _CallDetails):
-        async def lookup(details: _CallDetails):
-            for generic in self._registry.handlers:
-                handler = generic.service(details)
-                if handler is not None:
-                    return handler
-            return None
-
-        continuation = lookup
-        for interceptor in reversed(self._interceptors):
-            continuation = _bind(interceptor, continuation)
-        return await continuation(details)
+    async def _lookup(self, details: _CallDetails):
+        for generic in self._registry.handlers:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
 
     async def run(self, method: str, request, call: _Call, timeout: float | None):
         """Serve ``call`` to its end; the handler's response (unary), or None (stream)."""

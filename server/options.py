@@ -228,8 +228,8 @@ def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
             section, name = flag.target.split(".")
             fields[section][name] = _frozen(serve.values[flag.dest])
     fields["model"]["model"] = _model_of(serve)
-    if not fields["frontend"]["api_key"] and os.environ.get(API_KEY_ENV):
-        fields["frontend"]["api_key"] = (os.environ[API_KEY_ENV],)  # as vLLM reads it
+    if not fields["frontend"]["api_key"] and (key := os.environ.get(API_KEY_ENV)):
+        fields["frontend"]["api_key"] = (key,)  # as vLLM reads it
     fields["model"]["served_model_name"] = fields["model"]["served_model_name"] or ()
     engine = EngineConfig(**{part: cls(**fields[part]) for part, cls in _ENGINE_PARTS.items()})
     parts = {part: cls(**fields[part]) for part, cls in _FRONTEND_PARTS.items()}

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 IN_PROCESS_TARGET = "in-process"  # the gateway's name for its server (logs, /metrics)
 
 
-def gateway_settings(frontend: FrontendConfig, grpc_target: str):
+def gateway_settings(frontend: FrontendConfig):
     """The gateway's settings from the serve flags; ValueError names a bad flag."""
     from llmrpc.gateway.cli import read_chat_template
     from llmrpc.gateway.settings import (
@@ -32,7 +32,7 @@ def gateway_settings(frontend: FrontendConfig, grpc_target: str):
 
     rest, tls = frontend.rest, frontend.tls
     backends = BackendSettings(
-        targets=(grpc_target,), api_key=frontend.api_key[0] if frontend.api_key else None
+        targets=(IN_PROCESS_TARGET,), api_key=frontend.api_key[0] if frontend.api_key else None
     )
     http = HttpSettings(
         host=frontend.host, port=rest.port, uds=rest.uds, root_path=rest.root_path,
@@ -61,7 +61,7 @@ async def start_gateway(frontend: FrontendConfig, channel):
     from llmrpc.gateway.server import BindError as GatewayBindError
     from llmrpc.gateway.server import GatewayServer
 
-    settings = gateway_settings(frontend, IN_PROCESS_TARGET)
+    settings = gateway_settings(frontend)
     try:
         server = GatewayServer(create_app(settings, {IN_PROCESS_TARGET: channel}), settings.http)
     except GatewayBindError as error:

@@ -133,8 +133,7 @@ def make_backend(args: argparse.Namespace) -> GrpcBackend | OpenAIBackend:
     return GrpcBackend(client, args.ignore_eos, args.temperature)
 
 
-async def load_requests(args, backend, seed: int | None = None) -> list[datasets.BenchRequest]:
-    seed = args.seed if seed is None else seed
+async def load_requests(args, backend, seed: int) -> list[datasets.BenchRequest]:
     if args.dataset != "random":
         return datasets.sharegpt_requests(args.dataset, args.num_prompts, args.output_len, seed)
     vocab_size = args.vocab_size or await backend.vocab_size()
@@ -208,14 +207,20 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestResult]
     backend = make_backend(args)
     try:
         model = await backend.model_name()
-        requests = await load_requests(args, backend)
         await _check(backend)
-        results, duration = await drive(backend, requests, args)
+        return await _run(args, backend, model, backend, args.seed)
     except aiohttp.ClientError as error:  # openai backend: nothing listens there, or it refused
         raise BenchError(f"{args.target}: {error}", common.EXIT_UNAVAILABLE) from None
     finally:
         await backend.close()
-    return metrics.summarize(results, duration, run_config(args, model)), results
+
+
+async def _run(args, backend, model: str, vocab_source, seed: int):
+    """One measured run: ``--num-prompts`` requests drawn with ``seed``; summary and results."""
+    requests = await load_requests(args, vocab_source, seed)
+    results, duration = await drive(backend, requests, args)
+    config = {**run_config(args, model), "seed": seed}
+    return metrics.summarize(results, duration, config), results
 
 
 async def compare(args: argparse.Namespace) -> dict:
@@ -235,10 +240,8 @@ async def compare(args: argparse.Namespace) -> dict:
             for which in order:
                 run_args, backend = pairs[which]
                 seed = args.seed + 2 * round_ + which
-                requests = await load_requests(run_args, vocab_source, seed)
-                results, duration = await drive(backend, requests, run_args)
-                config = {**run_config(run_args, models[which]), "seed": seed}
-                runs[which].append(metrics.summarize(results, duration, config))
+                summary, _ = await _run(run_args, backend, models[which], vocab_source, seed)
+                runs[which].append(summary)
     except aiohttp.ClientError as error:  # openai backend: nothing listens there, or it refused
         raise BenchError(str(error), common.EXIT_UNAVAILABLE) from None
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import shutil
 import sys
 import time
@@ -31,13 +32,18 @@ def tiny_engine_config(model_dir: Path, **model_overrides) -> EngineConfig:
     )
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``condition`` every few milliseconds; fail the test after ``timeout`` seconds."""
+async def wait_until(condition: Callable, timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``condition`` (a function returning a truth value, or an awaitable of one) every
+    few milliseconds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not await _value(condition()):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.005)
+
+
+async def _value(result):
+    return await result if inspect.isawaitable(result) else result
 
 
 @contextlib.asynccontextmanager

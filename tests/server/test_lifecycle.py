@@ -147,13 +147,13 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
     url = f"http://127.0.0.1:{gateways[0].port}"
     body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        await wait_until_async(lambda: _status(http, "/health"), 200, what="REST health 200")
+        await wait_until(lambda: _status_is(http, "/health", 200), what="REST health 200")
         slow_down(running.engine, 0.02)
         async with http.stream("POST", "/v1/completions", json=body) as reply:
             events = reply.aiter_lines()
             assert (await anext(events)).startswith("data: {")
             os.kill(os.getpid(), signal.SIGTERM)
-            await wait_until_async(lambda: _status(http, "/health"), 503, what="REST health 503")
+            await wait_until(lambda: _status_is(http, "/health", 503), what="REST health 503")
             rest = [line async for line in events if line]
     assert rest[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
@@ -161,16 +161,8 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
     assert await asyncio.wait_for(serving, timeout=30) == 0
 
 
-async def _status(http: httpx.AsyncClient, path: str) -> int:
-    return (await http.get(path)).status_code
-
-
-async def wait_until_async(probe, expected, what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while await probe() != expected:
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+async def _status_is(http: httpx.AsyncClient, path: str, status: int) -> bool:
+    return (await http.get(path)).status_code == status
 
 
 def long_request(max_tokens: int) -> generation_pb2.GenerateRequest:
