@@ -69,6 +69,9 @@ class Scheduler:
                 continue
             while self.kv_manager.allocate_slots(request, num_new) is None:
                 victim = self._preemption_victim()
+                # The victim may be one scheduled earlier in this step (priority policy): it
+                # leaves the step and gives its tokens back.
+                budget += self._unschedule(output, victim, chunks)
                 self.running.remove(victim)
                 self._preempt(victim)
                 output.preempted.append(victim)
@@ -79,6 +82,16 @@ class Scheduler:
             output.scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    @staticmethod
+    def _unschedule(output: SchedulerOutput, request: Request, chunks: _ChunkRules) -> int:
+        """Take ``request`` out of this step's schedule; returns the tokens it had."""
+        for position, (scheduled, num_new) in enumerate(output.scheduled):
+            if scheduled is request:
+                del output.scheduled[position]
+                chunks.untake(request, request.num_computed_tokens, num_new)
+                return num_new
+        return 0
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, chunks) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -196,6 +209,12 @@ class _ChunkRules:
         if num_new < remaining:
             self.num_partial += 1
             self.num_long_partial += self._is_long(remaining)
+
+    def untake(self, request: Request, num_computed: int, num_new: int) -> None:
+        remaining = request.num_tokens - num_computed
+        if num_new < remaining:
+            self.num_partial -= 1
+            self.num_long_partial -= self._is_long(remaining)
 
     def _is_long(self, remaining: int) -> bool:
         threshold = self.config.long_prefill_token_threshold

@@ -106,3 +106,28 @@ def test_finishing_a_waiting_request_removes_it():
     scheduler.finish_request(b, FinishReason.ABORT)
     assert not scheduler.waiting and b.is_finished
     assert "b" not in scheduler.requests
+
+
+def test_priority_victim_already_scheduled_this_step_leaves_the_step():
+    """running = [a (priority 5), b (priority 0)]: a is scheduled, then b needs a block and the
+    least urgent request, a, is preempted. a must leave the step (its blocks are freed) and
+    give its token back to the budget."""
+    manager = KVCacheManager(2, BLOCK)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=16, scheduling_policy="priority"
+    )
+    scheduler = Scheduler(config, manager, max_model_len=1024)
+    a = Request("a", [0, 1], SamplingParams(max_tokens=100, ignore_eos=True, priority=5))
+    scheduler.add_request(a)
+    assert step(scheduler)[0] == [("a", 2)]
+    b = Request("b", [10, 11, 12, 13], SamplingParams(max_tokens=100, ignore_eos=True))
+    scheduler.add_request(b)
+    assert step(scheduler)[0] == [("a", 1), ("b", 4)]
+    assert manager.block_ids("a") == [0] and manager.block_ids("b") == [1]
+    # a's next token fits its block; b's needs a new one, and none is free.
+    scheduled, output = step(scheduler)
+    assert scheduled == [("b", 1)]
+    assert output.preempted == [a] and output.num_scheduled_tokens == 1
+    assert a.status is RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    assert manager.block_ids("b") == [1, 0]
+    assert scheduler.running == [b]
