@@ -12,7 +12,7 @@ import math
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from llmrpc.clients import LlmrpcError
@@ -97,6 +97,10 @@ class OpenAIError(Exception):
         return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready; nobody reads the reply."""
+
+
 def invalid(param: str | None, message: str) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_argument")
 
@@ -144,6 +148,10 @@ async def _on_openai_error(request: Request, error: OpenAIError) -> JSONResponse
     return error.response()
 
 
+async def _on_client_gone(request: Request, error: ClientGone) -> Response:
+    return Response(status_code=499)  # logged by uvicorn's access log only: not a fault
+
+
 async def _on_grpc_error(request: Request, error: LlmrpcError) -> JSONResponse:
     return from_grpc(error).response()
 
@@ -153,3 +161,4 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(LlmrpcError, _on_grpc_error)
+    app.add_exception_handler(ClientGone, _on_client_gone)

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from llmrpc.clients import LlmrpcError
-from llmrpc.gateway.errors import OpenAIError, from_grpc
+from llmrpc.gateway.errors import ClientGone, OpenAIError, from_grpc
 
 DONE = b"data: [DONE]\n\n"
 
@@ -42,10 +42,6 @@ class ChunkFramer:
         return self._head + b'],"usage":' + dumps(usage).encode() + b"}\n\n"
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -58,10 +54,17 @@ async def until_disconnect(request: Request, awaitable: Awaitable):
     try:
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone = watcher.done()
         watcher.cancel()
         if not work.done():
             work.cancel()
-    if work.cancelled():
+            # Cancelling only asks: wait until the work (and the gRPC call it aborts) has ended,
+            # however it ends, so nothing is left running and no outcome goes unread.
+            await asyncio.wait((work,))
+    if gone:
+        watcher.exception()  # a receive that failed is a client gone too
+        if not work.cancelled():
+            work.exception()  # read, so asyncio does not log it as never retrieved
         raise ClientGone
     return work.result()
 
