@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from llmrpc.server import convert
+from llmrpc.server.auth import caller_var
 from llmrpc.server.errors import FailedPrecondition, handle_errors
 from llmrpc.server.state import API_VERSION, SERVICE_NAMES, ServerState, server_version
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc
@@ -46,7 +47,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @handle_errors
     async def Abort(self, request, context):
         engine = self.state.require_engine()
-        aborted = await engine.abort(list(request.request_ids))
+        caller = caller_var.get()
+        request_ids = list(request.request_ids)
+        if not caller.admin:  # another caller's request is, to this one, not found
+            request_ids = self.state.owners.owned_by(request_ids, caller.key_digest)
+        aborted = await engine.abort(request_ids)
         if aborted:
             logger.info("aborted %d request(s): %s", len(aborted), ", ".join(aborted))
         return admin_pb2.AbortResponse(aborted_request_ids=aborted)

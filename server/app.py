@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from llmrpc.engine.async_engine import AsyncEngine
 from llmrpc.engine.config import EngineConfig
 from llmrpc.server.admin import AdminServicer
+from llmrpc.server.auth import KeyRing, RequestOwners
 from llmrpc.server.health import HEALTH_SERVICE_NAME, Health
 from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, RequestContextInterceptor
 from llmrpc.server.limits import AdmissionControl, channel_options
@@ -159,12 +160,13 @@ def _engine_facts(model_info) -> dict[str, str]:
     }
 
 
-def _interceptors(frontend: FrontendConfig, calls: CallsInFlight) -> list:
+def _interceptors(frontend: FrontendConfig, calls: CallsInFlight, owners: RequestOwners) -> list:
     interceptors: list[grpc.aio.ServerInterceptor] = [
-        RequestContextInterceptor(SERVICE_NAMES, calls)
+        RequestContextInterceptor(SERVICE_NAMES, calls, owners)
     ]
-    if frontend.api_key:
-        interceptors.insert(0, ApiKeyInterceptor(frontend.api_key, OPEN_SERVICES))
+    if frontend.api_key or frontend.admin_api_key:
+        keys = KeyRing(frontend.api_key, frontend.admin_api_key)
+        interceptors.insert(0, ApiKeyInterceptor(keys, OPEN_SERVICES))
     return interceptors
 
 
@@ -221,7 +223,7 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
     )
     health = Health(SERVICE_NAMES)
     calls = CallsInFlight()
-    interceptors = _interceptors(frontend, calls)
+    interceptors = _interceptors(frontend, calls, state.owners)
     server = grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
     registry = HandlerRegistry()
     _add_services((server, registry), state, health)

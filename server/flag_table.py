@@ -59,6 +59,12 @@ _OURS = _group(
         "A second, plaintext port serving grpc.health.v1 alone, for Kubernetes gRPC probes "
         "(which cannot use TLS). Default: none.",
     ),
+    ours("--admin-api-key", (), str, "frontend.admin_api_key",
+         "Bearer key(s) for the admin-only RPCs (ResetPrefixCache, Sleep, WakeUp): with it set, "
+         "--api-key keys get PERMISSION_DENIED there and Abort only their own requests. An "
+         "admin key also generates. Default: the LLMRPC_ADMIN_API_KEY environment variable, "
+         "if set; without one, --api-key keys may call the admin-only RPCs.",
+         nargs="+", secret=True),
     ours("--log-level", "info", str, "logs.level", "Logging level.",
          choices=("debug", "info", "warning", "error", "critical")),
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",

@@ -1,4 +1,4 @@
-"""Server interceptors: the API key check; the request id and in-flight count of v1 calls.
+"""Server interceptors: who is calling (API keys); the request id and in-flight count of v1 calls.
 
 Both wrap the method handler gRPC found for a call, so they run in the call's own task, before
 the servicer, and see its metadata (and, for the request id, its request message).
@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 import grpc
 
+from llmrpc.server.auth import Caller, KeyRing, RequestOwners, caller_var, needs_admin
+from llmrpc.server.errors import InvalidArgument
 from llmrpc.server.logs import request_id_var
+from llmrpc.v1.headers import AUTHORIZATION, REQUEST_ID, request_id_problem
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_METADATA = "x-request-id"
-_BEARER = "bearer "
+REQUEST_ID_METADATA = REQUEST_ID
 _HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 Behavior = Callable[..., Awaitable]
@@ -39,10 +39,6 @@ def _metadata_value(metadata, key: str) -> str | None:
     return None
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
 def _wrap_handler(
     handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior], Behavior]
 ) -> grpc.RpcMethodHandler:
@@ -52,36 +48,55 @@ def _wrap_handler(
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Calls must carry ``authorization: Bearer <key>`` with one of ``--api-key``'s keys;
-    ``exempt_services`` (health, reflection) need none. Otherwise: UNAUTHENTICATED."""
+    """Calls carry ``authorization: Bearer <key>`` (see ``llmrpc.v1.headers.bearer_key``); the
+    key makes the caller (``auth``), which the call's task then knows as ``caller_var``.
+    ``exempt_services`` (health, reflection) need no key. UNAUTHENTICATED without a key that
+    the call needs; PERMISSION_DENIED for an admin-only RPC with a generation key."""
 
-    def __init__(self, keys: Iterable[str], exempt_services: Iterable[str]) -> None:
-        self._key_digests = [_digest(key) for key in keys]
+    def __init__(self, keys: KeyRing, exempt_services: Iterable[str]) -> None:
+        self._keys = keys
         self._exempt = frozenset(exempt_services)
-
-    def authorized(self, metadata) -> bool:
-        value = _metadata_value(metadata, "authorization") or ""
-        if value[: len(_BEARER)].lower() != _BEARER:
-            return False
-        presented = _digest(value[len(_BEARER) :].strip())
-        # Digests of equal length, each compared in constant time with every key: the time taken
-        # tells nothing about a key's length or contents, nor which key matched.
-        matches = [hmac.compare_digest(presented, key) for key in self._key_digests]
-        return any(matches)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        exempt = _service_of(handler_call_details.method) in self._exempt
-        if handler is None or exempt or self.authorized(handler_call_details.invocation_metadata):
+        method = handler_call_details.method
+        if handler is None or _service_of(method) in self._exempt:
             return handler
-        return _wrap_handler(handler, lambda _: _refuse)
+        authorization = _metadata_value(handler_call_details.invocation_metadata, AUTHORIZATION)
+        caller = self._keys.caller(authorization)
+        refusal = self._refusal(caller, method)
+        if refusal is not None:
+            return _wrap_handler(handler, lambda _: refusal)
+        return _wrap_handler(handler, lambda behavior: _as_caller(caller, behavior))
+
+    def _refusal(self, caller: Caller | None, method: str) -> Behavior | None:
+        if caller is None:
+            return _refuse(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
+        if needs_admin(method) and self._keys.admin_required and not caller.admin:
+            if caller.key_digest is None:
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, _NO_ADMIN_KEY)
+            return _refuse(grpc.StatusCode.PERMISSION_DENIED, _NOT_ADMIN)
+        return None
 
 
-async def _refuse(request, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing or wrong API key: send the metadata 'authorization: Bearer <key>'",
-    )
+_NO_KEY = "missing or wrong API key: send the metadata 'authorization: Bearer <key>'"
+_NO_ADMIN_KEY = "this call needs an admin API key: send 'authorization: Bearer <admin key>'"
+_NOT_ADMIN = "this call needs an admin API key (--admin-api-key); this key may only generate"
+
+
+def _refuse(code: grpc.StatusCode, message: str) -> Behavior:
+    async def refuse(request, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    return refuse
+
+
+def _as_caller(caller: Caller, behavior: Behavior) -> Behavior:
+    async def as_caller(request, context: grpc.aio.ServicerContext):
+        caller_var.set(caller)  # the call's own task: no other call sees it
+        return await behavior(request, context)
+
+    return as_caller
 
 
 class CallsInFlight:
@@ -132,15 +147,20 @@ class CallsInFlight:
 
 class RequestContextInterceptor(grpc.aio.ServerInterceptor):
     """For each call to ``services``: a request id, bound to the logs and echoed at once in the
-    response's initial metadata (so it arrives even with an error); and a count in ``calls``.
+    response's initial metadata (so it arrives even with an error); its caller recorded in
+    ``owners`` (for Abort) and a count in ``calls``, while it runs.
 
     The id is the request's own ``request_id`` field if set, else the ``x-request-id`` metadata,
-    else a new one.
+    else a new one; a bad one (``llmrpc.v1.headers.request_id_problem``) ends the call with
+    INVALID_ARGUMENT naming where it came from, before it is echoed or logged.
     """
 
-    def __init__(self, services: Iterable[str], calls: CallsInFlight) -> None:
+    def __init__(
+        self, services: Iterable[str], calls: CallsInFlight, owners: RequestOwners | None = None
+    ) -> None:
         self._services = frozenset(services)
         self._calls = calls
+        self._owners = owners or RequestOwners()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -150,12 +170,28 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
 
     def _in_context(self, behavior: Behavior) -> Behavior:
         async def in_context(request, context: grpc.aio.ServicerContext):
-            request_id = getattr(request, "request_id", "") or _metadata_value(
-                context.invocation_metadata(), REQUEST_ID_METADATA
-            )
-            request_id = request_id or uuid.uuid4().hex
+            try:
+                request_id = _request_id(request, context.invocation_metadata())
+            except InvalidArgument as error:
+                await context.abort_with_status(error.to_grpc_status())
             request_id_var.set(request_id)  # the call's own task: no other call sees it
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-            return await self._calls.run(behavior(request, context), context)
+            with self._owners.record(request_id, caller_var.get().key_digest):
+                return await self._calls.run(behavior(request, context), context)
 
         return in_context
+
+
+def _request_id(request, metadata) -> str:
+    """The request's ``request_id`` field, else the ``x-request-id`` metadata, else a new id;
+    InvalidArgument naming the field or the metadata a bad one came from."""
+    given = (
+        ("request_id", getattr(request, "request_id", "")),
+        (REQUEST_ID_METADATA, _metadata_value(metadata, REQUEST_ID_METADATA)),
+    )
+    for source, value in given:
+        if value:
+            if problem := request_id_problem(value):
+                raise InvalidArgument(source, problem)
+            return value
+    return uuid.uuid4().hex

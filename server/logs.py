@@ -33,10 +33,20 @@ def current_request_id() -> str | None:
     return request_id_var.get()
 
 
+def escaped(text: str) -> str:
+    """``text`` with control characters, backslashes and non-ASCII as Python escapes (``\\n``,
+    ``\\x1b``, ``\\u00e9``): what a client sent can never start a log line of its own or
+    drive a terminal. Ids are checked before they get here; this is the second line of defence."""
+    if text.isascii() and text.isprintable() and "\\" not in text:
+        return text
+    return text.encode("unicode_escape").decode("ascii")
+
+
 def _with_request_id(make_record):
     def make(*args, **kwargs) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
         request_id = request_id_var.get()
+        request_id = escaped(request_id) if request_id else None
         record.request_id = request_id or "-"
         record.request_tag = f" [{request_id}]" if request_id else ""
         return record

@@ -217,6 +217,7 @@ def _frozen(value: Any) -> Any:
 
 
 API_KEY_ENV = "VLLM_API_KEY"  # the key --api-key stands for when not given
+ADMIN_API_KEY_ENV = "LLMRPC_ADMIN_API_KEY"  # the key --admin-api-key stands for when not given
 
 
 def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
@@ -230,6 +231,8 @@ def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
     fields["model"]["model"] = _model_of(serve)
     if not fields["frontend"]["api_key"] and (key := os.environ.get(API_KEY_ENV)):
         fields["frontend"]["api_key"] = (key,)  # as vLLM reads it
+    if not fields["frontend"]["admin_api_key"] and (key := os.environ.get(ADMIN_API_KEY_ENV)):
+        fields["frontend"]["admin_api_key"] = (key,)
     fields["model"]["served_model_name"] = fields["model"]["served_model_name"] or ()
     engine = EngineConfig(**{part: cls(**fields[part]) for part, cls in _ENGINE_PARTS.items()})
     parts = {part: cls(**fields[part]) for part, cls in _FRONTEND_PARTS.items()}

@@ -145,6 +145,7 @@ class FrontendConfig:
     grpc_port: int = DEFAULT_GRPC_PORT
     health_port: int | None = None  # a plaintext port serving health alone (Kubernetes probes)
     api_key: tuple[str, ...] = ()
+    admin_api_key: tuple[str, ...] = ()  # needed for admin-only RPCs (server/auth.py)
     chat_template: str | None = None  # a file, or the template itself
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 10.0
@@ -158,6 +159,10 @@ class FrontendConfig:
         _check_port("--health-port", self.health_port)
         if any(not key for key in self.api_key):
             raise ValueError("--api-key must not be empty")
+        if any(not key for key in self.admin_api_key):
+            raise ValueError("--admin-api-key must not be empty")
+        if set(self.api_key) & set(self.admin_api_key):
+            raise ValueError("--admin-api-key: a key cannot be an --api-key too (keep them apart)")
         for flag, value in (
             ("--drain-delay", self.drain_delay_s),
             ("--shutdown-grace", self.shutdown_grace_s),

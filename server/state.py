@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, field
 
+from llmrpc.server.auth import RequestOwners
 from llmrpc.server.errors import NotFound, Unavailable
 from llmrpc.server.limits import AdmissionControl
 from llmrpc.server.settings import LogConfig
@@ -36,6 +37,7 @@ class ServerState:
     extra_services: tuple[str, ...] = ()  # health, reflection: listed in GetServerInfo
     logs: LogConfig = field(default_factory=LogConfig)
     admission: AdmissionControl = field(default_factory=lambda: AdmissionControl(None))
+    owners: RequestOwners = field(default_factory=RequestOwners)  # who started each live call
     engine: object | None = None
 
     def require_engine(self):
