@@ -54,14 +54,14 @@ class InputProcessor:
         limits = self.limits
         if not prompt:
             raise InvalidRequestError("input", "the prompt is empty")
-        if any(not 0 <= t < limits.vocab_size for t in prompt):
-            raise InvalidRequestError("input", f"token ids must be in [0, {limits.vocab_size})")
-        if len(prompt) >= limits.max_model_len:
+        if len(prompt) >= limits.max_model_len:  # before reading the tokens: O(1) to refuse
             raise InvalidRequestError(
                 "input",
                 f"the prompt has {len(prompt)} tokens; the model's context length is "
                 f"{limits.max_model_len}, which leaves no room for output",
             )
+        if any(not 0 <= t < limits.vocab_size for t in prompt):
+            raise InvalidRequestError("input", f"token ids must be in [0, {limits.vocab_size})")
 
     def _check_params(self, prompt: list[int], params: SamplingParams) -> None:
         limits = self.limits
@@ -71,20 +71,31 @@ class InputProcessor:
                 f"{params.max_tokens} output tokens after a {len(prompt)}-token prompt exceed "
                 f"the model's context length of {limits.max_model_len}",
             )
+        allowed = params.allowed_token_ids or []
+        if len(allowed) > limits.vocab_size:  # the other lists are bounded by SamplingParams
+            raise InvalidRequestError(
+                "allowed_token_ids", f"at most {limits.vocab_size} entries (the vocabulary size)"
+            )
         token_lists = {
             "stop_token_ids": params.stop_token_ids,
-            "allowed_token_ids": params.allowed_token_ids or [],
+            "allowed_token_ids": allowed,
             "logit_bias": list(params.logit_bias),
         }
         for name, token_ids in token_lists.items():
             if any(not 0 <= t < limits.vocab_size for t in token_ids):
                 raise InvalidRequestError(name, f"token ids must be in [0, {limits.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and 0 <= limits.max_logprobs < value:
-                raise InvalidRequestError(
-                    name, f"at most {limits.max_logprobs} (the server's --max-logprobs)"
-                )
+            self._check_num_logprobs(name, getattr(params, name))
+
+    def _check_num_logprobs(self, name: str, value: int | None) -> None:
+        limits = self.limits
+        if value is not None and 0 <= limits.max_logprobs < value:
+            raise InvalidRequestError(
+                name, f"at most {limits.max_logprobs} (the server's --max-logprobs)"
+            )
+        # Even with --max-logprobs -1 (no limit): a top-N beyond the vocabulary cannot exist.
+        if value is not None and value > limits.vocab_size:
+            raise InvalidRequestError(name, f"at most {limits.vocab_size} (the vocabulary size)")
 
     def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
         """Each bad word as it reads alone and after a space (tokenizers tell them apart)."""

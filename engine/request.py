@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -27,6 +28,29 @@ class FinishReason(enum.Enum):
 
 
 _GREEDY_EPSILON = 1e-5
+
+# Bounds on what one request may ask for (README "Request limits"; the proto field comments say
+# the same). Lists are bounded so that a request's set-up work on the engine thread stays within
+# about one step; their per-step cost does not grow with their length (see engine/matching.py).
+MAX_N = 128  # as OpenAI
+MAX_STOP_STRINGS = 64  # OpenAI allows 4
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # each is tokenized twice when the request arrives
+MAX_BAD_WORD_CHARS = 64
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300
+MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI: a bias of -100 already bans a token in practice
+_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2^64)
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "time_limit_s",
+)
 
 
 @dataclass
@@ -73,46 +97,83 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or positive"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
-            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
-            (
-                "min_tokens",
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                "must not exceed max_tokens",
-            ),
-            ("stop", all(self.stop), "stop strings must not be empty"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
-            ("time_limit_s", self.time_limit_s is None or self.time_limit_s > 0, "must be > 0"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("n", self.n >= 1, "must be >= 1"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
-            (
-                "prompt_logprobs",
-                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-                "must be >= 0",
-            ),
-            (
-                "truncate_prompt_tokens",
-                self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-                "must be >= 1",
-            ),
-            (
-                "allowed_token_ids",
-                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-                "must not be empty",
-            ),
-            ("bad_words", all(self.bad_words), "bad words must not be empty"),
-        ]
-        for name, ok, message in checks:
+        """Raise ``InvalidRequestError`` naming the first wrong field.
+
+        Sizes are checked before items, so an oversized list costs O(1) to refuse. Token ids
+        are checked against the vocabulary by the engine's ``InputProcessor``.
+        """
+        self._check_finite()
+        self._check_lists()
+        for name, ok, message in self._range_checks():
             if not ok:
                 raise InvalidRequestError(name, message)
+
+    def _check_finite(self) -> None:
+        # NaN compares false with everything: without this, "nan >= 0" would be reported as
+        # "must be >= 0", and inf would slip through every upper-bound-free check.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidRequestError(name, "must be a finite number")
+
+    def _check_lists(self) -> None:
+        _check_size("stop", self.stop, MAX_STOP_STRINGS)
+        _check_strings("stop", self.stop, MAX_STOP_STRING_CHARS)
+        _check_size("bad_words", self.bad_words, MAX_BAD_WORDS)
+        _check_strings("bad_words", self.bad_words, MAX_BAD_WORD_CHARS)
+        _check_size("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        _check_size("logit_bias", self.logit_bias, MAX_LOGIT_BIAS)
+        for bias in self.logit_bias.values():
+            if not (math.isfinite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    "logit_bias",
+                    f"biases must be finite numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}]",
+                )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids", "must not be empty")
+
+    def _range_checks(self):
+        yield "temperature", self.temperature >= 0, "must be >= 0"
+        yield "top_p", 0 < self.top_p <= 1, "must be in (0, 1]"
+        yield "top_k", self.top_k >= -1, "must be -1, 0 (disabled) or positive"
+        yield "min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"
+        yield "seed", self.seed is None or 0 <= self.seed < _SEED_LIMIT, "must be in [0, 2^64)"
+        yield "max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"
+        yield "min_tokens", self.min_tokens >= 0, "must be >= 0"
+        yield (
+            "min_tokens",
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "must not exceed max_tokens",
+        )
+        yield "time_limit_s", self.time_limit_s is None or self.time_limit_s > 0, "must be > 0"
+        yield "repetition_penalty", self.repetition_penalty > 0, "must be > 0"
+        yield "presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"
+        yield "frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"
+        yield "n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            yield name, value is None or value >= 0, "must be >= 0"
+        yield (
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+            "must be >= 1",
+        )
+
+
+def _check_size(name: str, items, bound: int) -> None:
+    if len(items) > bound:
+        raise InvalidRequestError(name, f"at most {bound} entries, got {len(items)}")
+
+
+def _check_strings(name: str, strings: list[str], max_chars: int) -> None:
+    for string in strings:
+        if not string:
+            raise InvalidRequestError(name, "must not contain empty strings")
+        if len(string) > max_chars:
+            raise InvalidRequestError(
+                name, f"each string may have at most {max_chars} characters, got {len(string)}"
+            )
 
 
 @dataclass
