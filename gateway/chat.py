@@ -16,15 +16,22 @@ from fastapi import APIRouter, Request
 from llmrpc.clients import Completion, Delta, LlmrpcError, Usage
 from llmrpc.gateway import params, responses
 from llmrpc.gateway.errors import from_grpc
+from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
 from llmrpc.gateway.openai_models import ChatCompletionRequest
+from llmrpc.gateway.param_names import CHAT_PARAMS
 from llmrpc.gateway.sse import DONE, ChunkFramer, first_then_rest, until_disconnect
 from llmrpc.gateway.state import GatewayState, gateway_of, request_id
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
-# gRPC field paths -> chat parameters, where they differ from completions'.
-RENAMES = {"output.logprobs": "top_logprobs", "text": "messages", "input": "messages"}
+
+def param_names(body: ChatCompletionRequest) -> dict[str, str | None]:
+    """gRPC field paths -> this request's parameters: max_tokens is max_completion_tokens when
+    the caller used that name."""
+    if body.max_completion_tokens is None:
+        return CHAT_PARAMS
+    return {**CHAT_PARAMS, "stopping.max_tokens": "max_completion_tokens"}
 
 
 @router.post("/v1/chat/completions")
@@ -32,12 +39,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))
     call = ChatCall(gateway, body, request_id(request), model)
+    names = param_names(body)
     if body.stream:
-        return await first_then_rest(request, call.chunks(), RENAMES)
+        return await first_then_rest(request, call.chunks(), names)
     try:
         return await until_disconnect(request, call.complete())
     except LlmrpcError as error:
-        raise from_grpc(error, RENAMES) from None
+        raise from_grpc(error, names) from None
 
 
 class ChatCall:

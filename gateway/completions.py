@@ -15,16 +15,18 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
-from llmrpc.clients import Delta, Sample, TokenLogprob, Usage
+from llmrpc.clients import Delta, LlmrpcError, Sample, TokenLogprob, Usage
 from llmrpc.gateway import responses
-from llmrpc.gateway.errors import invalid
+from llmrpc.gateway.errors import from_grpc, invalid
+from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
 from llmrpc.gateway.openai_models import CompletionRequest
+from llmrpc.gateway.param_names import COMPLETION_PARAMS
 from llmrpc.gateway.params import completion_params
 from llmrpc.gateway.sse import DONE, ChunkFramer, first_then_rest, until_disconnect
 from llmrpc.gateway.state import GatewayState, gateway_of, gather_or_cancel, request_id
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 Prompt = str | list[int]
 
@@ -34,9 +36,21 @@ async def create_completion(body: CompletionRequest, request: Request):
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))
     call = CompletionCall(gateway, body, request_id(request), model)
+    names = param_names(body)
     if body.stream:
-        return await first_then_rest(request, call.chunks())
-    return await until_disconnect(request, call.complete())
+        return await first_then_rest(request, call.chunks(), names)
+    try:
+        return await until_disconnect(request, call.complete())
+    except LlmrpcError as error:
+        raise from_grpc(error, names) from None
+
+
+def param_names(body: CompletionRequest) -> dict[str, str | None]:
+    """gRPC field paths -> this request's parameters: prompt logprobs come from
+    ``prompt_logprobs`` when given, else from ``logprobs`` (echo)."""
+    if body.prompt_logprobs is None:
+        return COMPLETION_PARAMS
+    return {**COMPLETION_PARAMS, "output.prompt_logprobs": "prompt_logprobs"}
 
 
 def _prompts(prompt) -> list[Prompt]:

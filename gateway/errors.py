@@ -1,7 +1,8 @@
 """Errors in OpenAI's envelope, ``{"error": {"message", "type", "param", "code"}}``.
 
 gRPC statuses map to the HTTP statuses of Google's API design guide; a BadRequest field
-violation's path (``sampling.temperature``) becomes the OpenAI parameter (``temperature``).
+violation's path (``sampling.temperature``) becomes the OpenAI parameter (``temperature``), in
+``param`` and in the message (see ``param_names``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from llmrpc.clients import LlmrpcError
+from llmrpc.gateway.param_names import location_param, most_telling, param_of
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -42,24 +44,10 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
 }
 
-# Field paths of the gRPC request -> the OpenAI parameter; the rest lose their section prefix.
-_PARAMS = {
-    "text": "prompt",
-    "token_ids": "prompt",
-    "input": "prompt",
-    "chat": "messages",
-    "chat.messages": "messages",
-    "output.prompt_logprobs": "logprobs",
-    "stopping.time_limit_ms": None,
-}
 
-
-# Sub-messages of GenerateRequest whose fields are top-level OpenAI parameters.
-_SECTIONS = ("sampling.", "stopping.", "output.", "chat.")
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's envelope with this HTTP status."""
+class OpenAIError(HTTPException):
+    """An error answered in OpenAI's envelope with this HTTP status. An HTTPException, so
+    FastAPI passes it on as it is when it comes from reading the body (``json_body``)."""
 
     def __init__(
         self,
@@ -69,7 +57,7 @@ class OpenAIError(Exception):
         code: str | None = None,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(status, message)
         self.status = status
         self.message = message
         self.param = param
@@ -105,36 +93,24 @@ def invalid(param: str | None, message: str) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_argument")
 
 
-def param_of(field: str, renames: dict[str, str] | None = None) -> str | None:
-    """The OpenAI parameter a gRPC field path names (``stopping.max_tokens`` -> ``max_tokens``)."""
-    if renames and field in renames:
-        return renames[field]
-    if field in _PARAMS:
-        return _PARAMS[field]
-    return field.split(".", 1)[-1] if field.startswith(_SECTIONS) else field
-
-
-def from_grpc(error: LlmrpcError, renames: dict[str, str] | None = None) -> OpenAIError:
-    """The OpenAI error for a failed gRPC call; ``renames`` maps field paths to parameters for
-    one endpoint (chat's ``output.logprobs`` is ``top_logprobs``)."""
+def from_grpc(error: LlmrpcError, names: dict[str, str | None] | None = None) -> OpenAIError:
+    """The OpenAI error for a failed gRPC call; ``names`` maps its field paths to the endpoint's
+    parameters (``param_names.COMPLETION_PARAMS`` when not given)."""
     violations = error.field_violations
-    param = param_of(violations[0].field, renames) if violations else None
+    param = param_of(violations[0].field, names) if violations else None
     message = error.message
     if violations and violations[0].description not in message:
         message = f"{message}: {violations[0].description}"
+    if param is not None and message.startswith(f"{violations[0].field}: "):
+        message = param + message[len(violations[0].field) :]  # the caller's name, not ours
     status = _HTTP_STATUS.get(error.code, 500)
     return OpenAIError(status, message, param, error.code_name.lower(), error.details.retry_delay)
 
 
-def _validation_param(location: tuple) -> str | None:
-    parts = [str(p) for p in location if p != "body"]
-    return ".".join(parts) or None
-
-
 async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0]
-    param = _validation_param(tuple(first.get("loc", ())))
-    message = first.get("msg", "invalid request")
+    worst = most_telling(list(error.errors()) or [{}])
+    param = location_param(tuple(worst.get("loc", ())))
+    message = worst.get("msg", "invalid request")
     if param:
         message = f"{param}: {message}"
     return invalid(param, message).response()

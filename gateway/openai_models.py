@@ -11,9 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-NonNegative = Annotated[int, Field(ge=0)]
-# The gRPC API's seeds are uint32 (JSON users get numbers, not strings).
-Seed = Annotated[int, Field(ge=0, lt=2**32)]
+# The gRPC API's number types bound what a request can carry (a larger integer cannot be put in
+# the message; a float beyond float32 would arrive as infinity): a 400 naming the parameter here.
+UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+UInt32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+Seed = UInt32  # JSON users get numbers, not strings
 
 
 class StreamOptions(BaseModel):
@@ -27,40 +33,40 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[UInt32, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: NonNegative | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    max_tokens: UInt32 | None = None
+    temperature: Annotated[Float32, Field(ge=0)] | None = None
+    top_p: Float32 | None = None
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
+    logit_bias: dict[str, Float32] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: NonNegative | None = None
+    top_k: Int32 | None = None
+    min_p: Float32 | None = None
+    repetition_penalty: Float32 | None = None
+    min_tokens: UInt32 | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[NonNegative] | None = None
+    stop_token_ids: list[UInt32] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     add_special_tokens: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
-    priority: int | None = None
-    allowed_token_ids: list[NonNegative] | None = None
+    truncate_prompt_tokens: Annotated[UInt32, Field(ge=1)] | None = None
+    priority: Int32 | None = None
+    allowed_token_ids: list[UInt32] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: NonNegative | None = None
+    prompt_logprobs: UInt32 | None = None
     return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
     echo: bool = False
-    logprobs: NonNegative | None = None
+    logprobs: UInt32 | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -88,8 +94,8 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
-    top_logprobs: NonNegative | None = None
-    max_completion_tokens: NonNegative | None = None
+    top_logprobs: UInt32 | None = None
+    max_completion_tokens: UInt32 | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -121,4 +127,4 @@ class TokenizeChat(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[NonNegative]
+    tokens: list[UInt32]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from llmrpc.clients import ChatOptions
 from llmrpc.gateway.errors import invalid
 from llmrpc.gateway.openai_models import (
+    UINT32_MAX,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -42,9 +43,12 @@ _DIRECT = (
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     try:
-        return {int(token_id): value for token_id, value in bias.items()}
+        by_id = {int(token_id): value for token_id, value in bias.items()}
     except ValueError:
         raise invalid("logit_bias", "keys must be token ids (integers as strings)") from None
+    if any(not 0 <= token_id <= UINT32_MAX for token_id in by_id):
+        raise invalid("logit_bias", f"keys must be token ids, from 0 to {UINT32_MAX}")
+    return by_id
 
 
 def sampling_params(request: SamplingFields, max_tokens: int | None) -> dict:
@@ -75,7 +79,9 @@ def chat_params(request: ChatCompletionRequest) -> dict:
         raise invalid("response_format", "structured output is not supported by this build")
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = request.max_tokens
     params = sampling_params(request, max_tokens)
     if request.logprobs:
         params["logprobs"] = request.top_logprobs or 0
@@ -90,7 +96,7 @@ def _content(message: ChatMessage, index: int) -> str:
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
-            param = f"messages.{index}.content"
+            param = f"messages[{index}].content"
             raise invalid(
                 param, f"content parts of type {part.type!r} are not supported: text only"
             )

@@ -12,11 +12,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmrpc.clients import LlmrpcError
 from llmrpc.gateway.errors import OpenAIError
+from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.openai_models import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 from llmrpc.gateway.params import chat_messages, chat_options
 from llmrpc.gateway.state import gateway_of
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 
 def gateway_version() -> str:

@@ -70,30 +70,30 @@ async def until_disconnect(request: Request, awaitable: Awaitable):
 
 
 async def first_then_rest(
-    request: Request, chunks: AsyncIterator[bytes], renames: dict | None = None
+    request: Request, chunks: AsyncIterator[bytes], names: dict | None = None
 ) -> StreamingResponse:
     """An SSE response from ``chunks``, sent once the first chunk exists: an error before it
-    is answered with its HTTP status, an error after it as an error event. ``renames``: see
+    is answered with its HTTP status, an error after it as an error event. ``names``: see
     ``errors.from_grpc``."""
     try:
         first = await until_disconnect(request, anext(chunks))
     except LlmrpcError as error:
         await chunks.aclose()
-        raise from_grpc(error, renames) from None
+        raise from_grpc(error, names) from None
     except BaseException:
         await chunks.aclose()
         raise
-    body = _body(first, chunks, renames)
+    body = _body(first, chunks, names)
     return StreamingResponse(body, media_type="text/event-stream")
 
 
-async def _body(first: bytes, chunks: AsyncIterator[bytes], renames) -> AsyncIterator[bytes]:
+async def _body(first: bytes, chunks: AsyncIterator[bytes], names) -> AsyncIterator[bytes]:
     try:
         yield first
         async for chunk in chunks:
             yield chunk
     except LlmrpcError as error:
-        yield from_grpc(error, renames).sse_event()
+        yield from_grpc(error, names).sse_event()
         yield DONE
     except OpenAIError as error:
         yield error.sse_event()

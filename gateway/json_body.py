@@ -1,0 +1,106 @@
+"""JSON request bodies as the gateway reads them: RFC 8259 JSON, valid Unicode, parsed off the
+event loop when large.
+
+Python's parser takes ``NaN`` and ``Infinity``, which are not JSON, and a lone surrogate escape
+(``"\\ud800"``), which is JSON but no character: protobuf strings must be UTF-8, so such a
+string could never reach the gRPC API. Both are 400s naming the parameter that holds them.
+Parsing is linear in the body's size; above ``OFF_LOOP_BYTES`` it runs on a worker thread so
+``/health`` and the streams in flight keep their pace (the body-size limit bounds the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from fastapi import Request
+from fastapi.routing import APIRoute
+
+from llmrpc.gateway.errors import invalid
+
+OFF_LOOP_BYTES = 64 * 1024  # about a millisecond of parsing; above, a thread's hop is cheaper
+
+# In the raw body: an escape of a surrogate half, paired or not (pairs are common: emoji sent
+# by ensure_ascii encoders). Raw UTF-8 cannot carry one, so without it no check is needed.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# In a parsed string: pairs became one character, so any half left is a lone one.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _NotJson(float):
+    """What the parser made of ``NaN``/``Infinity``; found and refused by ``_problem``."""
+
+    def __new__(cls, name: str) -> _NotJson:
+        value = super().__new__(cls, name)
+        value.name = name
+        return value
+
+
+def _problem(document) -> tuple[str | None, str] | None:
+    """(parameter, what is wrong) for the first bad value, in document order; None if none.
+    Iterative: a deeply nested body must not exhaust the stack."""
+    stack = [(None, document)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                return path, "contains a lone UTF-16 surrogate escape, which is no character"
+        elif isinstance(value, _NotJson):
+            return path, f"{value.name} is not a JSON number: numbers must be finite"
+        elif isinstance(value, list):
+            stack.extend(
+                (f"{path or ''}[{i}]", item) for i, item in reversed(list(enumerate(value)))
+            )
+        elif isinstance(value, dict):
+            for key in value:
+                if _LONE_SURROGATE.search(key):
+                    return path, "has a key with a lone UTF-16 surrogate escape"
+            children = [(f"{path}.{key}" if path else key, item) for key, item in value.items()]
+            stack.extend(reversed(children))
+    return None
+
+
+def parse(body: bytes):
+    """The body's JSON; ``OpenAIError`` (400) for anything the gateway cannot pass on."""
+    constants: list[str] = []
+
+    def not_json(name: str) -> _NotJson:
+        constants.append(name)
+        return _NotJson(name)
+
+    try:
+        document = json.loads(body, parse_constant=not_json)
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise invalid(None, f"the request body is not valid JSON: {error}") from None
+    if constants or _SURROGATE_ESCAPE.search(body):
+        found = _problem(document)
+        if found is not None:
+            param, what = found
+            raise invalid(param, f"{param}: {what}" if param else f"the body {what}")
+    return document
+
+
+class JsonRequest(Request):
+    """A request whose ``json()`` is ``parse``, off the loop for large bodies."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            if len(body) > OFF_LOOP_BYTES:
+                self._json = await asyncio.to_thread(parse, body)
+            else:
+                self._json = parse(body)
+        return self._json
+
+
+class JsonRoute(APIRoute):
+    """A route whose body is read through ``JsonRequest``."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route_handler(request: Request):
+            return await handler(JsonRequest(request.scope, request.receive))
+
+        return route_handler
