@@ -194,6 +194,10 @@ class AsyncEngine:
             if command[0] == "stop":
                 return False
             future = command[-1]
+            # A caller that gave up (cancelled call, passed deadline) cancelled its future while
+            # the command waited here: skip the command; its abort, if any, follows it.
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue
             try:
                 result = self._apply(command[0], *command[1:-1])
             except Exception as error:  # noqa: BLE001 - returned to the caller

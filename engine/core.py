@@ -269,11 +269,13 @@ class EngineCore:
             for child_id in list(self.output_processor.children.get(request_id, ())):
                 request = self.scheduler.requests[child_id]
                 self.scheduler.finish_request(request, FinishReason.ABORT)
-                outputs.append(self.output_processor.make_output(request, []))
+                outputs.append(self._output(request, []))
         return outputs
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step of the batch. A fault that belongs to one request finishes that request with
+        ``FinishReason.ERROR``; only a failed forward pass (or scheduling) raises."""
         started = time.monotonic()
         dropped = self._drop_hopeless_waiting(started)
         scheduled = self.scheduler.schedule()
@@ -286,19 +288,73 @@ class EngineCore:
             )
         )
         model_output = self.runner.execute(scheduled, self.kv_manager.block_ids)
-        self._record_prompt_logprobs(model_output.prompt_logits)
+        failed: dict[Request, str] = {}
+        self._record_prompt_logprobs(model_output.prompt_logits, failed)
         requests = model_output.sampled_requests
-        self._generation_rate.add(len(requests))
-        generators = [self.output_processor.generator(r.request_id) for r in requests]
-        sampled = self.sampler(model_output.logits, requests, generators)
-        tokens = dict(zip((r.request_id for r in requests), sampled.token_ids, strict=True))
-        logprobs = dict(zip((r.request_id for r in requests), sampled.logprobs, strict=True))
-        updated = self.scheduler.update_from_output(scheduled, tokens)
-        outputs = [self._process_new_token(r, logprobs[r.request_id]) for r in updated]
+        sampled = self._sample(model_output.logits, requests, failed)
+        if sampled is None:  # sampling failed as a batch: the innocent requests redo this step
+            redo = set(requests)
+            scheduled.scheduled = [(r, n) for r, n in scheduled.scheduled if r not in redo]
+            tokens, logprobs = {}, {}
+        else:
+            self._generation_rate.add(len(requests))
+            ids = [r.request_id for r in requests]
+            tokens = dict(zip(ids, sampled.token_ids, strict=True))
+            logprobs = dict(zip(ids, sampled.logprobs, strict=True))
+        updated = self.scheduler.update_from_output(scheduled, tokens, failed)
+        outputs = [self._process_new_token(r, logprobs[r.request_id], failed) for r in updated]
         elapsed = max(time.monotonic() - started, 1e-6)
         pace = scheduled.num_scheduled_tokens / elapsed
         self._peak_tokens_per_second = max(self._peak_tokens_per_second, pace)
-        return dropped + outputs + self._end_expired_requests()
+        outputs = [output for output in outputs if output is not None]
+        return dropped + outputs + self._fail_requests(failed) + self._end_expired_requests()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], failed: dict):
+        """The batch's tokens; None when the batched sampler failed. Then each request is tried
+        alone to find the ones at fault (added to ``failed``); the others redo the step, with
+        their random generators as they were, so a seeded request draws the same tokens."""
+        generators = [self.output_processor.generator(r.request_id) for r in requests]
+        saved = [
+            (g, g.get_state())
+            for g, r in zip(generators, requests, strict=True)
+            if not r.params.greedy
+        ]
+        try:
+            return self.sampler(logits, requests, generators)
+        except Exception as error:  # noqa: BLE001 - found and charged to its request below
+            logger.warning("sampling the batch failed (%r); trying each request alone", error)
+        for row, request in enumerate(requests):
+            for generator, state in saved:
+                generator.set_state(state)
+            try:
+                self.sampler(logits[row : row + 1].clone(), [request], [generators[row]])
+            except Exception as error:  # noqa: BLE001 - this request's own fault
+                failed[request] = f"sampling failed: {error!r}"
+        for generator, state in saved:
+            generator.set_state(state)
+        if not any(request in failed for request in requests):
+            for request in requests:  # no single culprit: the whole sampled batch fails
+                failed[request] = "sampling the batch failed"
+        return None
+
+    def _fail_requests(self, failed: dict[Request, str]) -> list[RequestOutput]:
+        outputs = []
+        for request, message in failed.items():
+            logger.error("request %s failed: %s", request.request_id, message)
+            self.scheduler.finish_request(request, FinishReason.ERROR)
+            outputs.append(self.output_processor.error_output(request, message))
+        return outputs
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        """``make_output``, or an error output if making it fails."""
+        try:
+            return self.output_processor.make_output(request, new_token_ids)
+        except Exception as error:  # noqa: BLE001 - this request's own fault
+            logger.exception("making the output of %s failed", request.request_id)
+            if not request.is_finished:
+                self.scheduler.finish_request(request, FinishReason.ERROR)
+            message = f"making the output failed: {error!r}"
+            return self.output_processor.error_output(request, message)
 
     def _drop_hopeless_waiting(self, now: float) -> list[RequestOutput]:
         """Drop queued requests that cannot start before their deadline at the recent pace."""
@@ -311,37 +367,49 @@ class EngineCore:
             tokens = request.num_tokens - request.num_computed_tokens
             if deadline is not None and now + (tokens_ahead + tokens) / pace > deadline:
                 self.scheduler.finish_request(request, FinishReason.DEADLINE)
-                outputs.append(self.output_processor.make_output(request, []))
+                outputs.append(self._output(request, []))
             else:
                 tokens_ahead += tokens
         return outputs
 
-    def _record_prompt_logprobs(self, prompt_logits) -> None:
+    def _record_prompt_logprobs(self, prompt_logits, failed: dict) -> None:
         for span, logits in prompt_logits:
-            request = span.request
-            values = self.sampler.logprob_values(logits)
-            for j in range(span.num_positions):
-                target = span.first_position + j + 1
-                if target == len(request.prompt_logprobs):  # not recorded before a preemption
-                    token_id = request.prompt_token_ids[target]
-                    num_top = request.params.prompt_logprobs
-                    request.prompt_logprobs.append(token_logprobs(values[j], token_id, num_top))
+            try:
+                self._record_span_logprobs(span, logits)
+            except Exception as error:  # noqa: BLE001 - this request's own fault
+                failed[span.request] = f"computing prompt logprobs failed: {error!r}"
+
+    def _record_span_logprobs(self, span, logits) -> None:
+        request = span.request
+        values = self.sampler.logprob_values(logits)
+        for j in range(span.num_positions):
+            target = span.first_position + j + 1
+            if target == len(request.prompt_logprobs):  # not recorded before a preemption
+                token_id = request.prompt_token_ids[target]
+                num_top = request.params.prompt_logprobs
+                request.prompt_logprobs.append(token_logprobs(values[j], token_id, num_top))
 
     def _end_expired_requests(self) -> list[RequestOutput]:
         outputs = []
         for request_id in self.output_processor.expired(time.monotonic()):
             request = self.scheduler.requests[request_id]
             self.scheduler.finish_request(request, FinishReason.TIME_LIMIT)
-            outputs.append(self.output_processor.make_output(request, []))
+            outputs.append(self._output(request, []))
         return outputs
 
-    def _process_new_token(self, request: Request, logprobs) -> RequestOutput:
+    def _process_new_token(self, request: Request, logprobs, failed: dict) -> RequestOutput | None:
         # EOS and stop tokens end the output without being rendered as text.
         render = request.finish_reason not in (FinishReason.EOS, FinishReason.STOP_TOKEN)
-        stop = self.output_processor.add_token(request, logprobs, render)
+        try:
+            stop = self.output_processor.add_token(request, logprobs, render)
+        except Exception as error:  # noqa: BLE001 - this request's own fault
+            failed[request] = f"detokenizing the output failed: {error!r}"
+            if request.is_finished:  # it ended with this token: say why it failed instead
+                request.finish_reason = FinishReason.ERROR
+            return None
         if stop is not None:
             self.scheduler.finish_request(request, FinishReason.STOP_STRING, stop)
-        return self.output_processor.make_output(request, [request.output_token_ids[-1]])
+        return self._output(request, [request.output_token_ids[-1]])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""

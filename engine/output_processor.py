@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmrpc.engine.detokenizer import IncrementalDetokenizer
-from llmrpc.engine.request import Request, RequestOutput, TokenLogprobs
+from llmrpc.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
 
 
 @dataclass
@@ -96,6 +96,25 @@ class OutputProcessor:
             index=tracked.index,
             logprobs=self._take_logprobs(request, tracked),
             prompt_logprobs=self._take_prompt_logprobs(request, tracked),
+        )
+
+    def error_output(self, request: Request, message: str) -> RequestOutput:
+        """The last output of a request that failed (``FinishReason.ERROR``), made without the
+        request's detokenizer, which may be what failed."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            self._forget(request.request_id, tracked.parent_id)
+        return RequestOutput(
+            request_id=tracked.parent_id if tracked is not None else request.request_id,
+            text="",
+            token_ids=[],
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=message,
+            index=tracked.index if tracked is not None else 0,
         )
 
     def _take_logprobs(self, request: Request, tracked: _Tracked) -> list[TokenLogprobs] | None:

@@ -126,22 +126,36 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        failed: dict[Request, str] | None = None,
     ) -> list[Request]:
         """Advance scheduled requests; append sampled tokens and apply token-level stops.
 
-        Returns the requests that received a new token this step.
+        Returns the requests that received a new token this step. Requests in ``failed`` are
+        skipped; one whose update raises is added to it (with the error) instead.
         """
+        failed = {} if failed is None else failed
         updated = []
         for request, num_scheduled in output.scheduled:
-            request.num_computed_tokens += num_scheduled
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:  # a chunk of a prompt that is not finished yet
+            if request in failed:
                 continue
-            request.append_output_token(token_id)
-            updated.append(request)
-            self._check_token_stop(request, token_id)
+            try:
+                if self._update_request(request, num_scheduled, sampled_token_ids):
+                    updated.append(request)
+            except Exception as error:  # noqa: BLE001 - this request's own fault
+                failed[request] = f"updating the request failed: {error!r}"
         return updated
+
+    def _update_request(self, request: Request, num_scheduled: int, sampled: dict) -> bool:
+        request.num_computed_tokens += num_scheduled
+        token_id = sampled.get(request.request_id)
+        if token_id is None:  # a chunk of a prompt that is not finished yet
+            return False
+        request.append_output_token(token_id)
+        self._check_token_stop(request, token_id)
+        return True
 
     def _check_token_stop(self, request: Request, token_id: int) -> None:
         params = request.params
