@@ -107,13 +107,18 @@ def from_grpc(error: LlmrpcError, names: dict[str, str | None] | None = None) ->
     return OpenAIError(status, message, param, error.code_name.lower(), error.details.retry_delay)
 
 
-async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    worst = most_telling(list(error.errors()) or [{}])
+def validation_failed(errors: list[dict]) -> OpenAIError:
+    """The 400 for a body that failed validation: its most telling error, by parameter."""
+    worst = most_telling(errors or [{}])
     param = location_param(tuple(worst.get("loc", ())))
     message = worst.get("msg", "invalid request")
     if param:
         message = f"{param}: {message}"
-    return invalid(param, message).response()
+    return invalid(param, message)
+
+
+async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return validation_failed(list(error.errors())).response()
 
 
 async def _on_http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -4,8 +4,10 @@ event loop when large.
 Python's parser takes ``NaN`` and ``Infinity``, which are not JSON, and a lone surrogate escape
 (``"\\ud800"``), which is JSON but no character: protobuf strings must be UTF-8, so such a
 string could never reach the gRPC API. Both are 400s naming the parameter that holds them.
-Parsing is linear in the body's size; above ``OFF_LOOP_BYTES`` it runs on a worker thread so
-``/health`` and the streams in flight keep their pace (the body-size limit bounds the rest).
+Parsing and validating are linear in the body's size; above ``OFF_LOOP_BYTES`` both run on a
+worker thread, so the event loop (``/health``, the streams in flight) is not queued behind them.
+CPython's JSON parser and pydantic hold the GIL while they run, so a large body still slows the
+loop; the body-size limit (``body_limit``) bounds by how much.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import re
 
 from fastapi import Request
 from fastapi.routing import APIRoute
+from pydantic import TypeAdapter, ValidationError
 
-from llmrpc.gateway.errors import invalid
+from llmrpc.gateway.errors import invalid, validation_failed
 
 OFF_LOOP_BYTES = 64 * 1024  # about a millisecond of parsing; above, a thread's hop is cheaper
 
@@ -81,14 +84,30 @@ def parse(body: bytes):
     return document
 
 
+def parse_and_validate(body: bytes, adapter: TypeAdapter | None):
+    """``parse``, then the route's body model (FastAPI accepts the instance as it is)."""
+    document = parse(body)
+    if adapter is None:
+        return document
+    try:
+        return adapter.validate_python(document)
+    except ValidationError as error:
+        raise validation_failed(list(error.errors())) from None
+
+
 class JsonRequest(Request):
-    """A request whose ``json()`` is ``parse``, off the loop for large bodies."""
+    """A request whose ``json()`` is ``parse``; a large body is also validated against the
+    route's model, both on a worker thread."""
+
+    def __init__(self, scope, receive, adapter: TypeAdapter | None) -> None:
+        super().__init__(scope, receive)
+        self._adapter = adapter
 
     async def json(self):
         if not hasattr(self, "_json"):
             body = await self.body()
             if len(body) > OFF_LOOP_BYTES:
-                self._json = await asyncio.to_thread(parse, body)
+                self._json = await asyncio.to_thread(parse_and_validate, body, self._adapter)
             else:
                 self._json = parse(body)
         return self._json
@@ -99,8 +118,10 @@ class JsonRoute(APIRoute):
 
     def get_route_handler(self):
         handler = super().get_route_handler()
+        model = self.body_field.field_info.annotation if self.body_field else None
+        adapter = TypeAdapter(model) if model is not None else None
 
         async def route_handler(request: Request):
-            return await handler(JsonRequest(request.scope, request.receive))
+            return await handler(JsonRequest(request.scope, request.receive, adapter))
 
         return route_handler

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # The gRPC API's number types bound what a request can carry (a larger integer cannot be put in
 # the message; a float beyond float32 would arrive as infinity): a 400 naming the parameter here.
@@ -20,6 +20,28 @@ UInt32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 Seed = UInt32  # JSON users get numbers, not strings
+
+
+def _prompt_form(value) -> str:
+    """Which form a prompt is in, told by its first element, so one form alone is validated:
+    trying each in turn would cost a pass (and an error per element) for each form."""
+    if isinstance(value, str):
+        return "str"
+    first = value[0] if isinstance(value, list) and value else None
+    if isinstance(first, list):
+        return "list[list[int]]"
+    return "list[int]" if isinstance(first, int) else "list[str]"
+
+
+# Text, texts, token ids, or lists of token ids. The tags read as types, so error locations
+# (``prompt.list[int].0``) come out as ``prompt[0]`` (``param_names``).
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[UInt32], Tag("list[int]")]
+    | Annotated[list[list[UInt32]], Tag("list[list[int]]")],
+    Discriminator(_prompt_form),
+]
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +86,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
+    prompt: Prompt
     echo: bool = False
     logprobs: UInt32 | None = None
     best_of: int | None = None

@@ -151,3 +151,24 @@ def test_chat_field_paths_become_parameters(field, param):
     error = from_grpc(_violation(field), CHAT_PARAMS)
     assert error.param == param
     assert error.message == f"{param}: is wrong"
+
+
+# --- large bodies: parsed and validated on a worker thread, with the same answers ----------------
+
+BIG = 40_000  # token ids: a body well above json_body.OFF_LOOP_BYTES
+
+
+def test_a_large_body_names_the_bad_element(gateway):
+    reply = post_json(gateway, COMPLETIONS, {"prompt": [1] * BIG + [2**40]})
+    assert_400(reply, f"prompt[{BIG}]")
+    long_text = "word " * BIG
+    messages = [{"role": "user", "content": long_text}, {"role": "user", "content": LONE}]
+    assert_400(post_json(gateway, CHAT, {"messages": messages}), "messages[1].content")
+
+
+def test_a_large_valid_body_is_served(gateway):
+    reply = post_json(gateway, "/tokenize", {"prompt": "word " * BIG})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["count"] >= BIG
+    reply = post_json(gateway, COMPLETIONS, {"prompt": [1] * 100, "max_tokens": 1, "x": "y" * BIG})
+    assert reply.status_code == 200, reply.text
