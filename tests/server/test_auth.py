@@ -94,3 +94,131 @@ async def test_start_up_warns_only_when_neither_key_nor_tls_is_set(caplog):
         async with bound_server(api_key=KEYS):
             pass
         assert not any("no --api-key" in r.getMessage() for r in caplog.records)
+
+
+# --- RFC 7235 credentials -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [f"BEARER {KEYS[0]}", f"Bearer   {KEYS[0]}", f"  bearer {KEYS[1]}  ", f"bEaReR {KEYS[1]}"],
+)
+async def test_the_scheme_is_case_insensitive_and_spaces_separate_it_from_the_key(channel, value):
+    admin = admin_pb2_grpc.AdminServiceStub(channel)
+    await admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), metadata=bearer(value))
+
+
+@pytest.mark.parametrize("value", [f"Bearer{KEYS[0]}", f"Bearer {KEYS[0]} extra", "Bearer  "])
+async def test_no_other_separator_or_trailing_text_passes(channel, value):
+    admin = admin_pb2_grpc.AdminServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), metadata=bearer(value))
+    assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# --- --admin-api-key: generation keys generate, the admin key administers ---------------------
+
+ADMIN_KEY = "admin-key-89ab"
+# Every AdminService RPC, by whether a generation key may call it. A new RPC must be put in one.
+READ_ONLY = {"GetServerInfo", "GetModelInfo", "ListModels", "GetLoad", "IsSleeping", "Abort"}
+STATE_CHANGING = {"ResetPrefixCache", "Sleep", "WakeUp"}
+ADMIN_METHODS = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].methods
+
+
+async def test_every_admin_rpc_is_classified():
+    assert {m.name for m in ADMIN_METHODS} == READ_ONLY | STATE_CHANGING
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def with_admin():
+    async with (
+        bound_server(api_key=KEYS, admin_api_key=(ADMIN_KEY,)) as running,
+        grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel,
+    ):
+        yield running, channel
+
+
+async def admin_call(channel, name: str, key: str | None) -> grpc.StatusCode:
+    """The status of AdminService/``name`` called with ``key`` (no model loaded: a call that
+    passes the key check ends UNAVAILABLE, or OK for the server's own facts)."""
+    method = ADMIN_METHODS[[m.name for m in ADMIN_METHODS].index(name)]
+    request_class = getattr(admin_pb2, method.input_type.name)
+    response_class = getattr(admin_pb2, method.output_type.name)
+    call = channel.unary_unary(
+        f"/llmrpc.v1.AdminService/{name}",
+        request_serializer=request_class.SerializeToString,
+        response_deserializer=response_class.FromString,
+    )
+    metadata = bearer(f"Bearer {key}") if key else ()
+    try:
+        await call(request_class(), metadata=metadata)
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("name", sorted(STATE_CHANGING))
+async def test_state_changing_admin_rpcs_refuse_generation_keys(with_admin, name):
+    _, channel = with_admin
+    assert await admin_call(channel, name, KEYS[0]) == grpc.StatusCode.PERMISSION_DENIED
+    assert await admin_call(channel, name, None) == grpc.StatusCode.UNAUTHENTICATED
+    assert await admin_call(channel, name, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+    assert await admin_call(channel, name, ADMIN_KEY) == grpc.StatusCode.UNAVAILABLE  # passed
+
+
+@pytest.mark.parametrize("name", sorted(READ_ONLY))
+async def test_read_only_admin_rpcs_stay_open_to_generation_keys(with_admin, name):
+    _, channel = with_admin
+    for key in (KEYS[1], ADMIN_KEY):
+        code = await admin_call(channel, name, key)
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), (key, code)
+    assert await admin_call(channel, name, None) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_admin_key_also_generates(with_admin):
+    _, channel = with_admin
+    generation = generation_pb2_grpc.GenerationServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await generation.Generate(
+            generation_pb2.GenerateRequest(text="hi"), metadata=bearer(f"Bearer {ADMIN_KEY}")
+        )
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE  # past the key: no model loaded
+
+
+async def test_grpcurl_with_a_generation_key_is_permission_denied_on_sleep(with_admin):
+    running, _ = with_admin
+    address = f"127.0.0.1:{running.port}"
+    method = "llmrpc.v1.AdminService/Sleep"
+    header = f"authorization: Bearer {KEYS[0]}"
+    rc, _, err = await grpcurl("-plaintext", "-H", header, address, method)
+    assert rc != 0 and "PermissionDenied" in err, err
+    assert "admin" in err
+
+
+async def test_an_admin_key_alone_leaves_generation_open_and_guards_admin_rpcs():
+    async with (
+        bound_server(admin_api_key=(ADMIN_KEY,)) as running,
+        grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel,
+    ):
+        assert await admin_call(channel, "GetServerInfo", None) == grpc.StatusCode.OK
+        assert await admin_call(channel, "Sleep", None) == grpc.StatusCode.UNAUTHENTICATED
+        assert await admin_call(channel, "Sleep", "wrong") == grpc.StatusCode.UNAUTHENTICATED
+        assert await admin_call(channel, "Sleep", ADMIN_KEY) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_admin_api_key_flag_and_environment(monkeypatch):
+    from llmrpc.server import cli, options
+
+    parser = cli.build_parser()[1]
+
+    def frontend(*argv: str):
+        return options.build_configs(options.parse_serve_values(parser, ["m", *argv]))[1]
+
+    assert frontend("--admin-api-key", "a1", "a2").admin_api_key == ("a1", "a2")
+    monkeypatch.setenv("LLMRPC_ADMIN_API_KEY", "from-env")
+    assert frontend().admin_api_key == ("from-env",)
+    with pytest.raises(ValueError, match="--admin-api-key"):
+        frontend("--api-key", "same", "--admin-api-key", "same")
+    assert "admin_api_key" not in options.effective_config(*options.build_configs(
+        options.parse_serve_values(parser, ["m", "--admin-api-key", "secret"])
+    ))  # fmt: skip
