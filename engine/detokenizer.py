@@ -2,11 +2,16 @@
 
 Text is decoded over a short sliding window of token ids, so each step costs the same however long
 the output is, and a multi-byte character split over tokens is emitted only once it is whole.
-Stop strings are searched in the decoded text; while a stop string could still be completing,
-its possible beginning is held back, so a stop string is never streamed out before it is cut.
+Stop strings are searched in the decoded text by an automaton that reads each new character
+once, whatever the number of stop strings; while a stop string could still be completing, its
+possible beginning is held back, so a stop string is never streamed out before it is cut.
 """
 
 from __future__ import annotations
+
+import functools
+
+from llmrpc.engine.matching import ROOT, SequenceAutomaton
 
 _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output tokens, for spacing
@@ -38,6 +43,8 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_emitted_chars = 0
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.stop_automaton = stop_automaton(tuple(self.stop)) if self.stop else None
+        self.stop_state = ROOT  # where output_text so far stands in the automaton
 
     def add_token(self, token_id: int) -> str | None:
         """Decode one more token; returns the stop string it completed, if any."""
@@ -68,14 +75,19 @@ class IncrementalDetokenizer:
         return " ".join(segments)
 
     def _find_stop(self, previous_len: int) -> str | None:
-        matches = []  # (index, stop) of each stop string ending in the new text
-        for stop in self.stop:
-            index = self.output_text.find(stop, max(0, previous_len - len(stop) + 1))
-            if index >= 0:
-                matches.append((index, stop))
-        if not matches:
+        """The stop string ending in the text after ``previous_len`` that starts first (on a tie,
+        the first listed); the output is cut there."""
+        if self.stop_automaton is None:
             return None
-        index, stop = min(matches, key=lambda m: m[0])  # the earliest one ends the output
+        automaton, best = self.stop_automaton, None  # best: (start, index in self.stop)
+        for end in range(previous_len, len(self.output_text)):
+            self.stop_state = automaton.step(self.stop_state, self.output_text[end])
+            for index in automaton.matches(self.stop_state):
+                start = end - len(self.stop[index]) + 1
+                best = min(best, (start, index)) if best is not None else (start, index)
+        if best is None:
+            return None
+        index, stop = best[0], self.stop[best[1]]
         end = index + len(stop) if self.include_stop_str_in_output else index
         self.output_text = self.output_text[:end]
         return stop
@@ -88,3 +100,10 @@ class IncrementalDetokenizer:
         delta = self.output_text[self.num_emitted_chars : end]
         self.num_emitted_chars = end
         return delta
+
+
+@functools.lru_cache(maxsize=64)
+def stop_automaton(stop: tuple[str, ...]) -> SequenceAutomaton:
+    """One automaton per distinct stop list: the n samples of a request (and requests that
+    repeat a list) share it; each detokenizer keeps its own state."""
+    return SequenceAutomaton(stop)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from llmrpc.engine.matching import SequenceAutomaton, SuffixTracker
 from llmrpc.engine.request import InvalidRequestError, Request, SamplingParams
 
 
@@ -41,12 +42,17 @@ class InputProcessor:
             prompt = prompt[-params.truncate_prompt_tokens :]
         self._check_prompt(prompt)
         self._check_params(prompt, params)
-        bad_words = self._tokenize_bad_words(params.bad_words)
+        bad_words = None
+        if params.bad_words:
+            bad_words = SequenceAutomaton(self._tokenize_bad_words(params.bad_words))
         now = time.monotonic()
+        params_cache: dict[str, object] = {}  # one for the n samples: they share params
         requests = []
         for child_id in child_request_ids(request_id, params.n):
             request = Request(child_id, prompt, params, self.eos_token_ids, now)
-            request.bad_words_token_ids = bad_words
+            request.params_cache = params_cache
+            if bad_words is not None:
+                request.bad_words = SuffixTracker(bad_words)
             requests.append(request)
         return requests
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmrpc.engine.matching import SuffixTracker
 
 
 class InvalidRequestError(ValueError):
@@ -254,7 +258,11 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list = []  # chained hashes of the full blocks of all_token_ids
-        self.bad_words_token_ids: list[list[int]] = []  # set by the engine from params.bad_words
+        # Set by the engine from params.bad_words: where the output stands in their automaton.
+        self.bad_words: SuffixTracker | None = None
+        # Built once from params by the logits processors (allowed-token mask, logit bias
+        # tensors...), so a step does not pay for the lists again; the n samples share it.
+        self.params_cache: dict[str, object] = {}
         self.output_counts: dict[int, int] = {}  # occurrences of each output token (penalties)
         self.prompt_logprobs: list[TokenLogprobs | None] = []  # filled while the prompt is computed
         self.finish_reason: FinishReason | None = None

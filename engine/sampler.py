@@ -37,14 +37,19 @@ class Sampler:
     ) -> SamplerOutput:
         wants_logprobs = any(r.params.logprobs is not None for r in requests)
         raw = logits.clone() if wants_logprobs and self.logprobs_mode.startswith("raw") else None
-        apply_logits_processors(logits, requests)
+        permitted = apply_logits_processors(logits, requests)
         processed = _processed_logits(logits, requests)
-        tokens = processed.argmax(dim=-1)
+        # A row whose best value is not finite (NaN, +inf, or nothing left above -inf) cannot
+        # be sampled as it is; it is marked -1 here and repaired below, without a second sync.
+        best, tokens = processed.max(dim=-1)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
             rows = torch.tensor(sampled)
             tokens[rows] = _draw(processed[rows], [generators[i] for i in sampled])
-        token_ids = tokens.tolist()
+        token_ids = torch.where(best.isfinite(), tokens, -1).tolist()
+        for i, token_id in enumerate(token_ids):
+            if token_id < 0:
+                token_ids[i] = _repair(processed, i, permitted[i], requests[i], generators[i])
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if wants_logprobs:
             values = self.logprob_values(raw if raw is not None else processed)
@@ -76,6 +81,34 @@ def _draw(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tens
     uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp_(max=logits.shape[-1] - 1)
+
+
+def _repair(
+    processed: torch.Tensor,
+    row: int,
+    permitted: torch.Tensor | None,
+    request: Request,
+    generator: torch.Generator,
+) -> int:
+    """A token for a row the parameters broke, still within its hard constraints: tokens at
+    +inf share the choice; NaN counts as -inf; if nothing is left, every permitted token is
+    equally likely. The repaired row replaces the broken one (its logprobs are then defined)."""
+    values = processed[row].nan_to_num(nan=NEG_INF, posinf=math.inf)
+    if permitted is None:
+        permitted = torch.ones_like(values, dtype=torch.bool)
+    values = values.masked_fill(~permitted, NEG_INF)
+    if bool(values.isposinf().any()):
+        candidates = values.isposinf()
+    elif bool((values > NEG_INF).any()):
+        candidates = None  # finite values remain: sample them as they are
+    else:
+        candidates = permitted
+    if candidates is not None:
+        values = torch.zeros_like(values).masked_fill(~candidates, NEG_INF)
+    processed[row] = values
+    if request.params.greedy:
+        return int(values.argmax())
+    return int(_draw(values.unsqueeze(0), [generator])[0])
 
 
 def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

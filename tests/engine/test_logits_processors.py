@@ -11,6 +11,7 @@ from transformers import (
 )
 
 from llmrpc.engine.logits_processors import apply_logits_processors
+from llmrpc.engine.matching import SequenceAutomaton, SuffixTracker
 from llmrpc.engine.request import Request, SamplingParams
 
 VOCAB = 64
@@ -69,7 +70,7 @@ def test_min_tokens_matches_min_new_tokens():
 def test_bad_words_match_no_bad_words():
     logits = _logits()
     request = _request(SamplingParams(bad_words=["x"]))
-    request.bad_words_token_ids = [[41, 40, 17], [41, 50], [22]]
+    request.bad_words = SuffixTracker(SequenceAutomaton([[41, 40, 17], [41, 50], [22]]))
     ours = logits.clone()
     apply_logits_processors(ours, [request])
     theirs = _theirs(NoBadWordsLogitsProcessor([[41, 40, 17], [41, 50], [22]], EOS), logits)
