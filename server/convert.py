@@ -148,7 +148,7 @@ def sampling_params(
     """The engine's parameters for a GenerateRequest; unset fields take the server defaults."""
     sampling, stopping, output = request.sampling, request.stopping, request.output
     defaults = server_defaults(model_info)
-    return SamplingParams(
+    params = SamplingParams(
         **{
             name: _optional(sampling, name, getattr(defaults, name))
             for name in _OPTIONAL_SAMPLING_FIELDS
@@ -176,6 +176,11 @@ def sampling_params(
         priority=_optional(request, "priority", 0),
         deadline=deadline,
     )
+    # Here as well as in the engine: a bad request is refused before it takes a place in the
+    # queue or reaches the engine's thread (sizes first, so a huge list is refused in O(1)).
+    with engine_errors(request):
+        params.validate()
+    return params
 
 
 # SamplingParams fields that are plain optional scalars of the proto's SamplingParams

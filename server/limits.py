@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from llmrpc.server.errors import ResourceExhausted
+from llmrpc.server.errors import InvalidArgument, ResourceExhausted
 from llmrpc.server.settings import LimitsConfig
 
 # How long a client refused for a full queue should wait before retrying.
@@ -44,10 +44,12 @@ def channel_options(limits: LimitsConfig) -> list[tuple[str, int]]:
 
 
 class AdmissionControl:
-    """Bounds the generation requests waiting for a place in the engine's batch.
+    """Bounds the samples waiting for a place in the engine's batch.
 
-    Requests in flight are counted here (the event loop is single-threaded, so the count is
-    exact); those the engine is not running are waiting, including ones on their way in.
+    A request for n samples takes n places: the engine runs each sample as a sequence of its
+    own. Samples in flight are counted here (the event loop is single-threaded, so the count is
+    exact); those the engine is not running are waiting, including ones on their way in and,
+    until their request ends, samples that have already finished (a conservative count).
     """
 
     def __init__(self, max_waiting: int | None) -> None:
@@ -55,18 +57,26 @@ class AdmissionControl:
         self.num_in_flight = 0
 
     @contextlib.contextmanager
-    def admit(self, engine) -> Iterator[None]:
-        """Hold a place for one request; ResourceExhausted if the queue is full."""
+    def admit(self, engine, num_samples: int = 1) -> Iterator[None]:
+        """Hold places for one request's samples; ResourceExhausted if the queue is full."""
         if self.max_waiting is not None:
-            num_waiting = self.num_in_flight - engine.stats.num_running
-            if num_waiting >= self.max_waiting:
-                raise ResourceExhausted(
-                    f"the server's waiting queue is full ({self.max_waiting} requests, "
-                    "--max-waiting-requests); retry later",
-                    retry_after_s=RETRY_DELAY_S,
-                )
-        self.num_in_flight += 1
+            self._check_room(engine, num_samples)
+        self.num_in_flight += num_samples
         try:
             yield
         finally:
-            self.num_in_flight -= 1
+            self.num_in_flight -= num_samples
+
+    def _check_room(self, engine, num_samples: int) -> None:
+        if 0 < self.max_waiting < num_samples:  # retrying would never help: the client's error
+            raise InvalidArgument(
+                "sampling.n",
+                f"at most {self.max_waiting} samples on this server (--max-waiting-requests)",
+            )
+        num_waiting = self.num_in_flight - engine.stats.num_running
+        if num_waiting + num_samples > self.max_waiting:
+            raise ResourceExhausted(
+                f"the server's waiting queue is full ({self.max_waiting} samples, "
+                "--max-waiting-requests); retry later",
+                retry_after_s=RETRY_DELAY_S,
+            )

@@ -49,7 +49,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """Run one request to its end; with ``stream_to``, write each delta as it comes."""
         engine, request_id, prompt, params = self._prepare(request, context)
         outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
-        with self.state.admission.admit(engine), convert.engine_errors(request):
+        with self.state.admission.admit(engine, params.n), convert.engine_errors(request):
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
                     _raise_engine_failure(output)
