@@ -2,7 +2,8 @@
 middleware its settings ask for.
 
 Middleware order, outermost first: CORS (so preflights and error replies carry its headers),
-the header-count limit, request ids, API keys, load tracking, then ``--middleware`` ones.
+the header-count limit, request ids, API keys (so no body is read for a caller without one),
+the body-size limit and read timeout, load tracking, then ``--middleware`` ones.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from llmrpc.gateway import chat, completions, routes
+from llmrpc.gateway.body_limit import BodyLimitMiddleware
 from llmrpc.gateway.errors import install_handlers
 from llmrpc.gateway.middleware import (
     ApiKeyMiddleware,
@@ -61,10 +63,17 @@ def _add_middleware(app: FastAPI, settings: GatewaySettings, gateway: GatewaySta
         add_user_middleware(app, import_path)
     if api.enable_server_load_tracking:
         app.add_middleware(LoadTrackingMiddleware, gateway=gateway)
+    http = settings.http
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_size=http.max_request_body_size,
+        timeout_s=http.request_body_timeout_s,
+    )
     if api.api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api.api_keys)
-    if api.enable_request_id_headers:
-        app.add_middleware(RequestIdMiddleware)
+        forward = settings.backends.forward_api_key
+        app.add_middleware(ApiKeyMiddleware, keys=api.api_keys, forward_key=forward)
+    # Always: a caller's X-Request-Id is checked whether or not responses echo one.
+    app.add_middleware(RequestIdMiddleware, echo=api.enable_request_id_headers)
     app.add_middleware(HeaderCountMiddleware, max_headers=settings.http.h11_max_header_count)
     cors = settings.cors
     app.add_middleware(

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from llmrpc.gateway.settings import (
     CONTENT_FORMATS,
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
     UVICORN_LOG_LEVELS,
     ApiSettings,
     BackendSettings,
@@ -86,6 +88,23 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="Most header fields in a request. Default: %(default)s.",
+    )
+    add(
+        "--max-request-body-size",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+        metavar="BYTES",
+        help="Largest request body; larger ones get HTTP 413. Default: %(default)s (the gRPC "
+        "servers' default --grpc-max-receive-message-size).",
+    )
+    add(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        dest="request_body_timeout_s",
+        metavar="SECONDS",
+        help="A request body must arrive within this long, else HTTP 408 (slow clients cannot "
+        "hold connections). Default: %(default)s.",
     )
     add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add("--disable-uvicorn-access-log", action="store_true")

@@ -37,6 +37,8 @@ _HTTP_STATUS = {
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    408: "invalid_request_error",  # the body arrived too slowly
+    413: "invalid_request_error",  # the body is too large
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",

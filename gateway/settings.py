@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CONTENT_FORMATS = ("auto", "string", "openai")
+# The gRPC servers' default receive limit (--grpc-max-receive-message-size): a larger body
+# could not reach them anyway.
+DEFAULT_MAX_REQUEST_BODY_SIZE = 16 * 1024 * 1024
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -18,6 +22,9 @@ class BackendSettings:
 
     targets: tuple[str, ...] = ("localhost:50051",)
     api_key: str | None = None  # sent to the replicas as "authorization: Bearer KEY"
+    # Send each REST caller's own key instead (llmrpc serve: its server then authorizes the
+    # caller, not the gateway); api_key stays for calls made for no caller (/metrics, health).
+    forward_api_key: bool = False
     tls: bool = False
     ca_certs: str | None = None  # verifies the replicas' certificates
     client_cert: str | None = None  # for replicas that require client certificates
@@ -46,6 +53,8 @@ class HttpSettings:
     h11_max_header_count: int = 256
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
+    max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE  # bytes; larger bodies get 413
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S  # slower bodies get 408
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,9 +70,14 @@ class HttpSettings:
         for flag, value in (
             ("--h11-max-incomplete-event-size", self.h11_max_incomplete_event_size),
             ("--h11-max-header-count", self.h11_max_header_count),
+            ("--max-request-body-size", self.max_request_body_size),
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if not self.request_body_timeout_s > 0:
+            raise ValueError(
+                f"--request-body-timeout must be positive, got {self.request_body_timeout_s}"
+            )
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
 

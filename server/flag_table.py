@@ -54,6 +54,13 @@ _OURS = _group(
     ours("--rest-gateway", True, None, "rest.enabled",
          "Serve the OpenAI-compatible REST gateway on --host/--port (--no-rest-gateway: gRPC "
          "only)."),
+    ours("--max-request-body-size", None, human_readable_int, "rest.max_request_body_size",
+         "Largest REST request body in bytes (16M = 16 MiB); a larger one gets HTTP 413, refused "
+         "by its Content-Length or as it arrives. Default: --grpc-max-receive-message-size.",
+         metavar="BYTES"),
+    ours("--request-body-timeout", 30.0, float, "rest.request_body_timeout_s",
+         "Seconds a REST request body has to arrive in full; a slower one gets HTTP 408, so a "
+         "client trickling its body cannot hold a connection.", metavar="SECONDS"),
     ours(
         "--health-port", None, int, "frontend.health_port",
         "A second, plaintext port serving grpc.health.v1 alone, for Kubernetes gRPC probes "
@@ -167,6 +174,11 @@ _FRONTEND = _group(
           "Message content given to chat templates: a string, or OpenAI's list of text parts; "
           "auto: parts for templates that loop over the content.",
           choices=("auto", "string", "openai")),
+    works("--trust-request-chat-template", False, None, "frontend.trust_request_chat_template",
+          "Accept chat templates sent with requests (chat.chat_template; chat_template on "
+          "REST). Off: such requests get INVALID_ARGUMENT. On: they render off the event loop, "
+          "stopped after 2 s and refused past 4 MiB of text; a template can still use memory "
+          "while it runs, so trust its senders."),
     works("--response-role", "assistant", str, "rest.response_role",
           "Role of REST chat answers when add_generation_prompt is true."),
     refused("--lora-modules", None, str, LORA, nargs="+"),

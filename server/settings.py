@@ -135,6 +135,8 @@ class RestConfig:
     enable_force_include_usage: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
+    max_request_body_size: int | None = None  # None: the gRPC receive limit
+    request_body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class FrontendConfig:
     api_key: tuple[str, ...] = ()
     admin_api_key: tuple[str, ...] = ()  # needed for admin-only RPCs (server/auth.py)
     chat_template: str | None = None  # a file, or the template itself
+    trust_request_chat_template: bool = False  # else requests may not bring their own
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 10.0
     tls: TLSConfig = field(default_factory=TLSConfig)
