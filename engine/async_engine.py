@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -19,11 +20,16 @@ from collections.abc import AsyncIterator, Iterable
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core import EngineCore, EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from llmrpc.engine.tokenizer_workers import TokenizerWorkers
 
 logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStateError"]
+
+
+# How often an idle engine thread refreshes its published figures.
+STATS_REFRESH_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -73,6 +79,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: BaseException | None = None
         self.on_dead: list = []  # callbacks run on the event loop when the step loop dies
+        # The engine thread's tokenizer is its own; the event loop and the tokenizer workers
+        # have copies (fast tokenizers must not be shared between threads).
+        self._tokenizer = None
+        self._workers: TokenizerWorkers | None = None
+        self._stats: EngineStats | None = None  # published by the engine thread
 
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncEngine:
@@ -89,7 +100,20 @@ class AsyncEngine:
 
     @property
     def tokenizer(self):
-        return self.core.tokenizer
+        """The event loop's own tokenizer, for small bounded work (single-token text)."""
+        return self._tokenizer
+
+    async def run_tokenizer(self, work, *args):
+        """``work(tokenizer, *args)`` off the event loop, on a worker with its own tokenizer
+        (at once, with None, for a server without a tokenizer)."""
+        if self._workers is None:
+            return work(None, *args)
+        return await self._workers.run(work, *args)
+
+    def set_chat_template(self, template: str) -> None:
+        """``--chat-template``: the template the frontend renders chats with."""
+        self._tokenizer.chat_template = template
+        self._workers.set_chat_template(template)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -97,13 +121,17 @@ class AsyncEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return self.core.stats
+        """The engine's figures as of its latest step or command (a snapshot the engine thread
+        publishes whole, so readers on other threads never see it half-updated)."""
+        return self._stats
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     async def shutdown(self) -> None:
+        if self._workers is not None:
+            self._workers.shutdown()
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(("stop",))
             await asyncio.to_thread(self._thread.join)
@@ -171,6 +199,10 @@ class AsyncEngine:
     def _run(self, config: EngineConfig, loaded: concurrent.futures.Future) -> None:
         try:
             self.core = EngineCore(config)
+            if self.core.tokenizer is not None:
+                self._tokenizer = copy.deepcopy(self.core.tokenizer)
+                self._workers = TokenizerWorkers(self.core.tokenizer)
+            self._publish_stats()
         except BaseException as error:  # noqa: BLE001 - handed to create()
             loaded.set_exception(error)
             return
@@ -178,16 +210,24 @@ class AsyncEngine:
         try:
             while self._handle_commands(block=not self.core.has_unfinished_requests):
                 if self.core.has_unfinished_requests:
-                    self._deliver(self.core.step())
+                    outputs = self.core.step()
+                    self._publish_stats()  # before the outputs: a caller sees both agree
+                    self._deliver(outputs)
+                else:
+                    self._publish_stats()  # idle: throughput figures decay
         except BaseException as error:  # noqa: BLE001 - any failure here kills the engine
             logger.exception("engine step loop died")
-            self._loop.call_soon_threadsafe(self._fail_all, error)
+            self._call_soon(self._fail_all, error)
+
+    def _publish_stats(self) -> None:
+        self._stats = self.core.stats
 
     def _handle_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False once asked to stop."""
+        """Apply queued adds and aborts; False once asked to stop. Waiting for one (``block``)
+        ends after ``STATS_REFRESH_S`` without one."""
         while True:
             try:
-                command = self._inbox.get(block=block)
+                command = self._inbox.get(block=block, timeout=STATS_REFRESH_S if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -204,6 +244,8 @@ class AsyncEngine:
                 if future is not None:
                     future.set_exception(error)
                 continue
+            finally:
+                self._publish_stats()
             if future is not None:
                 future.set_result(result)
 
@@ -211,12 +253,20 @@ class AsyncEngine:
         if command != "abort":  # add_request, reset_prefix_cache, sleep, wake_up
             return getattr(self.core, command)(*args)
         outputs = self.core.abort_requests(args[0])
+        self._publish_stats()
         self._deliver(outputs)
         return [output.request_id for output in outputs]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._call_soon(self._dispatch, outputs)
+
+    def _call_soon(self, callback, *args) -> None:
+        """Run ``callback`` on the event loop, unless the loop has already closed."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed (the process is exiting): no one is listening
+            logger.debug("event loop closed; %s dropped", getattr(callback, "__name__", callback))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -86,7 +86,7 @@ class RunningServer:
         self.state.engine = engine
         engine.on_dead.append(self._on_engine_dead)
         if frontend.chat_template is not None:
-            engine.tokenizer.chat_template = read_chat_template(frontend.chat_template)
+            engine.set_chat_template(read_chat_template(frontend.chat_template))
         self.state.effective_config.update(_engine_facts(engine.model_info))
         await engine.warmup()
         if not frontend.logs.disable_log_stats:
@@ -220,6 +220,7 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
         extra_services=OPEN_SERVICES,
         logs=frontend.logs,
         admission=AdmissionControl(frontend.limits.max_waiting_requests),
+        trust_request_chat_template=frontend.trust_request_chat_template,
     )
     health = Health(SERVICE_NAMES)
     calls = CallsInFlight()

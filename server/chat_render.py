@@ -11,6 +11,9 @@ Jinja's sandbox, as Transformers renders them.
 from __future__ import annotations
 
 import re
+import sys
+import time
+from collections.abc import Callable
 
 from google.protobuf import json_format
 from jinja2 import TemplateError
@@ -23,6 +26,50 @@ _RESERVED = {"conversation", "add_generation_prompt", "continue_final_message", 
 _RESERVED |= {"chat_template", "return_dict", "return_tensors", "tokenizer_kwargs"}
 # A template looping over a message's content: `for part in message['content']` or `.content`.
 _ITERATES_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)")
+
+# Bounds on rendering a template a request brought (--trust-request-chat-template).
+REQUEST_TEMPLATE_TIME_S = 2.0
+REQUEST_TEMPLATE_MAX_CHARS = 4 * 2**20
+
+
+class _TooSlow(Exception):
+    """A request's chat template ran past REQUEST_TEMPLATE_TIME_S."""
+
+
+def check_request_template(chat: common_pb2.Chat, trusted: bool) -> None:
+    """A request may bring its own chat template only with --trust-request-chat-template: a
+    template is a program, and rendering it costs the server what the template asks."""
+    if chat.HasField("chat_template") and not trusted:
+        raise InvalidArgument(
+            "chat.chat_template",
+            "this server does not accept chat templates from requests (start it with "
+            "--trust-request-chat-template to allow them); leave it unset for the model's",
+        )
+
+
+def _bounded(render: Callable[[], str]) -> str:
+    """``render()`` stopped once it runs past the time bound: a trace function on this thread
+    checks the clock at every line of Python (templates compile to Python) and raises."""
+    deadline = time.monotonic() + REQUEST_TEMPLATE_TIME_S
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _TooSlow
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        text = render()
+    finally:
+        sys.settrace(previous)
+    if len(text) > REQUEST_TEMPLATE_MAX_CHARS:
+        raise InvalidArgument(
+            "chat.chat_template",
+            f"the template rendered {len(text)} characters; at most "
+            f"{REQUEST_TEMPLATE_MAX_CHARS} are accepted",
+        )
+    return text
 
 
 def _template(chat: common_pb2.Chat, tokenizer, has_chat_template: bool) -> str | None:
@@ -83,15 +130,25 @@ def render_chat(chat: common_pb2.Chat, tokenizer, has_chat_template: bool) -> st
     template = _template(chat, tokenizer, has_chat_template)
     messages = _messages(chat, _uses_parts(chat, template or tokenizer.chat_template or ""))
     add_generation_prompt, continue_final = _generation_flags(chat)
-    try:
+    kwargs = _template_kwargs(chat)
+
+    def render() -> str:
         return tokenizer.apply_chat_template(
             messages,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
             tokenize=False,
-            **_template_kwargs(chat),
+            **kwargs,
         )
+
+    try:
+        return render() if template is None else _bounded(render)
+    except _TooSlow:
+        raise InvalidArgument(
+            "chat.chat_template",
+            f"the template ran longer than {REQUEST_TEMPLATE_TIME_S:g} s and was stopped",
+        ) from None
     except TemplateError as error:  # e.g. "roles must alternate user/assistant"
         raise InvalidArgument("chat", f"the chat template rejected the messages: {error}") from None
     except ValueError as error:  # e.g. continuing a final message the template does not end

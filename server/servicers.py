@@ -13,6 +13,7 @@ import time
 from contextlib import aclosing
 
 from llmrpc.server import convert
+from llmrpc.server.chat_render import check_request_template
 from llmrpc.server.errors import Internal, handle_errors
 from llmrpc.server.logs import current_request_id, log_output, log_request
 from llmrpc.server.state import ServerState
@@ -25,11 +26,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    def _prepare(self, request, context):
+    async def _prepare(self, request, context):
         engine = self.state.require_engine()
         self.state.model_name(request.model)
-        prompt, params = convert.to_engine_request(
-            request, engine.tokenizer, engine.model_info, _deadline(context)
+        check_request_template(request.chat, self.state.trust_request_chat_template)
+        # Tokenizing and chat rendering grow with the input: off the event loop.
+        prompt, params = await engine.run_tokenizer(
+            _to_engine_request, request, engine.model_info, _deadline(context)
         )
         logs = self.state.logs
         if logs.enable_log_requests:
@@ -47,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _generate(self, request, context, stream_to=None) -> convert.OutputAccumulator:
         """Run one request to its end; with ``stream_to``, write each delta as it comes."""
-        engine, request_id, prompt, params = self._prepare(request, context)
+        engine, request_id, prompt, params = await self._prepare(request, context)
         outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
         with self.state.admission.admit(engine, params.n), convert.engine_errors(request):
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
@@ -82,10 +85,24 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
     async def Tokenize(self, request, context):
         engine = self.state.require_engine()
         self.state.model_name(request.model)
-        return convert.tokenize(request, engine.tokenizer, engine.model_info)
+        check_request_template(request.chat, self.state.trust_request_chat_template)
+        return await engine.run_tokenizer(_tokenize, request, engine.model_info)
 
     @handle_errors
     async def Detokenize(self, request, context):
         engine = self.state.require_engine()
         self.state.model_name(request.model)
-        return convert.detokenize(request, engine.tokenizer, engine.model_info)
+        return await engine.run_tokenizer(_detokenize, request, engine.model_info)
+
+
+# Worker-side adapters: the worker's own tokenizer comes first.
+def _to_engine_request(tokenizer, request, model_info, deadline):
+    return convert.to_engine_request(request, tokenizer, model_info, deadline)
+
+
+def _tokenize(tokenizer, request, model_info):
+    return convert.tokenize(request, tokenizer, model_info)
+
+
+def _detokenize(tokenizer, request, model_info):
+    return convert.detokenize(request, tokenizer, model_info)

@@ -149,6 +149,7 @@ class FrontendConfig:
     api_key: tuple[str, ...] = ()
     admin_api_key: tuple[str, ...] = ()  # needed for admin-only RPCs (server/auth.py)
     chat_template: str | None = None  # a file, or the template itself
+    trust_request_chat_template: bool = False  # else requests may not bring their own
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 10.0
     tls: TLSConfig = field(default_factory=TLSConfig)

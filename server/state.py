@@ -38,6 +38,7 @@ class ServerState:
     logs: LogConfig = field(default_factory=LogConfig)
     admission: AdmissionControl = field(default_factory=lambda: AdmissionControl(None))
     owners: RequestOwners = field(default_factory=RequestOwners)  # who started each live call
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
     engine: object | None = None
 
     def require_engine(self):

@@ -138,3 +138,22 @@ async def test_a_failed_forward_pass_stops_the_engine(engine, monkeypatch):
     with pytest.raises(EngineDeadError, match="the device fell over"):
         await run(engine, "a", GREEDY)
     assert not engine.is_running
+
+
+async def test_stats_and_tokenizers_are_safe_to_use_while_the_engine_runs(engine):
+    """The event loop reads the engine's figures and tokenizes while the engine thread steps
+    and detokenizes: each thread has its own tokenizer, and the figures are a snapshot."""
+    params = SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True)
+    ids = [f"r{i}" for i in range(8)]
+    PROMPTS.update({i: f"Request {i} says hello" for i in ids})
+    batch = asyncio.ensure_future(run_batch(engine, ids, params))
+    text = "Tokenize me while the engine runs. " * 200
+    reads = 0
+    while not batch.done():
+        stats = engine.stats
+        assert 0.0 <= stats.kv_cache_usage <= 1.0 and stats.generation_throughput >= 0
+        tokens = await engine.run_tokenizer(lambda tokenizer: tokenizer.encode(text))
+        assert engine.tokenizer.decode(tokens[:5])
+        reads += 1
+    assert reads > 1
+    assert all(last.num_output_tokens == 40 for _, last in (await batch).values())

@@ -5,15 +5,26 @@ tools shown to the template; checked on the rendered prompt (``/tokenize`` then 
 from __future__ import annotations
 
 import pytest
+from envoy_support import tiny_engine_config
 from gateway_support import post, running_gateway
 
 from llmrpc.clients import Client
+from llmrpc.server.settings import FrontendConfig
 
 USER = [{"role": "user", "content": "Hi"}]
 PARTS_TEMPLATE = (
     "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"  # noqa: E501
 )
 STRING_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def replica(server_loop, tiny_llama_dir):
+    """A replica that accepts chat templates from requests (--trust-request-chat-template)."""
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, trust_request_chat_template=True)
+    started = server_loop.start_replica(tiny_engine_config(tiny_llama_dir), frontend=frontend)
+    yield started
+    started.stop()
 
 
 @pytest.fixture(scope="module")
