@@ -9,6 +9,8 @@ automaton (engine/matching.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmrpc.engine.request import Request
@@ -16,15 +18,33 @@ from llmrpc.engine.request import Request
 NEG_INF = float("-inf")
 
 
+@dataclass
+class HardConstraints:
+    """What one row's hard constraints left permitted at this step, kept for the sampler: it
+    needs the mask only to repair a row that the other parameters broke (rare), so the mask is
+    built then."""
+
+    allowed_mask: torch.Tensor | None  # [vocab_size] bool; None: every token
+    banned: list[int]  # bad-word tokens banned at this step
+
+    def permitted(self, like: torch.Tensor) -> torch.Tensor:
+        if self.allowed_mask is None:
+            mask = torch.ones_like(like, dtype=torch.bool)
+        else:
+            mask = self.allowed_mask.clone()
+        mask[self.banned] = False
+        return mask
+
+
 def apply_logits_processors(
     logits: torch.Tensor, requests: list[Request]
-) -> list[torch.Tensor | None]:
-    """Apply every request's rules to its row; returns per row the ``[vocab_size]`` mask of the
-    tokens its hard constraints permit (None: every token), for the sampler to enforce."""
-    permitted = []
+) -> list[HardConstraints | None]:
+    """Apply every request's rules to its row; returns per row its hard constraints (None:
+    none), for the sampler to enforce whatever the rest did to the row."""
+    constraints = []
     for row, request in enumerate(requests):
         params = request.params
-        permitted.append(_apply_hard_constraints(logits[row], request))
+        constraints.append(_apply_hard_constraints(logits[row], request))
         if request.num_output_tokens < params.min_tokens:
             _mask_stop_tokens(logits[row], request)
         if params.logit_bias:
@@ -33,29 +53,29 @@ def apply_logits_processors(
             logits[row].index_add_(0, ids, values)
         if params.has_penalties:
             _apply_penalties(logits[row], request)
-    return permitted
+    return constraints
 
 
-def _apply_hard_constraints(row: torch.Tensor, request: Request) -> torch.Tensor | None:
-    """Allowed tokens and bad words as one mask. Should the bad words ban every allowed token,
-    the allowed tokens win: the sampler must return some token, and only they are certain."""
+def _apply_hard_constraints(row: torch.Tensor, request: Request) -> HardConstraints | None:
+    """Allowed tokens and bad words. Should the bad words ban every allowed token, the allowed
+    tokens win: the sampler must return some token, and only they are certain."""
     allowed = request.params.allowed_token_ids
     banned = _banned_tokens(request)
     if allowed is None and not banned:
         return None
-    vocab_size = row.shape[0]
+    allowed_mask = None
     if allowed is None:
-        mask = torch.ones(vocab_size, dtype=torch.bool, device=row.device)
-        keeps_some = len(set(banned)) < vocab_size
+        keeps_some = len(set(banned)) < row.shape[0]
     else:
-        mask = _cached(request, "allowed_mask", row, _allowed_mask)
+        allowed_mask = _cached(request, "allowed_mask", row, _allowed_mask)
+        row.masked_fill_(_cached(request, "disallowed_mask", row, _disallowed_mask), NEG_INF)
         allowed_set = _cached(request, "allowed_set", row, _allowed_set)
         keeps_some = len(allowed_set & set(banned)) < len(allowed_set)  # O(len(banned))
-    if banned and keeps_some:
-        mask = mask.clone()
-        mask[banned] = False
-    row.masked_fill_(~mask, NEG_INF)
-    return mask
+    if not keeps_some:
+        banned = []
+    if banned:
+        row[banned] = NEG_INF
+    return HardConstraints(allowed_mask, banned)
 
 
 def _banned_tokens(request: Request) -> list[int]:
@@ -81,6 +101,10 @@ def _allowed_mask(request: Request, vocab_size: int) -> torch.Tensor:
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     mask[request.params.allowed_token_ids] = True
     return mask
+
+
+def _disallowed_mask(request: Request, vocab_size: int) -> torch.Tensor:
+    return ~_allowed_mask(request, vocab_size)
 
 
 def _allowed_set(request: Request, vocab_size: int) -> frozenset[int]:

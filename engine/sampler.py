@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrpc.engine.logits_processors import NEG_INF, apply_logits_processors
+from llmrpc.engine.logits_processors import NEG_INF, HardConstraints, apply_logits_processors
 from llmrpc.engine.request import Request, TokenLogprobs
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
@@ -37,7 +37,7 @@ class Sampler:
     ) -> SamplerOutput:
         wants_logprobs = any(r.params.logprobs is not None for r in requests)
         raw = logits.clone() if wants_logprobs and self.logprobs_mode.startswith("raw") else None
-        permitted = apply_logits_processors(logits, requests)
+        constraints = apply_logits_processors(logits, requests)
         processed = _processed_logits(logits, requests)
         # A row whose best value is not finite (NaN, +inf, or nothing left above -inf) cannot
         # be sampled as it is; it is marked -1 here and repaired below, without a second sync.
@@ -49,7 +49,7 @@ class Sampler:
         token_ids = torch.where(best.isfinite(), tokens, -1).tolist()
         for i, token_id in enumerate(token_ids):
             if token_id < 0:
-                token_ids[i] = _repair(processed, i, permitted[i], requests[i], generators[i])
+                token_ids[i] = _repair(processed, i, constraints[i], requests[i], generators[i])
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if wants_logprobs:
             values = self.logprob_values(raw if raw is not None else processed)
@@ -86,7 +86,7 @@ def _draw(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tens
 def _repair(
     processed: torch.Tensor,
     row: int,
-    permitted: torch.Tensor | None,
+    constraints: HardConstraints | None,
     request: Request,
     generator: torch.Generator,
 ) -> int:
@@ -94,8 +94,10 @@ def _repair(
     +inf share the choice; NaN counts as -inf; if nothing is left, every permitted token is
     equally likely. The repaired row replaces the broken one (its logprobs are then defined)."""
     values = processed[row].nan_to_num(nan=NEG_INF, posinf=math.inf)
-    if permitted is None:
+    if constraints is None:
         permitted = torch.ones_like(values, dtype=torch.bool)
+    else:
+        permitted = constraints.permitted(values)
     values = values.masked_fill(~permitted, NEG_INF)
     if bool(values.isposinf().any()):
         candidates = values.isposinf()
