@@ -8,16 +8,18 @@ import importlib.metadata
 import time
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmrpc.clients import LlmrpcError
 from llmrpc.gateway.errors import OpenAIError
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.openai_models import DetokenizeRequest, TokenizeChat, TokenizeCompletion
+from llmrpc.gateway.openapi_docs import ERRORS, PROBE
 from llmrpc.gateway.params import chat_messages, chat_options
 from llmrpc.gateway.state import gateway_of
 
-router = APIRouter(route_class=JsonRoute)
+router = APIRouter(route_class=JsonRoute, responses=ERRORS)
 
 
 def gateway_version() -> str:
@@ -76,8 +78,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": text}
 
 
-@router.get("/health")
-@router.get("/ping")
+@router.get("/health", response_class=Response, responses=PROBE)
+@router.get("/ping", response_class=Response, responses=PROBE)
 async def health(request: Request) -> Response:
     """200 while at least one replica serves, else 503."""
     return Response(status_code=200 if gateway_of(request).pool.serving else 503)
@@ -95,7 +97,7 @@ async def _load_or_none(backend):
         return None
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     gateway = gateway_of(request)
     loads = await asyncio.gather(*(_load_or_none(b) for b in gateway.pool.serving))
