@@ -8,16 +8,36 @@ targets: ``host:port``, ``unix:/path`` (or ``unix:///path``), and ``grpc://host:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from llmrpc.clients.errors import REQUEST_ID_METADATA, LlmrpcError
+from llmrpc.v1.headers import AUTHORIZATION, bearer
 
-API_KEY_METADATA = "authorization"
+API_KEY_METADATA = AUTHORIZATION
+
+# The key calls made in this context carry instead of the client's own: a proxy (the REST
+# gateway inside ``llmrpc serve``) sets its caller's, so the server authorizes that caller.
+_acting_for: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "llmrpc_acting_for", default=None
+)
+
+
+@contextlib.contextmanager
+def acting_for(api_key: str) -> Iterator[None]:
+    """Calls made inside the block (in this task, or tasks it starts) carry ``api_key``."""
+    token = _acting_for.set(api_key)
+    try:
+        yield
+    finally:
+        _acting_for.reset(token)
 
 
 @dataclass(frozen=True)
@@ -123,8 +143,9 @@ class ConnectionOptions:
 
     def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
         pairs = []
-        if self.api_key:
-            pairs.append((API_KEY_METADATA, f"Bearer {self.api_key}"))
+        api_key = _acting_for.get() or self.api_key
+        if api_key:
+            pairs.append((API_KEY_METADATA, bearer(api_key)))
         if request_id:
             pairs.append((REQUEST_ID_METADATA, request_id))
         return tuple(pairs)

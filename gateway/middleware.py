@@ -4,6 +4,8 @@ and the user's own (``--middleware``). Pure ASGI, so streamed responses pass thr
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import hmac
 import importlib
 import inspect
@@ -11,13 +13,18 @@ import uuid
 
 from fastapi import FastAPI
 
-from llmrpc.gateway.errors import OpenAIError
+from llmrpc.clients.connection import acting_for
+from llmrpc.gateway.errors import OpenAIError, invalid
 from llmrpc.gateway.state import REQUEST_ID_HEADER, GatewayState
+from llmrpc.v1.headers import bearer_key, request_id_problem
 
 # Answered without an API key: probes and scrapers carry none.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # Requests counted by --enable-server-load-tracking.
 LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# X-Request-Id: at most 128 characters, half the gRPC bound, leaving room for the "-N" suffix
+# the gateway gives each prompt of a batch.
+MAX_REQUEST_ID_HEADER_LENGTH = 128
 
 
 def _path(scope) -> str:
@@ -32,36 +39,63 @@ async def _reply_error(scope, receive, send, error: OpenAIError, headers=()) -> 
     await response(scope, receive, send)
 
 
-class ApiKeyMiddleware:
-    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` with one of the keys."""
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
-    def __init__(self, app, keys: tuple[str, ...]) -> None:
+
+class ApiKeyMiddleware:
+    """Every path but ``OPEN_PATHS`` needs an ``Authorization`` header presenting one of the keys,
+    by the rule gRPC follows too (``llmrpc.v1.headers.bearer_key``: RFC 7235's ``Bearer KEY``).
+
+    ``forward_key``: the gRPC calls made for the request carry the caller's own key, so the
+    server authorizes the caller (whose key it knows: ``llmrpc serve``) rather than the gateway.
+    """
+
+    def __init__(self, app, keys: tuple[str, ...], forward_key: bool = False) -> None:
         self.app = app
-        self.keys = [f"Bearer {key}".encode() for key in keys]
+        self.digests = [_digest(key) for key in keys]
+        self.forward_key = forward_key
+
+    def _known(self, key: str | None) -> bool:
+        if key is None:
+            return False
+        # Each key compared in constant time over equal-length digests; all of them, always.
+        return any([hmac.compare_digest(_digest(key), known) for known in self.digests])
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or _path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if any(hmac.compare_digest(given, key) for key in self.keys):
-            return await self.app(scope, receive, send)
+        key = bearer_key(dict(scope["headers"]).get(b"authorization"))
+        if self._known(key):
+            forwarding = acting_for(key) if self.forward_key else contextlib.nullcontext()
+            with forwarding:
+                return await self.app(scope, receive, send)
         error = OpenAIError(401, "Unauthorized: send 'Authorization: Bearer <api key>'")
         await _reply_error(scope, receive, send, error, [(b"www-authenticate", b"Bearer")])
 
 
 class RequestIdMiddleware:
-    """``X-Request-Id`` on every response: the caller's, else a new one (which the request then
-    carries too, so the gRPC request gets the same id)."""
+    """A caller's ``X-Request-Id`` must be 1 to ``MAX_REQUEST_ID_HEADER_LENGTH`` visible ASCII
+    characters (else 400 naming the header: it goes into logs and the gRPC request id).
 
-    def __init__(self, app) -> None:
+    ``echo``: ``X-Request-Id`` on every response, the caller's, else a new one (which the request
+    then carries too, so the gRPC request gets the same id)."""
+
+    def __init__(self, app, echo: bool = True) -> None:
         self.app = app
+        self.echo = echo
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         header = REQUEST_ID_HEADER.encode()
         value = dict(scope["headers"]).get(header)
-        if value is None:
+        if value and (problem := _request_id_problem(value)):  # empty: as if absent
+            error = invalid(REQUEST_ID_HEADER, f"{REQUEST_ID_HEADER} header: {problem}")
+            return await _reply_error(scope, receive, send, error)
+        if not self.echo:
+            return await self.app(scope, receive, send)
+        if not value:
             value = uuid.uuid4().hex.encode()
             scope = {**scope, "headers": [*scope["headers"], (header, value)]}
 
@@ -71,6 +105,11 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def _request_id_problem(value: bytes) -> str | None:
+    text = value.decode("latin-1")  # any non-ASCII byte stays non-ASCII, and is refused
+    return request_id_problem(text, MAX_REQUEST_ID_HEADER_LENGTH)
 
 
 class HeaderCountMiddleware:

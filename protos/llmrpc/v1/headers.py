@@ -34,7 +34,7 @@ def bearer_key(value: str | bytes | None) -> str | None:
     accepted: no other scheme, no tab between the scheme and the key, no key alone.
     """
     if isinstance(value, bytes):
-        value = value.decode("latin-1")  # HTTP field values are bytes; any byte maps to a char
+        value = value.decode("utf-8", "replace")  # an HTTP field value; gRPC's is ASCII
     scheme, space, key = (value or "").strip(_OWS).partition(" ")
     key = key.lstrip(" ")
     if scheme.lower() != _SCHEME or not space or not key:
