@@ -70,9 +70,10 @@ def _add_middleware(app: FastAPI, settings: GatewaySettings, gateway: GatewaySta
         timeout_s=http.request_body_timeout_s,
     )
     if api.api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api.api_keys)
-    if api.enable_request_id_headers:
-        app.add_middleware(RequestIdMiddleware)
+        forward = settings.backends.forward_api_key
+        app.add_middleware(ApiKeyMiddleware, keys=api.api_keys, forward_key=forward)
+    # Always: a caller's X-Request-Id is checked whether or not responses echo one.
+    app.add_middleware(RequestIdMiddleware, echo=api.enable_request_id_headers)
     app.add_middleware(HeaderCountMiddleware, max_headers=settings.http.h11_max_header_count)
     cors = settings.cors
     app.add_middleware(

@@ -22,6 +22,9 @@ class BackendSettings:
 
     targets: tuple[str, ...] = ("localhost:50051",)
     api_key: str | None = None  # sent to the replicas as "authorization: Bearer KEY"
+    # Send each REST caller's own key instead (llmrpc serve: its server then authorizes the
+    # caller, not the gateway); api_key stays for calls made for no caller (/metrics, health).
+    forward_api_key: bool = False
     tls: bool = False
     ca_certs: str | None = None  # verifies the replicas' certificates
     client_cert: str | None = None  # for replicas that require client certificates

@@ -4,7 +4,8 @@ It runs in the server's process, on its event loop, and reaches the gRPC service
 server's in-process channel (``loopback``): the same interceptors and servicers as a network
 call, with no serialization or HTTP/2 per streamed token, so REST streams cost the server about
 what gRPC streams do. One process keeps one lifecycle (signals, drain, exit status). The API
-key interceptor still applies (the gateway sends the first ``--api-key``); REST takes the same
+key interceptor still applies: the gateway sends each REST caller's own key, so the server
+authorizes the caller (its rights, its requests to Abort), not the gateway. REST takes the same
 keys, host, TLS files and client-certificate rule as gRPC.
 """
 
@@ -32,7 +33,9 @@ def gateway_settings(frontend: FrontendConfig):
 
     rest, tls = frontend.rest, frontend.tls
     backends = BackendSettings(
-        targets=(IN_PROCESS_TARGET,), api_key=frontend.api_key[0] if frontend.api_key else None
+        targets=(IN_PROCESS_TARGET,),
+        api_key=frontend.api_key[0] if frontend.api_key else None,
+        forward_api_key=True,
     )
     http = HttpSettings(
         host=frontend.host, port=rest.port, uds=rest.uds, root_path=rest.root_path,
@@ -52,7 +55,7 @@ def gateway_settings(frontend: FrontendConfig):
     api_fields = {name: getattr(rest, name) for name in names}
     # The template the server's tokenizer has too: shown by /get_tokenizer_info.
     api_fields["chat_template"] = read_chat_template(frontend.chat_template)
-    api = ApiSettings(api_keys=frontend.api_key, **api_fields)
+    api = ApiSettings(api_keys=_rest_keys(frontend), **api_fields)
     return GatewaySettings(backends, http, cors, api)
 
 
@@ -61,6 +64,12 @@ def _body_limit(frontend: FrontendConfig) -> int:
     passed on anyway."""
     limit = frontend.rest.max_request_body_size
     return frontend.limits.max_receive_message_size if limit is None else limit
+
+
+def _rest_keys(frontend: FrontendConfig) -> tuple[str, ...]:
+    """The keys REST takes: --api-key's and the admin keys (which generate too); none, REST
+    open, when generation needs no key."""
+    return (*frontend.api_key, *frontend.admin_api_key) if frontend.api_key else ()
 
 
 async def start_gateway(frontend: FrontendConfig, channel):
