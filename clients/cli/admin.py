@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from llmrpc.clients.cli import common
+
+# Preferred to LLMRPC_API_KEY by the admin verbs, so one environment can hold both keys: the
+# generation verbs send the generation key, these the admin key (server's --admin-api-key).
+ADMIN_API_KEY_ENV = "LLMRPC_ADMIN_API_KEY"
 
 
 def _info(client, args) -> int:
@@ -56,7 +61,9 @@ def _health(client, args) -> int:
 def build_parser() -> common.Parser:
     parser = common.Parser(
         prog="llmrpc admin",
-        description="Ask a running server about itself, or control its requests. Output is JSON.",
+        description="Ask a running server about itself, or control its requests. Output is JSON. "
+        f"The API key comes from --api-key, else {ADMIN_API_KEY_ENV}, else LLMRPC_API_KEY; "
+        "reset-prefix-cache, sleep and wake need the admin key of a server with --admin-api-key.",
     )
     commands = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
@@ -64,6 +71,7 @@ def build_parser() -> common.Parser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(run=run)
         common.add_connection_arguments(sub)
+        sub.set_defaults(api_key=os.environ.get(ADMIN_API_KEY_ENV) or sub.get_default("api_key"))
         return sub
 
     info = add("info", _info, "Server version, capabilities, configuration, and model facts.")
