@@ -6,11 +6,13 @@ import logging
 
 from llmrpc.server import convert
 from llmrpc.server.auth import caller_var
-from llmrpc.server.errors import FailedPrecondition, handle_errors
+from llmrpc.server.errors import FailedPrecondition, InvalidArgument, handle_errors
 from llmrpc.server.state import API_VERSION, SERVICE_NAMES, ServerState, server_version
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_ABORT_REQUEST_IDS = 1024  # a bound on the one list AdminService takes; batches can repeat
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -46,15 +48,22 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @handle_errors
     async def Abort(self, request, context):
-        engine = self.state.require_engine()
-        caller = caller_var.get()
-        request_ids = list(request.request_ids)
-        if not caller.admin:  # another caller's request is, to this one, not found
-            request_ids = self.state.owners.owned_by(request_ids, caller.key_digest)
-        aborted = await engine.abort(request_ids)
+        request_ids = self._abortable(list(request.request_ids))
+        aborted = await self.state.require_engine().abort(request_ids)
         if aborted:
             logger.info("aborted %d request(s): %s", len(aborted), ", ".join(aborted))
         return admin_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    def _abortable(self, request_ids: list[str]) -> list[str]:
+        """Those of ``request_ids`` the caller may abort: any for an admin, else its own (to it,
+        another caller's request is not found)."""
+        if len(request_ids) > MAX_ABORT_REQUEST_IDS:
+            count = len(request_ids)
+            raise InvalidArgument("request_ids", f"at most {MAX_ABORT_REQUEST_IDS}, got {count}")
+        caller = caller_var.get()
+        if caller.admin:
+            return request_ids
+        return self.state.owners.owned_by(request_ids, caller.key_digest)
 
     @handle_errors
     async def GetLoad(self, request, context):

@@ -86,3 +86,15 @@ async def test_log_lines_escape_the_request_id(caplog):
     line = logging.Formatter(LOG_FORMAT).format(caplog.records[-1])
     assert "\n" not in line and "\x1b" not in line
     assert "[r1\\n2026-01-01" in line and "\\x1b[2J]" in line
+
+
+async def test_abort_takes_at_most_1024_ids(channel):
+    stub = admin_pb2_grpc.AdminServiceStub(channel)
+    ids = [f"id-{n}" for n in range(1025)]
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.Abort(admin_pb2.AbortRequest(request_ids=ids))
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(failure.value) == ["request_ids"]
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.Abort(admin_pb2.AbortRequest(request_ids=ids[:1024]))
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE  # in bounds; no model loaded
