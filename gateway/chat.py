@@ -19,7 +19,7 @@ from llmrpc.gateway.errors import from_grpc
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
 from llmrpc.gateway.openai_models import ChatCompletionRequest
-from llmrpc.gateway.openapi_docs import ERRORS, GENERATION
+from llmrpc.gateway.openapi_docs import ERRORS, ChatCompletion, generation
 from llmrpc.gateway.param_names import CHAT_PARAMS
 from llmrpc.gateway.sse import DONE, ChunkFramer, first_then_rest, until_disconnect
 from llmrpc.gateway.state import GatewayState, gateway_of, request_id
@@ -35,7 +35,7 @@ def param_names(body: ChatCompletionRequest) -> dict[str, str | None]:
     return {**CHAT_PARAMS, "stopping.max_tokens": "max_completion_tokens"}
 
 
-@router.post("/v1/chat/completions", responses=GENERATION)
+@router.post("/v1/chat/completions", responses=generation(ChatCompletion))
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))

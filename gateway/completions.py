@@ -21,7 +21,7 @@ from llmrpc.gateway.errors import from_grpc, invalid
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
 from llmrpc.gateway.openai_models import CompletionRequest
-from llmrpc.gateway.openapi_docs import ERRORS, GENERATION
+from llmrpc.gateway.openapi_docs import ERRORS, Completion, generation
 from llmrpc.gateway.param_names import COMPLETION_PARAMS
 from llmrpc.gateway.params import completion_params
 from llmrpc.gateway.sse import DONE, ChunkFramer, first_then_rest, until_disconnect
@@ -32,7 +32,7 @@ router = APIRouter(route_class=JsonRoute, responses=ERRORS)
 Prompt = str | list[int]
 
 
-@router.post("/v1/completions", responses=GENERATION)
+@router.post("/v1/completions", responses=generation(Completion))
 async def create_completion(body: CompletionRequest, request: Request):
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))

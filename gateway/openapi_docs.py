@@ -6,6 +6,8 @@ streamed, server-sent events.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel
 
 
@@ -20,6 +22,83 @@ class ErrorResponse(BaseModel):
     """OpenAI's error envelope."""
 
     error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    prompt_logprobs: list[dict | None] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokens(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Text(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
 
 
 # Every route: errors in the envelope. A "4XX" entry also keeps FastAPI from documenting 422.
@@ -37,13 +116,21 @@ SSE_EVENT: dict = {
     "additionalProperties": False,
 }
 
-# Generation routes: a JSON body, or with "stream": true an event stream.
-GENERATION: dict = {
-    200: {
-        "description": "The whole answer, or with stream: true server-sent events.",
-        "content": {"text/event-stream": {"schema": SSE_EVENT}},
-    },
-}
+
+def generation(model: type[BaseModel]) -> dict:
+    """A generation route's answer: ``model`` as JSON, or with "stream": true an event stream."""
+    return {
+        200: {
+            "model": model,
+            "description": "The whole answer, or with stream: true server-sent events.",
+            "content": {"text/event-stream": {"schema": SSE_EVENT}},
+        },
+    }
+
+
+def answer(model: type[BaseModel]) -> dict:
+    return {200: {"model": model, "description": "The answer."}}
+
 
 # Probes: a status, no body.
 PROBE: dict = {

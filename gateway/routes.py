@@ -12,12 +12,24 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmrpc.clients import LlmrpcError
-from llmrpc.gateway.errors import OpenAIError
+from llmrpc.gateway.errors import OpenAIError, from_grpc
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.openai_models import DetokenizeRequest, TokenizeChat, TokenizeCompletion
-from llmrpc.gateway.openapi_docs import ERRORS, PROBE
+from llmrpc.gateway.openapi_docs import (
+    ERRORS,
+    PROBE,
+    ModelCard,
+    ModelList,
+    Text,
+    Tokens,
+    Version,
+    answer,
+)
 from llmrpc.gateway.params import chat_messages, chat_options
 from llmrpc.gateway.state import gateway_of
+
+# DetokenizeRequest field paths -> the parameters of /detokenize.
+DETOKENIZE_PARAMS = {"token_ids": "tokens"}
 
 router = APIRouter(route_class=JsonRoute, responses=ERRORS)
 
@@ -41,14 +53,14 @@ def _model_card(card, created: int) -> dict:
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=answer(ModelList))
 async def list_models(request: Request) -> dict:
     cards = await gateway_of(request).pool.call("models")
     created = int(time.time())
     return {"object": "list", "data": [_model_card(card, created) for card in cards]}
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", responses=answer(ModelCard))
 async def retrieve_model(model: str, request: Request) -> dict:
     for card in await gateway_of(request).pool.call("models"):
         if card.id == model:
@@ -56,7 +68,7 @@ async def retrieve_model(model: str, request: Request) -> dict:
     raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=answer(Tokens))
 async def tokenize(body: TokenizeChat | TokenizeCompletion, request: Request) -> dict:
     gateway = gateway_of(request)
     kwargs = {"model": body.model or "", "add_special_tokens": body.add_special_tokens}
@@ -72,9 +84,13 @@ async def tokenize(body: TokenizeChat | TokenizeCompletion, request: Request) ->
     return reply
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=answer(Text))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    text = await gateway_of(request).pool.call("detokenize", body.tokens, model=body.model or "")
+    pool = gateway_of(request).pool
+    try:
+        text = await pool.call("detokenize", body.tokens, model=body.model or "")
+    except LlmrpcError as error:
+        raise from_grpc(error, DETOKENIZE_PARAMS) from None
     return {"prompt": text}
 
 
@@ -85,7 +101,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if gateway_of(request).pool.serving else 503)
 
 
-@router.get("/version")
+@router.get("/version", responses=answer(Version))
 async def version() -> dict:
     return {"version": gateway_version()}
 

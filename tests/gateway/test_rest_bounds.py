@@ -172,3 +172,8 @@ def test_a_large_valid_body_is_served(gateway):
     assert reply.json()["count"] >= BIG
     reply = post_json(gateway, COMPLETIONS, {"prompt": [1] * 100, "max_tokens": 1, "x": "y" * BIG})
     assert reply.status_code == 200, reply.text
+
+
+def test_tokenization_errors_from_the_replica_name_the_rest_parameters(gateway):
+    error = assert_400(post_json(gateway, "/detokenize", {"tokens": [1, 10**9]}), "tokens")
+    assert "token_ids" not in error["message"]
