@@ -67,10 +67,11 @@ _OURS = _group(
         "(which cannot use TLS). Default: none.",
     ),
     ours("--admin-api-key", (), str, "frontend.admin_api_key",
-         "Bearer key(s) for the admin-only RPCs (ResetPrefixCache, Sleep, WakeUp): with it set, "
-         "--api-key keys get PERMISSION_DENIED there and Abort only their own requests. An "
-         "admin key also generates. Default: the LLMRPC_ADMIN_API_KEY environment variable, "
-         "if set; without one, --api-key keys may call the admin-only RPCs.",
+         "Bearer key(s) for the admin-only RPCs (ResetPrefixCache, Sleep, WakeUp), where "
+         "--api-key keys then get PERMISSION_DENIED, and for aborting any caller's request "
+         "(other keys abort only their own). An admin key also generates. Default: the "
+         "LLMRPC_ADMIN_API_KEY environment variable, if set; without one, --api-key keys may "
+         "call the admin-only RPCs.",
          nargs="+", secret=True),
     ours("--log-level", "info", str, "logs.level", "Logging level.",
          choices=("debug", "info", "warning", "error", "critical")),
