@@ -217,6 +217,7 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
     state = ServerState(
         tls=frontend.tls.enabled,
         auth_required=bool(frontend.api_key),
+        admin_auth_required=bool(frontend.admin_api_key),
         extra_services=OPEN_SERVICES,
         logs=frontend.logs,
         admission=AdmissionControl(frontend.limits.max_waiting_requests),

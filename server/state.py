@@ -34,6 +34,7 @@ class ServerState:
     effective_config: dict[str, str] = field(default_factory=dict)
     tls: bool = False
     auth_required: bool = False
+    admin_auth_required: bool = False  # --admin-api-key set (server/auth.py)
     extra_services: tuple[str, ...] = ()  # health, reflection: listed in GetServerInfo
     logs: LogConfig = field(default_factory=LogConfig)
     admission: AdmissionControl = field(default_factory=lambda: AdmissionControl(None))

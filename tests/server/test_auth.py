@@ -175,6 +175,21 @@ async def test_read_only_admin_rpcs_stay_open_to_generation_keys(with_admin, nam
     assert await admin_call(channel, name, None) == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_server_info_says_which_calls_need_which_key(with_admin, channel):
+    _, admin_channel = with_admin
+    stub = admin_pb2_grpc.AdminServiceStub(admin_channel)
+    info = await stub.GetServerInfo(
+        admin_pb2.GetServerInfoRequest(), metadata=bearer(f"Bearer {KEYS[0]}")
+    )
+    assert info.capabilities.auth_required and info.capabilities.admin_auth_required
+    assert ADMIN_KEY not in str(info)
+    plain = admin_pb2_grpc.AdminServiceStub(channel)  # --api-key alone
+    info = await plain.GetServerInfo(
+        admin_pb2.GetServerInfoRequest(), metadata=bearer(f"Bearer {KEYS[0]}")
+    )
+    assert info.capabilities.auth_required and not info.capabilities.admin_auth_required
+
+
 async def test_the_admin_key_also_generates(with_admin):
     _, channel = with_admin
     generation = generation_pb2_grpc.GenerationServiceStub(channel)

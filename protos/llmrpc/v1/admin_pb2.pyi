@@ -13,18 +13,20 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerCapabilities(_message.Message):
-    __slots__ = ("tls", "auth_required", "prefix_caching", "device", "services")
+    __slots__ = ("tls", "auth_required", "prefix_caching", "device", "services", "admin_auth_required")
     TLS_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SERVICES_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     tls: bool
     auth_required: bool
     prefix_caching: bool
     device: str
     services: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ...) -> None: ...
+    admin_auth_required: bool
+    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ..., admin_auth_required: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "api_version", "capabilities", "config")
