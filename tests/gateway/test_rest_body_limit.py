@@ -5,6 +5,7 @@ flags (``--max-request-body-size``, ``--request-body-timeout``) reach the gatewa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -87,10 +88,8 @@ def test_a_declared_length_over_the_default_limit_is_refused_before_the_body(gat
 def test_a_chunked_body_over_the_limit_is_refused_as_it_arrives(small):
     with _connect(small) as sock:
         sock.sendall(_head(None))
-        chunk = _chunk(b"x" * 1000)
-        for _ in range(100):  # 100 KB offered; the server stops reading after LIMIT
-            if not _send_quietly(sock, chunk):
-                break
+        for _ in range(LIMIT // 1000 + 1):  # just past the limit, and the body never ends
+            sock.sendall(_chunk(b"x" * 1000))
         status, _, body = _read_reply(sock)
     _assert_error(status, body, 413)
 
@@ -112,35 +111,27 @@ def test_a_trickled_body_is_cut_off_after_the_read_timeout(small):
     started = time.monotonic()
     with _connect(small) as sock:
         sock.sendall(_head(100) + b'{"prompt": ')
-        replied = []
-
-        def trickle() -> None:
-            while not replied and _send_quietly(sock, b" "):
-                time.sleep(0.2)
-
-        feeder = threading.Thread(target=trickle)
-        feeder.start()
-        try:
-            status, headers, body = _read_reply(sock)
-        finally:
-            replied.append(True)
-            feeder.join()
+        for _ in range(3):  # a byte now and then, never the whole body
+            time.sleep(0.2)
+            sock.sendall(b" ")
+        status, headers, body = _read_reply(sock)
     _assert_error(status, body, 408)
     assert headers.get("connection") == "close"
     assert time.monotonic() - started < 30  # cut off, not left to trickle on for minutes
 
 
 def test_health_answers_while_a_huge_body_arrives(gateway):
-    outcome: dict = {}
+    outcome: dict = {"sent": 0, "status": None}
 
     def send_huge_body() -> None:
         with _connect(gateway) as sock:
             sock.sendall(_head(None) + _chunk(b'{"prompt": "'))
             chunk = _chunk(b"a" * MIB)
-            for _ in range(100):  # 100 MB, as fast as the server takes it
-                if not _send_quietly(sock, chunk):
-                    break
-            outcome["status"], _, outcome["body"] = _read_reply(sock)
+            while outcome["sent"] < 100 and _send_quietly(sock, chunk):  # 100 MB, at full speed
+                outcome["sent"] += 1
+            # A reset: the server closed with our data unread, cutting us off.
+            with contextlib.suppress(ConnectionResetError):
+                outcome["status"], _, outcome["body"] = _read_reply(sock)
 
     sender = threading.Thread(target=send_huge_body)
     sender.start()
@@ -150,7 +141,10 @@ def test_health_answers_while_a_huge_body_arrives(gateway):
         probes += 1
         time.sleep(0.05)
     sender.join()
-    _assert_error(outcome["status"], outcome["body"], 413)
+    if outcome["status"] is None:  # the reply was lost to the reset; the cut-off was not
+        assert outcome["sent"] < 100
+    else:
+        _assert_error(outcome["status"], outcome["body"], 413)
 
 
 # --- flags ------------------------------------------------------------------------------------
