@@ -171,12 +171,12 @@ def _check_size(name: str, items, bound: int) -> None:
 
 
 def _check_strings(name: str, strings: list[str], max_chars: int) -> None:
-    for string in strings:
+    for index, string in enumerate(strings):
         if not string:
-            raise InvalidRequestError(name, "must not contain empty strings")
+            raise InvalidRequestError(f"{name}[{index}]", "must not be empty")
         if len(string) > max_chars:
             raise InvalidRequestError(
-                name, f"each string may have at most {max_chars} characters, got {len(string)}"
+                f"{name}[{index}]", f"at most {max_chars} characters, got {len(string)}"
             )
 
 

@@ -71,7 +71,8 @@ def field_path(engine_field: str, request) -> str:
     """The request field an engine error names: ``"input"`` becomes the set oneof field."""
     if engine_field == "input":
         return request.WhichOneof("input") or "input"
-    return _FIELD_PATHS.get(engine_field, engine_field)
+    name, bracket, index = engine_field.partition("[")  # "stop[2]": the third stop string
+    return _FIELD_PATHS.get(name, name) + bracket + index
 
 
 @contextlib.contextmanager

@@ -77,8 +77,9 @@ def test_logit_bias_entries_are_bounded():
 def test_each_string_is_bounded(name, bound):
     SamplingParams(**{name: ["a" * bound]}).validate()
     error = refusal(**{name: ["ok", "a" * (bound + 1)]})
-    assert error.field == name
+    assert error.field == f"{name}[1]"
     assert str(bound) in error.message
+    assert refusal(**{name: ["ok", ""]}).field == f"{name}[1]"
 
 
 def test_an_oversized_list_is_refused_for_its_size_before_its_items_are_read():

@@ -60,10 +60,10 @@ async def test_logit_bias_must_be_finite_and_bounded(generation, bias):
     ("sampling", "stopping", "field"),
     [
         ({}, {"stop": ["x"] * (limits.MAX_STOP_STRINGS + 1)}, "stopping.stop"),
-        ({}, {"stop": ["x" * (limits.MAX_STOP_STRING_CHARS + 1)]}, "stopping.stop"),
+        ({}, {"stop": ["x", "x" * (limits.MAX_STOP_STRING_CHARS + 1)]}, "stopping.stop[1]"),
         ({}, {"stop_token_ids": [1] * (limits.MAX_STOP_TOKEN_IDS + 1)}, "stopping.stop_token_ids"),
         ({"bad_words": ["x"] * (limits.MAX_BAD_WORDS + 1)}, {}, "sampling.bad_words"),
-        ({"bad_words": ["x" * (limits.MAX_BAD_WORD_CHARS + 1)]}, {}, "sampling.bad_words"),
+        ({"bad_words": ["x" * (limits.MAX_BAD_WORD_CHARS + 1)]}, {}, "sampling.bad_words[0]"),
         (
             {"logit_bias": dict.fromkeys(range(limits.MAX_LOGIT_BIAS + 1), 1.0)},
             {},
