@@ -144,6 +144,7 @@ class ServerInfo:
     device: str
     services: list[str]
     config: dict[str, str]  # effective serve options, by option name
+    admin_auth_required: bool = False  # ResetPrefixCache, Sleep, WakeUp need the admin key
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,7 @@ def server_info_from_proto(response: admin_pb2.GetServerInfoResponse) -> ServerI
         device=capabilities.device,
         services=list(capabilities.services),
         config=dict(response.config),
+        admin_auth_required=capabilities.admin_auth_required,
     )
 
 

@@ -43,7 +43,9 @@ def test_a_generation_key_is_refused_with_the_auth_exit_code(server):
     result = admin(server, "reset-prefix-cache", LLMRPC_API_KEY=GENERATION_KEY)
     assert result.returncode == common.EXIT_AUTH, result.stderr
     assert "admin" in result.stderr
-    assert admin(server, "load", LLMRPC_API_KEY=GENERATION_KEY).returncode == common.EXIT_OK
+    info = admin(server, "info", LLMRPC_API_KEY=GENERATION_KEY)
+    assert info.returncode == common.EXIT_OK, info.stderr
+    assert json.loads(info.stdout)["server"]["admin_auth_required"] is True
 
 
 def test_the_admin_key_from_the_flag_or_its_own_variable_is_served(server):
