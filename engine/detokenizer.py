@@ -102,7 +102,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)  # at the bounds an automaton is a few MB: keep few
 def stop_automaton(stop: tuple[str, ...]) -> SequenceAutomaton:
     """One automaton per distinct stop list: the n samples of a request (and requests that
     repeat a list) share it; each detokenizer keeps its own state."""

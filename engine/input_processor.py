@@ -104,11 +104,15 @@ class InputProcessor:
             raise InvalidRequestError(name, f"at most {limits.vocab_size} (the vocabulary size)")
 
     def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
-        """Each bad word as it reads alone and after a space (tokenizers tell them apart)."""
+        """Each bad word as it reads alone and after a space (tokenizers tell them apart).
+
+        A tokenizer may know more tokens than the model has logits; a word with such a token
+        can never be generated, and banning its id would index past the logits row."""
         token_ids = []
         for word in bad_words:
             for variant in (word, " " + word.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in token_ids:
+                in_vocab = all(t < self.limits.vocab_size for t in ids)
+                if ids and in_vocab and ids not in token_ids:
                     token_ids.append(ids)
         return token_ids

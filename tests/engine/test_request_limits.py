@@ -119,3 +119,19 @@ def test_unlimited_logprobs_still_stop_at_the_vocabulary(name):
     with pytest.raises(InvalidRequestError) as failure:
         unlimited.make_requests("b", [1], SamplingParams(**{name: VOCAB + 1}))
     assert failure.value.field == name
+
+
+class TokenizerWithExtraTokens:
+    """A tokenizer whose added tokens lie beyond the model's vocabulary (it happens)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [VOCAB + 5] if "extra" in text else [7, 8]
+
+
+def test_bad_words_beyond_the_models_vocabulary_are_left_out():
+    inputs = InputProcessor(InputLimits(512, VOCAB, 20), TokenizerWithExtraTokens(), frozenset())
+    params = SamplingParams(bad_words=["extra", "ok"])
+    (request,) = inputs.make_requests("r", [1], params)
+    request.append_output_token(7)
+    assert request.bad_words.completions(request.output_token_ids) == [8]
+    assert all(t < VOCAB for p in request.bad_words.automaton.patterns for t in p)
