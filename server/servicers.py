@@ -26,8 +26,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def _prepare(self, request, context):
-        engine = self.state.require_engine()
+    async def _prepare(self, request, context, engine):
         self.state.model_name(request.model)
         check_request_template(request.chat, self.state.trust_request_chat_template)
         # Tokenizing and chat rendering grow with the input: off the event loop.
@@ -38,7 +37,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if logs.enable_log_requests:
             text = request.text if request.WhichOneof("input") == "text" else None
             log_request(text, prompt, params, logs.max_log_len)
-        return engine, current_request_id(), prompt, params
+        return current_request_id(), prompt, params
 
     @handle_errors
     async def Generate(self, request, context):
@@ -50,9 +49,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _generate(self, request, context, stream_to=None) -> convert.OutputAccumulator:
         """Run one request to its end; with ``stream_to``, write each delta as it comes."""
-        engine, request_id, prompt, params = await self._prepare(request, context)
-        outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
-        with self.state.admission.admit(engine, params.n), convert.engine_errors(request):
+        engine = self.state.require_engine()
+        # A place in the queue first: a request waiting for a tokenizer worker waits too.
+        num_samples = max(request.sampling.n, 1) if request.sampling.HasField("n") else 1
+        with self.state.admission.admit(engine, num_samples), convert.engine_errors(request):
+            request_id, prompt, params = await self._prepare(request, context, engine)
+            outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
                     _raise_engine_failure(output)
