@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos
+.PHONY: install serve test lint protos soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,8 @@ test: lint
 
 protos: install
 	$(BIN)/python protos/generate.py
+
+# Not part of `make test`: a bounded soak of a real server on loopback (10,000 requests at 64
+# concurrency, cancellations, malformed inputs, tight deadlines, preemption, a SIGTERM drain).
+soak: install
+	$(BIN)/python tests/robustness/soak.py $(ARGS)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core import EngineCore, EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from llmrpc.engine.tokenizer_workers import TokenizerWorkers
 
@@ -207,14 +208,19 @@ class AsyncEngine:
             loaded.set_exception(error)
             return
         loaded.set_result(None)
+        busy = False  # worked since the engine last went idle
         try:
             while self._handle_commands(block=not self.core.has_unfinished_requests):
                 if self.core.has_unfinished_requests:
                     outputs = self.core.step()
                     self._publish_stats()  # before the outputs: a caller sees both agree
                     self._deliver(outputs)
+                    busy = True
                 else:
                     self._publish_stats()  # idle: throughput figures decay
+                    if busy:  # just went idle: what the load took can go back
+                        release_free_memory()
+                        busy = False
         except BaseException as error:  # noqa: BLE001 - any failure here kills the engine
             logger.exception("engine step loop died")
             self._call_soon(self._fail_all, error)

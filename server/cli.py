@@ -60,7 +60,10 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
         serve_parser.error(str(error))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network
     options.warn_about_inert_flags(serve_values, logger)
+    from llmrpc.engine.memory import limit_arenas
     from llmrpc.server import app  # torch and the engine: imported only when serving
+
+    limit_arenas()  # before the engine, gRPC and tokenizer threads start allocating
 
     try:
         return asyncio.run(app.serve(engine_config, frontend))
