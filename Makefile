@@ -32,7 +32,7 @@ test: lint
 protos: install
 	$(BIN)/python protos/generate.py
 
-# Not part of `make test`: a bounded soak of a real server on loopback (10,000 requests at 64
+# Not part of `make test`: a bounded soak of a real server (a tiny model) on loopback (10,000 requests at 64
 # concurrency, cancellations, malformed inputs, tight deadlines, preemption, a SIGTERM drain).
 soak: install
-	$(BIN)/python tests/robustness/soak.py $(ARGS)
+	$(BIN)/python tests/robustness/soak.py --tiny $(ARGS)
