@@ -6,8 +6,8 @@ Python's parser takes ``NaN`` and ``Infinity``, which are not JSON, and a lone s
 string could never reach the gRPC API. Both are 400s naming the parameter that holds them.
 Parsing and validating are linear in the body's size; above ``OFF_LOOP_BYTES`` both run on a
 worker thread, so the event loop (``/health``, the streams in flight) is not queued behind them.
-CPython's JSON parser and pydantic hold the GIL while they run, so a large body still slows the
-loop; the body-size limit (``body_limit``) bounds by how much.
+CPython's JSON parser and pydantic hold the GIL while they run, so above ``OFF_PROCESS_BYTES``
+the parsing moves to a process of its own (``parser_process``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
 from llmrpc.gateway.errors import invalid, validation_failed
+from llmrpc.gateway.parser_process import OFF_PROCESS_BYTES, parse_elsewhere
+from llmrpc.gateway.state import gateway_of
 
 OFF_LOOP_BYTES = 64 * 1024  # about a millisecond of parsing; above, a thread's hop is cheaper
 
@@ -86,7 +88,10 @@ def parse(body: bytes):
 
 def parse_and_validate(body: bytes, adapter: TypeAdapter | None):
     """``parse``, then the route's body model (FastAPI accepts the instance as it is)."""
-    document = parse(body)
+    return validate(parse(body), adapter)
+
+
+def validate(document, adapter: TypeAdapter | None):
     if adapter is None:
         return document
     try:
@@ -106,11 +111,20 @@ class JsonRequest(Request):
     async def json(self):
         if not hasattr(self, "_json"):
             body = await self.body()
-            if len(body) > OFF_LOOP_BYTES:
+            if len(body) > OFF_PROCESS_BYTES:
+                self._json = await self._parse_elsewhere(body)
+            elif len(body) > OFF_LOOP_BYTES:
                 self._json = await asyncio.to_thread(parse_and_validate, body, self._adapter)
             else:
                 self._json = parse(body)
         return self._json
+
+    async def _parse_elsewhere(self, body: bytes):
+        max_items = await gateway_of(self).max_list_items()
+        outcome = await parse_elsewhere(body, max_items)
+        if outcome[0] == "error":
+            raise invalid(outcome[1], outcome[2])
+        return await asyncio.to_thread(validate, outcome[1], self._adapter)
 
 
 class JsonRoute(APIRoute):

@@ -7,6 +7,7 @@ import uuid
 
 from fastapi import Request
 
+from llmrpc.clients import LlmrpcError
 from llmrpc.gateway.backends import BackendPool
 from llmrpc.gateway.metrics import GatewayMetrics
 from llmrpc.gateway.settings import GatewaySettings
@@ -21,6 +22,18 @@ class GatewayState:
         self.pool = BackendPool(settings.backends, channels)
         self.metrics = GatewayMetrics()
         self.server_load = 0  # requests in flight (--enable-server-load-tracking)
+        self._max_list_items: int | None = None
+
+    async def max_list_items(self) -> int | None:
+        """The longest list a request can usefully carry: the served model's context length or
+        vocabulary size, whichever is larger (None while no replica answers)."""
+        if self._max_list_items is None:
+            try:
+                info = await self.pool.call("model_info")
+            except LlmrpcError:
+                return None
+            self._max_list_items = max(info.max_model_len, info.vocab_size)
+        return self._max_list_items
 
     async def model_name(self, requested: str | None) -> str:
         """The name a response reports: the one asked for, else the default model's."""
