@@ -11,6 +11,7 @@ comes back is small or a plain string, both cheap to receive and validate.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import multiprocessing
 import threading
@@ -28,7 +29,14 @@ def _pool() -> concurrent.futures.ProcessPoolExecutor:
             # spawn: a fresh interpreter, never a fork of this threaded process
             context = multiprocessing.get_context("spawn")
             _executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
+            atexit.register(_shut_down)
         return _executor
+
+
+def _shut_down() -> None:
+    """At exit, while the modules it needs are still there."""
+    if _executor is not None:
+        _executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _long_list(document, max_items: int) -> tuple[str | None, str] | None:
