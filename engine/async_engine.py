@@ -14,6 +14,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 
@@ -31,6 +32,8 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStateError"]
 
 # How often an idle engine thread refreshes its published figures.
 STATS_REFRESH_S = 1.0
+# How often an idle engine thread gives the allocator's free memory back to the system.
+IDLE_TRIM_INTERVAL_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -208,7 +211,8 @@ class AsyncEngine:
             loaded.set_exception(error)
             return
         loaded.set_result(None)
-        busy = False  # worked since the engine last went idle
+        busy = False  # stepped since the engine last went idle
+        last_trim = time.monotonic()
         try:
             while self._handle_commands(block=not self.core.has_unfinished_requests):
                 if self.core.has_unfinished_requests:
@@ -216,11 +220,13 @@ class AsyncEngine:
                     self._publish_stats()  # before the outputs: a caller sees both agree
                     self._deliver(outputs)
                     busy = True
-                else:
-                    self._publish_stats()  # idle: throughput figures decay
-                    if busy:  # just went idle: what the load took can go back
-                        release_free_memory()
-                        busy = False
+                    continue
+                self._publish_stats()  # idle: throughput figures decay
+                # What a load took can go back: when the engine goes idle, and every so often
+                # while idle (large requests refused before reaching the engine use memory too).
+                if busy or time.monotonic() - last_trim >= IDLE_TRIM_INTERVAL_S:
+                    release_free_memory()
+                    busy, last_trim = False, time.monotonic()
         except BaseException as error:  # noqa: BLE001 - any failure here kills the engine
             logger.exception("engine step loop died")
             self._call_soon(self._fail_all, error)
