@@ -177,7 +177,9 @@ async def test_no_retry_outlives_the_deadline(scripted):
             await patient("models", timeout=0.5)
     finally:
         await patient.close()
-    assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+    # The last failure, or the deadline itself when the last attempt (given the time left) was
+    # still in flight as it passed: on a busy machine either comes first. Never a retry past it.
+    assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert 1 <= script.attempts < 1000
 
 
