@@ -178,8 +178,8 @@ _FRONTEND = _group(
     works("--trust-request-chat-template", False, None, "frontend.trust_request_chat_template",
           "Accept chat templates sent with requests (chat.chat_template; chat_template on "
           "REST). Off: such requests get INVALID_ARGUMENT. On: they render off the event loop, "
-          "stopped after 2 s and refused past 4 MiB of text; a template can still use memory "
-          "while it runs, so trust its senders."),
+          "stopped after 2 s, their text refused past 4,194,304 characters; a template can still "
+          "use memory while it runs, so trust its senders."),
     works("--response-role", "assistant", str, "rest.response_role",
           "Role of REST chat answers when add_generation_prompt is true."),
     refused("--lora-modules", None, str, LORA, nargs="+"),
