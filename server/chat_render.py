@@ -32,8 +32,9 @@ REQUEST_TEMPLATE_TIME_S = 2.0
 REQUEST_TEMPLATE_MAX_CHARS = 4 * 2**20
 
 
-class _TooSlow(Exception):
-    """A request's chat template ran past REQUEST_TEMPLATE_TIME_S."""
+class _TooSlow(BaseException):
+    """A request's chat template ran past REQUEST_TEMPLATE_TIME_S. A BaseException, so that no
+    ``except Exception`` in the code it interrupts can swallow it (the trace would be gone)."""
 
 
 def check_request_template(chat: common_pb2.Chat, trusted: bool) -> None:
