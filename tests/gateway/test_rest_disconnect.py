@@ -9,21 +9,10 @@ import time
 
 import httpx
 import pytest
+from engine_pace import num_live_requests
+from envoy_support import wait_for
 
 LONG = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
-
-
-def _live(engine) -> int:
-    stats = engine.stats
-    return stats.num_running + stats.num_waiting
-
-
-def _wait(condition, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _raw_request(gateway, path: str, body: dict) -> bytes:
@@ -48,8 +37,16 @@ def test_hanging_up_on_a_whole_response_logs_no_error(gateway, slow_engine, capl
     caplog.set_level(logging.WARNING)
     with socket.create_connection(("127.0.0.1", gateway.server.port)) as sock:
         sock.sendall(_raw_request(gateway, path, body))
-        _wait(lambda: _live(slow_engine) >= 1, "the request to reach the engine")
-    _wait(lambda: _live(slow_engine) == 0, "the engine to drop the abandoned request")
+        wait_for(
+            lambda: num_live_requests(slow_engine) >= 1,
+            "the request to reach the engine",
+            timeout=15.0,
+        )
+    wait_for(
+        lambda: num_live_requests(slow_engine) == 0,
+        "the engine to drop the abandoned request",
+        timeout=15.0,
+    )
     time.sleep(0.5)  # what the gateway logs after the abort, it logs by now
     assert httpx.get(gateway.url + "/health", timeout=10).status_code == 200
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
