@@ -1,0 +1,178 @@
+"""The README's commands, run as written in a new shell against a live ``llmrpc serve``.
+
+Every ``sh`` and ``python`` block of README.md is taken apart into commands. The shell starts
+without the environment on PATH and runs the README's own line that enters it, then each
+command; Python blocks go to that shell's ``python``. A command must exit 0. The only ones not
+run are those that cannot be, each for a stated reason (``NOT_RUN``): they start a
+long-running server (the test starts the README's plain ``llmrpc serve`` itself), name a
+placeholder path, need a container runtime, or are ``make`` (which runs this very test).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+ENTER_ENVIRONMENT = "source .venv/bin/activate"
+GRPC_ADDRESS = "localhost:50051"  # the README's addresses: serve's defaults
+START_TIMEOUT_S = 300
+COMMAND_TIMEOUT_S = 300
+# A new shell's PATH: the system's, without the environment's bin folder.
+VENV_BIN = ROOT / ".venv" / "bin"
+SYSTEM_PATH = os.pathsep.join(
+    part for part in os.environ.get("PATH", "").split(os.pathsep) if Path(part) != VENV_BIN
+)
+
+# (pattern a command matches, why the test does not run it)
+NOT_RUN: tuple[tuple[str, str], ...] = (
+    (r"^make\b", "make runs the whole suite, this test included"),
+    (r"/path/to/", "names a placeholder path"),
+    (r"^docker\b", "needs a container runtime"),
+    (r"^llmrpc (serve|gateway)\b(?!.*--help)", "starts a long-running server"),
+)
+
+
+def _blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block."""
+    return re.findall(r"^```(\w+)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _shell_commands(body: str) -> list[str]:
+    """One entry per command: continuation lines joined, blank and comment-only lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    lines = (line.strip() for line in joined.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _why_not_run(command: str) -> str | None:
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, command)), None)
+
+
+def readme_examples() -> tuple[list[str], list[str], list[str]]:
+    """(shell commands to run, Python snippets to run, shell commands not run)."""
+    run, snippets, skipped = [], [], []
+    for language, body in _blocks(README.read_text()):
+        if language == "python":
+            snippets.append(body)
+        elif language == "sh":
+            for command in _shell_commands(body):
+                if command.split("#")[0].strip() == ENTER_ENVIRONMENT:
+                    continue
+                (skipped if _why_not_run(command) else run).append(command)
+    return run, snippets, skipped
+
+
+def _new_shell(script: str, stdin: str | None = None, timeout: float = COMMAND_TIMEOUT_S):
+    """``script`` in a new bash in the repository, after the README's line entering the
+    environment."""
+    env = {**os.environ, "PATH": SYSTEM_PATH}
+    env.pop("VIRTUAL_ENV", None)
+    return subprocess.run(
+        ["bash", "-c", f"set -eo pipefail\n{ENTER_ENVIRONMENT}\n{script}"],
+        cwd=ROOT,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_readme_says_how_to_enter_the_environment():
+    text = README.read_text()
+    blocks = [body for language, body in _blocks(text) if language == "sh"]
+    assert any(ENTER_ENVIRONMENT in body for body in blocks[:2]), (
+        f"the README's first shell blocks must say `{ENTER_ENVIRONMENT}`"
+    )
+
+
+def test_every_command_is_run_or_has_a_reason():
+    run, snippets, skipped = readme_examples()
+    assert len(run) >= 10 and snippets, (run, snippets)
+    assert any(command.startswith("grpcurl") for command in run)
+    assert any(command.startswith("llmrpc ") for command in run)
+    # Not run: each has a reason; the README's plain serve command is started by the test.
+    assert "llmrpc serve" in [command.split("#")[0].strip() for command in skipped]
+
+
+def test_a_new_shell_lacks_the_tools_until_it_enters_the_environment():
+    """The premise: without the README's line, the commands would not be found."""
+    env = {**os.environ, "PATH": SYSTEM_PATH}
+    found = subprocess.run(
+        ["bash", "-c", "command -v llmrpc"], env=env, capture_output=True, text=True
+    )
+    assert found.returncode != 0, found.stdout
+    entered = _new_shell("command -v llmrpc && command -v grpcurl && command -v python")
+    assert entered.returncode == 0, entered.stderr
+    assert all(line.startswith(str(VENV_BIN)) for line in entered.stdout.split())
+
+
+def _serving(process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"llmrpc serve exited ({process.returncode}):\n{process.stderr.read()}")
+        with grpc.insecure_channel(GRPC_ADDRESS) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.5)
+    pytest.fail(f"llmrpc serve was not SERVING on {GRPC_ADDRESS} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def readme_server(smollm2_dir: Path, model_cache_dir: Path):
+    """The README's ``llmrpc serve``: the packaged model, default ports, entered as written."""
+    if Path(sys.prefix) != ROOT / ".venv":
+        pytest.skip("the README's environment is the repository's .venv (make install)")
+    env = {**os.environ, "PATH": SYSTEM_PATH, "LLMRPC_CACHE_DIR": str(model_cache_dir)}
+    env.pop("VIRTUAL_ENV", None)
+    process = subprocess.Popen(
+        ["bash", "-c", f"{ENTER_ENVIRONMENT}\nexec llmrpc serve"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _serving(process, START_TIMEOUT_S)
+        yield process
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+
+
+@pytest.mark.parametrize("command", readme_examples()[0])
+def test_readme_shell_command_runs_as_written(readme_server, command):
+    result = _new_shell(command)
+    assert result.returncode == 0, f"{command}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.stdout.strip(), f"{command} printed nothing"
+
+
+@pytest.mark.parametrize("snippet", readme_examples()[1])
+def test_readme_python_runs_as_written(readme_server, snippet):
+    result = _new_shell("python -", stdin=snippet)
+    assert result.returncode == 0, f"{snippet}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.stdout.strip(), f"the snippet printed nothing:\n{snippet}"
