@@ -124,6 +124,11 @@ class AsyncEngine:
         return self.core.model_info
 
     @property
+    def device(self) -> str:
+        """Where the model's weights live, as torch names it: "cpu", "cuda:0"..."""
+        return str(self.core.runner.device)
+
+    @property
     def stats(self) -> EngineStats:
         """The engine's figures as of its latest step or command (a snapshot the engine thread
         publishes whole, so readers on other threads never see it half-updated)."""

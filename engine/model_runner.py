@@ -61,6 +61,7 @@ class ModelRunner:
         self, model: nn.Module, hf_config, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> None:
         self.model = model
+        self._device = _device_of(model)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
         self._num_layers = hf_config.num_hidden_layers
@@ -78,6 +79,14 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model's weights are on (asleep at level 2, where they were)."""
+        model = self.model  # the engine thread may drop or reload it meanwhile
+        if model is not None:
+            self._device = _device_of(model)
+        return self._device
 
     @torch.inference_mode()
     def execute(
@@ -141,6 +150,10 @@ class ModelRunner:
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
         )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _prompt_logits_span(request: Request, start: int, end: int) -> PromptLogitsSpan | None:

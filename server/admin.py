@@ -28,7 +28,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             auth_required=state.auth_required,
             admin_auth_required=state.admin_auth_required,
             prefix_caching=state.effective_config.get("enable_prefix_caching") == "True",
-            device=getattr(engine.model_info, "device", "cpu") if engine is not None else "",
+            device=engine.device if engine is not None else "",
             services=[*SERVICE_NAMES, *state.extra_services],
         )
         return admin_pb2.GetServerInfoResponse(
