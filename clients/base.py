@@ -233,7 +233,8 @@ class ClientBase:
         return self._call(self._admin.Sleep, request, _nothing, timeout)
 
     def wake_up(self, *, timeout: float | None = None) -> None:
-        """Restore what ``sleep`` freed; a no-op when awake."""
+        """Restore what ``sleep`` freed; a no-op when awake. FAILED_PRECONDITION, as ``sleep``,
+        from a server started without --enable-sleep-mode."""
         request = admin_pb2.WakeUpRequest()
         return self._call(self._admin.WakeUp, request, _nothing, timeout)
 

@@ -13,6 +13,7 @@ from llmrpc.v1 import admin_pb2, admin_pb2_grpc
 logger = logging.getLogger(__name__)
 
 MAX_ABORT_REQUEST_IDS = 1024  # a bound on the one list AdminService takes; batches can repeat
+SLEEP_MODE_OFF = "sleep mode is off; start the server with --enable-sleep-mode"
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -79,17 +80,28 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         logger.info("prefix cache reset")
         return admin_pb2.ResetPrefixCacheResponse()
 
+    def _sleep_mode_engine(self):
+        """The engine, for Sleep and WakeUp: both need ``--enable-sleep-mode``, so without it
+        WakeUp refuses as Sleep does rather than report success for a state the server can
+        never be in (UNAVAILABLE while the model loads comes first: a retry may then work)."""
+        engine = self.state.require_engine()
+        if self.state.effective_config.get("enable_sleep_mode") != "True":
+            raise FailedPrecondition("engine", SLEEP_MODE_OFF)
+        return engine
+
     @handle_errors
     async def Sleep(self, request, context):
+        engine = self._sleep_mode_engine()
         level = request.level if request.HasField("level") else 1
         with convert.engine_errors(request):
-            await self.state.require_engine().sleep(level)
+            await engine.sleep(level)
         return admin_pb2.SleepResponse()
 
     @handle_errors
     async def WakeUp(self, request, context):
+        engine = self._sleep_mode_engine()
         with convert.engine_errors(request):
-            await self.state.require_engine().wake_up()
+            await engine.wake_up()
         return admin_pb2.WakeUpResponse()
 
     @handle_errors

@@ -85,7 +85,7 @@ def build_parser() -> common.Parser:
     sleep.add_argument(
         "--level", type=int, choices=(1, 2), help="1: drop the KV cache (default); 2: weights too."
     )
-    add("wake", _wake, "Restore what sleep freed.")
+    add("wake", _wake, "Restore what sleep freed (server needs --enable-sleep-mode).")
     health = add("health", _health, "Print the health status; exit 0 only when SERVING.")
     health.add_argument("--service", default="", help="A service's full name (default: all).")
     return parser

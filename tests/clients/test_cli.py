@@ -144,7 +144,12 @@ def test_admin_verbs(server, client):
     assert (health.returncode, health.stdout) == (0, "SERVING\n")
 
 
-def test_admin_sleep_without_sleep_mode_is_rejected(server):
-    result = llmrpc("admin", "sleep", "--url", server.address)
-    assert result.returncode == common.EXIT_REJECTED
-    assert "FAILED_PRECONDITION" in result.stderr
+@pytest.mark.parametrize("verb", ["sleep", "wake"])
+def test_admin_sleep_and_wake_without_sleep_mode_are_rejected(server, verb):
+    result = llmrpc("admin", verb, "--url", server.address)
+    assert (result.returncode, result.stdout) == (common.EXIT_REJECTED, "")
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(
+        "llmrpc: error: FAILED_PRECONDITION: "
+        "sleep mode is off; start the server with --enable-sleep-mode (request id "
+    )

@@ -168,6 +168,21 @@ async def test_sleep_without_sleep_mode_is_failed_precondition(admin):
     assert "--enable-sleep-mode" in failure.value.details()
 
 
+async def test_wake_up_without_sleep_mode_is_refused_as_sleep_is(admin):
+    refusals = []
+    calls = [(admin.Sleep, admin_pb2.SleepRequest()), (admin.WakeUp, admin_pb2.WakeUpRequest())]
+    for call, message in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await call(message)
+        precondition = status_detail(failure.value, error_details_pb2.PreconditionFailure)
+        refusals.append((failure.value.code(), failure.value.details(), precondition))
+    assert refusals[0] == refusals[1]
+    code, details, _ = refusals[1]
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "--enable-sleep-mode" in details
+    # Never asleep, so IsSleeping answers (false) rather than refusing.
+    assert not (await admin.IsSleeping(admin_pb2.IsSleepingRequest())).is_sleeping
+
+
 async def test_prompt_longer_than_the_context_is_invalid_argument(generation):
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await generation.Generate(request(text="word " * 600))  # the context is 512 tokens
