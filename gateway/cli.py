@@ -12,8 +12,8 @@ import json
 import logging
 import signal
 import sys
-from pathlib import Path
 
+from llmrpc.common.chat_template import read_chat_template
 from llmrpc.gateway.settings import (
     CONTENT_FORMATS,
     DEFAULT_MAX_REQUEST_BODY_SIZE,
@@ -137,8 +137,9 @@ def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--chat-template",
-        help="Chat template (a file, or the template itself) to render chat requests with, "
-        "instead of the replicas' model's.",
+        help="Chat template to render chat requests with, instead of the replicas' model's: a "
+        "file's path, or (if no such file, and the value holds a brace or a line break) the "
+        "template itself.",
     )
     add("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS)
     add("--response-role", default="assistant", help="Role of chat answers.")
@@ -162,16 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's contents, or the value itself if it looks like a template."""
-    if value is None or "{" in value:
-        return value
-    path = Path(value)
-    if not path.is_file():
-        raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
-    return path.read_text()
-
-
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """Raises ValueError naming the flag."""
     v = vars(args)
@@ -193,7 +184,9 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     api_fields = {name: v[name] for name in ApiSettings.__dataclass_fields__ if name in v}
     api_fields.update(
         api_keys=tuple(args.api_key),
-        chat_template=read_chat_template(args.chat_template),
+        chat_template=None
+        if args.chat_template is None
+        else read_chat_template(args.chat_template),
         middleware=tuple(args.middleware),
     )
     return GatewaySettings(backends, HttpSettings(**http_fields), cors, ApiSettings(**api_fields))

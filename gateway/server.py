@@ -1,10 +1,10 @@
 """Serving the gateway's app with uvicorn: the listening socket, TLS, HTTP/1.1 limits, logging.
 
-The socket is bound here, before uvicorn starts, so a port in use is one clear error and the
-port the OS chose (``--port 0``) is known at once. The program running the gateway handles
-SIGTERM and SIGINT (uvicorn's own handlers are not installed). With
-``--enable-ssl-refresh`` replaced certificate files are loaded into the live TLS context, so new
-connections get them without a restart.
+The socket is bound here, before uvicorn starts (``bind``, or ``start`` if not bound yet), so a
+port in use is one clear error and the port the OS chose (``--port 0``) is known at once. The
+program running the gateway handles SIGTERM and SIGINT (uvicorn's own handlers are not
+installed). With ``--enable-ssl-refresh`` replaced certificate files are loaded into the live
+TLS context, so new connections get them without a restart.
 """
 
 from __future__ import annotations
@@ -94,21 +94,32 @@ def _bind_tcp(host: str | None, port: int) -> socket.socket:
 
 
 class GatewayServer:
-    """uvicorn serving the app on a socket bound here; ``start`` returns once it accepts."""
+    """uvicorn serving the app on a socket bound here; ``start`` returns once it accepts.
+
+    Built, it has read its TLS files (ValueError naming the flag) but holds no port yet.
+    """
 
     def __init__(self, app, http: HttpSettings) -> None:
         self.http = http
         self.config = uvicorn_config(app, http)
         self.server = _EmbeddedServer(self.config)
-        self.socket = bind_socket(http)
+        self.socket: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self._refresher: asyncio.Task | None = None
 
+    def bind(self) -> None:
+        """Take the listening socket now; BindError if it cannot be bound."""
+        if self.socket is None:
+            self.socket = bind_socket(self.http)
+
     @property
     def port(self) -> int | None:
-        return None if self.http.uds else self.socket.getsockname()[1]
+        if self.http.uds or self.socket is None:
+            return None
+        return self.socket.getsockname()[1]
 
     async def start(self) -> None:
+        self.bind()
         self._task = asyncio.create_task(self.server.serve(sockets=[self.socket]))
         while not self.server.started:
             if self._task.done():
@@ -133,6 +144,8 @@ class GatewayServer:
         self.server.should_exit = True
         if self._task is not None:
             await self._task
+        if self.socket is None:
+            return
         self.socket.close()
         if self.http.uds:
             with contextlib.suppress(FileNotFoundError):

@@ -14,11 +14,13 @@ import asyncio
 import contextlib
 import logging
 import signal
-from pathlib import Path
+from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmrpc.common.chat_template import read_chat_template
 from llmrpc.engine.async_engine import AsyncEngine
 from llmrpc.engine.config import EngineConfig
 from llmrpc.server.admin import AdminServicer
@@ -29,7 +31,6 @@ from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
 from llmrpc.server.loopback import HandlerRegistry, LoopbackChannel
 from llmrpc.server.options import effective_config
-from llmrpc.server.rest import start_gateway
 from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
@@ -42,8 +43,21 @@ logger = logging.getLogger(__name__)
 OPEN_SERVICES = (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
 
 
+class BesideService(Protocol):
+    """A service ``serve`` runs beside the gRPC server, in its process and on its event loop (the
+    REST gateway of ``llmrpc serve``). It is built, with the in-process channel it calls the
+    server through, before any port is bound; ``bind`` takes its port (BindError); ``start``
+    serves; ``stop`` stops it whether or not it started."""
+
+    def bind(self) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class RunningServer:
-    """A started gRPC server and, once loaded, its engine."""
+    """A gRPC server with every service, its port once bound, and, once loaded, its engine."""
 
     def __init__(
         self,
@@ -51,7 +65,6 @@ class RunningServer:
         state: ServerState,
         health: Health,
         calls: CallsInFlight,
-        port: int,
         host: str,
         loopback: LoopbackChannel,
     ) -> None:
@@ -59,11 +72,12 @@ class RunningServer:
         self.state = state
         self.health = health
         self.calls = calls
-        self.port = port
+        self.port: int | None = None  # set once bound
         self.host = host
         self.health_server: grpc.aio.Server | None = None  # the plaintext health-only port
         self.health_port: int | None = None
         self.loopback = loopback  # the in-process channel the REST gateway calls through
+        self.credentials: grpc.ServerCredentials | None = None  # TLS, checked before binding
         self.engine_failure: BaseException | None = None
         self.engine_died = asyncio.Event()
         self._stats_task: asyncio.Task | None = None
@@ -108,6 +122,8 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.port is None:  # never bound: nothing serves, nothing to drain
+            return
         await self.health.shut_down()
         await self._drain(drain_delay)
         await self._stop_serving(grace)
@@ -138,16 +154,6 @@ class RunningServer:
         """End the drain delay and the calls in flight at once (a second SIGTERM)."""
         self._hurry.set()
         self.calls.cut_all()
-
-
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a file's contents, or the value itself if it looks like a template."""
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{" in value:
-        return value
-    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
 
 
 def _engine_facts(model_info) -> dict[str, str]:
@@ -187,12 +193,12 @@ def _add_services(servers, state: ServerState, health: Health) -> None:
     reflection.enable_server_reflection((*SERVICE_NAMES, *OPEN_SERVICES), servers[0])
 
 
-def _add_port(server: grpc.aio.Server, frontend: FrontendConfig) -> int:
+def _add_port(running: RunningServer, frontend: FrontendConfig) -> int:
     address = grpc_bind_address(frontend.host, frontend.grpc_port)
     try:
-        if frontend.tls.enabled:
-            return server.add_secure_port(address, server_credentials(frontend.tls))
-        return server.add_insecure_port(address)
+        if running.credentials is not None:
+            return running.server.add_secure_port(address, running.credentials)
+        return running.server.add_insecure_port(address)
     except RuntimeError as error:
         raise BindError(
             f"--grpc-port {frontend.grpc_port}: cannot listen on {address}: the port is in use "
@@ -208,10 +214,10 @@ def _warn_if_open(frontend: FrontendConfig) -> None:
         )
 
 
-async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> RunningServer:
-    """Start a gRPC server on ``frontend``'s address with every service; NOT_SERVING for now.
+def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> RunningServer:
+    """A gRPC server with every service and its in-process channel, bound to no port yet.
 
-    Raises BindError if a port cannot be bound, ValueError naming the flag for bad TLS files.
+    Raises ValueError naming the flag for bad TLS files (read here).
     """
     install_request_id_records()
     state = ServerState(
@@ -229,12 +235,24 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
     server = grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
     registry = HandlerRegistry()
     _add_services((server, registry), state, health)
-    port = _add_port(server, frontend)
     loopback = LoopbackChannel(registry, interceptors)
-    running = RunningServer(server, state, health, calls, port, frontend.host or "[::]", loopback)
-    state.effective_config.update(effective_config(engine_config, frontend), grpc_port=str(port))
-    await health.set_serving(False)
-    await server.start()
+    running = RunningServer(server, state, health, calls, frontend.host or "[::]", loopback)
+    if frontend.tls.enabled:
+        running.credentials = server_credentials(frontend.tls)
+    state.effective_config.update(effective_config(engine_config, frontend))
+    return running
+
+
+async def listen(running: RunningServer, frontend: FrontendConfig) -> None:
+    """Bind ``running``'s ports and start it; health says NOT_SERVING for now.
+
+    Raises BindError naming the flag if a port cannot be bound.
+    """
+    port = _add_port(running, frontend)
+    running.port = port
+    running.state.effective_config["grpc_port"] = str(port)
+    await running.health.set_serving(False)
+    await running.server.start()
     scheme = "TLS" if frontend.tls.enabled else "plaintext"
     logger.info(
         "gRPC server listening on %s (%s; not serving until the model is ready)",
@@ -242,10 +260,19 @@ async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> 
         scheme,
     )
     if frontend.health_port is not None:
-        running.health_server, running.health_port = await health.start_plaintext_port(
+        running.health_server, running.health_port = await running.health.start_plaintext_port(
             frontend.host, frontend.health_port
         )
     _warn_if_open(frontend)
+
+
+async def bind_server(engine_config: EngineConfig, frontend: FrontendConfig) -> RunningServer:
+    """Start a gRPC server on ``frontend``'s address with every service; NOT_SERVING for now.
+
+    Raises BindError if a port cannot be bound, ValueError naming the flag for bad TLS files.
+    """
+    running = build_server(engine_config, frontend)
+    await listen(running, frontend)
     return running
 
 
@@ -270,15 +297,24 @@ async def start_server(
     return running
 
 
-async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
+BesideFactory = Callable[[LoopbackChannel], BesideService]
+
+
+async def serve(
+    engine_config: EngineConfig,
+    frontend: FrontendConfig,
+    beside: BesideFactory | None = None,
+) -> int:
     """Run until SIGTERM/SIGINT (exit status 0), the engine dies (1) or loading fails (1, or 2
     for a bad flag value).
 
-    The REST gateway (unless --no-rest-gateway) listens from the start, answering 503 until the
-    model serves and again once the drain begins; it stops after the gRPC server.
+    ``beside`` builds a service to run beside the server from its in-process channel (the REST
+    gateway of ``llmrpc serve``); it is built before any port is bound and binds its own port
+    before the server binds its; it listens from the start and stops after the server.
     """
-    running = await bind_server(engine_config, frontend)
-    gateway = await _start_gateway(running, frontend)
+    running = build_server(engine_config, frontend)
+    service = beside(running.loopback) if beside is not None else None
+    await _listen_beside(running, service, frontend)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -294,23 +330,29 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
         await asyncio.wait([load, *waits])  # never raises: outcomes are read below
         drain = frontend.drain_delay_s if running.engine_failure is None else 0.0
         await running.stop(frontend.shutdown_grace_s, drain_delay=drain)
-        if gateway is not None:
-            await gateway.stop()
+        if service is not None:
+            await service.stop()
         return _exit_code(load, running)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
 
 
-async def _start_gateway(running: RunningServer, frontend: FrontendConfig):
-    """The REST gateway in front of ``running`` (None with --no-rest-gateway); it answers
-    503 until the model serves."""
-    if not frontend.rest.enabled:
-        return None
+async def _listen_beside(
+    running: RunningServer, service: BesideService | None, frontend: FrontendConfig
+) -> None:
+    """Bind the service's port, then the server's; start both. On any failure nothing is left
+    listening."""
     try:
-        return await start_gateway(frontend, running.loopback)
+        if service is not None:
+            service.bind()
+        await listen(running, frontend)
+        if service is not None:
+            await service.start()
     except BaseException:
         await running.stop(grace=0)
+        if service is not None:
+            await service.stop()
         raise
 
 

@@ -111,7 +111,7 @@ class LogConfig:
 @dataclass(frozen=True)
 class RestConfig:
     """The OpenAI-compatible REST gateway ``llmrpc serve`` runs on ``--host``/``--port`` (vLLM's
-    flags); checked when the gateway's own settings are built from it (``server.rest``)."""
+    flags); checked when the gateway's own settings are built from it (``llmrpc.cli.rest``)."""
 
     enabled: bool = True
     port: int = 8000

@@ -106,7 +106,7 @@ def test_metrics_use_vllms_names_and_count(server_loop, replica, slow_engine):
 
 
 def _gateway_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "llmrpc.server.cli", "gateway", *args]
+    return [sys.executable, "-m", "llmrpc.cli", "gateway", *args]
 
 
 def test_the_gateway_command(replica, tmp_path):

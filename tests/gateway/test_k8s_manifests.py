@@ -10,9 +10,9 @@ import io
 import pytest
 import yaml
 
+from llmrpc.cli import build_parser
 from llmrpc.gateway import k8s_cli
 from llmrpc.server import options as serve_options
-from llmrpc.server.cli import build_parser
 
 IMAGE = "registry.example/llmrpc:0.1"
 

@@ -15,10 +15,11 @@ import httpx
 import pytest
 from gateway_support import running_gateway
 
+from llmrpc import cli
+from llmrpc.cli.rest import gateway_settings
 from llmrpc.gateway import cli as gateway_cli
 from llmrpc.gateway.settings import HttpSettings
-from llmrpc.server import cli, options
-from llmrpc.server.rest import gateway_settings
+from llmrpc.server import options
 
 MIB = 1024 * 1024
 LIMIT = 4096

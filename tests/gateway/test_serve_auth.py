@@ -15,9 +15,9 @@ from engine_pace import num_live_requests, restore_speed, slow_down
 from envoy_support import envoy_config, running_envoy, tiny_engine_config, wait_for
 from gateway_support import RunningGateway, wait_serving
 
+from llmrpc.cli.rest import IN_PROCESS_TARGET, gateway_settings
 from llmrpc.gateway.envoy import GRPC_CLUSTER
 from llmrpc.server.app import start_server
-from llmrpc.server.rest import IN_PROCESS_TARGET, gateway_settings
 from llmrpc.server.settings import FrontendConfig, RestConfig
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc
 

@@ -19,7 +19,8 @@ import openai
 import pytest
 from envoy_support import TestCa
 
-from llmrpc.server import cli, options
+from llmrpc import cli
+from llmrpc.server import options
 
 PARSER = cli.build_parser()[1]
 START_TIMEOUT_S = 120.0
@@ -60,7 +61,7 @@ class Serve:
 
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent)}
-        command = [sys.executable, "-m", "llmrpc.server.cli", "serve", *args]
+        command = [sys.executable, "-m", "llmrpc.cli", "serve", *args]
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )

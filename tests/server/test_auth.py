@@ -222,7 +222,8 @@ async def test_an_admin_key_alone_leaves_generation_open_and_guards_admin_rpcs()
 
 
 async def test_admin_api_key_flag_and_environment(monkeypatch):
-    from llmrpc.server import cli, options
+    from llmrpc import cli
+    from llmrpc.server import options
 
     parser = cli.build_parser()[1]
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llmrpc.server import cli, options
+from llmrpc import cli
+from llmrpc.server import options
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, human_readable_int, json_value
 

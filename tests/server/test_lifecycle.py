@@ -17,6 +17,8 @@ from engine_pace import num_live_requests, slow_down
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_utils import read_rest, tiny_engine_config, wait_until
 
+from llmrpc.cli import rest as rest_cli
+from llmrpc.cli import serve as serve_cli
 from llmrpc.server import app
 from llmrpc.server.settings import FrontendConfig, RestConfig
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -135,15 +137,15 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
     tiny_llama_dir, monkeypatch
 ):
     gateways = []
-    real_start = app.start_gateway
+    real_gateway = rest_cli.in_process_gateway
 
-    async def start_and_record(*args):
-        gateways.append(await real_start(*args))
+    def build_and_record(*args):
+        gateways.append(real_gateway(*args))
         return gateways[-1]
 
-    monkeypatch.setattr(app, "start_gateway", start_and_record)
+    monkeypatch.setattr(rest_cli, "in_process_gateway", build_and_record)
     frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=0.5, shutdown_grace_s=30)
-    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
+    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch, with_rest=True)
     url = f"http://127.0.0.1:{gateways[0].port}"
     body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -219,19 +221,24 @@ async def test_a_second_sigterm_ends_the_calls_in_flight_with_unavailable(
     assert num_live_requests(running.engine) == 0
 
 
-async def serve_in_process(model_dir, frontend: FrontendConfig, monkeypatch):
-    """``app.serve`` as a task, once its model serves; returns the task and its server."""
+async def serve_in_process(model_dir, frontend: FrontendConfig, monkeypatch, with_rest=False):
+    """``app.serve`` (``llmrpc serve``'s composition with the REST gateway if ``with_rest``) as a
+    task, once its model serves; returns the task and its server."""
     servers: list[app.RunningServer] = []
-    real_bind = app.bind_server
+    real_build = app.build_server
 
-    async def bind_and_record(*args):
-        servers.append(await real_bind(*args))
+    def build_and_record(*args):
+        servers.append(real_build(*args))
         return servers[-1]
 
-    monkeypatch.setattr(app, "bind_server", bind_and_record)
-    frontend = dataclasses.replace(frontend, rest=RestConfig(port=0))  # REST on a free port
-    serving = asyncio.ensure_future(app.serve(tiny_engine_config(model_dir), frontend))
-    await wait_until(lambda: servers, what="the server to bind")
+    monkeypatch.setattr(app, "build_server", build_and_record)
+    engine_config = tiny_engine_config(model_dir)
+    if with_rest:
+        frontend = dataclasses.replace(frontend, rest=RestConfig(port=0))  # REST on a free port
+        serving = asyncio.ensure_future(serve_cli.serve(engine_config, frontend))
+    else:
+        serving = asyncio.ensure_future(app.serve(engine_config, frontend))
+    await wait_until(lambda: servers and servers[0].port, what="the server to bind")
     async with grpc.aio.insecure_channel(servers[0].address) as channel:
         await wait_for_health(channel, SERVING)
     return serving, servers[0]

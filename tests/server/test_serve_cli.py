@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
+from llmrpc import cli
 from llmrpc.engine.config import EngineConfig
-from llmrpc.server import cli, options
-from llmrpc.server.app import read_chat_template
+from llmrpc.server import options
 from llmrpc.server.flags import human_readable_int
 from llmrpc.server.logs import configure_logging, request_id_var
 from llmrpc.server.settings import FrontendConfig, LogConfig
@@ -167,15 +167,6 @@ def test_unreadable_log_config_file_exits_2_with_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--log-config-file" in err, err
-
-
-def test_chat_template_is_a_file_or_a_template(tmp_path):
-    template = tmp_path / "template.jinja"
-    template.write_text("{{ messages }}")
-    assert read_chat_template(str(template)) == "{{ messages }}"
-    assert read_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
-    with pytest.raises(ValueError, match="--chat-template no/such/file"):
-        read_chat_template("no/such/file")
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

@@ -49,7 +49,7 @@ def _pump(stream, serve: ServeProcess) -> None:
 
 def _llmrpc_command() -> list[str]:
     script = BIN / "llmrpc"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "llmrpc.server.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "llmrpc.cli"]
 
 
 @pytest.fixture(scope="module")

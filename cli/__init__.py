@@ -1,0 +1,62 @@
+"""The ``llmrpc`` command: ``llmrpc serve [MODEL] [flags]`` (vLLM's flags; see --help) and the
+other verbs.
+
+This package sits above the others: it composes the gRPC server (``llmrpc.server``) and the REST
+gateway (``llmrpc.gateway``) for ``serve``, and hands every other verb to the layer it belongs
+to. Those are imported only when used, so a client verb never loads torch: each is a
+``main(argv)`` that receives the arguments after the verb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from llmrpc.server import options
+from llmrpc.server.state import server_version
+
+# verb -> (module whose main(argv) runs it, one-line help)
+DELEGATED_VERBS: dict[str, tuple[str, str]] = {
+    "generate": ("llmrpc.clients.cli.generate", "Generate text from a prompt on a running server."),
+    "chat": ("llmrpc.clients.cli.chat", "Chat with a running server (streamed, history kept)."),
+    "tokenize": ("llmrpc.clients.cli.tokenize", "Tokenize text with a running server's tokenizer."),
+    "admin": ("llmrpc.clients.cli.admin", "Server info, models, health and request control."),
+    "bench": ("llmrpc.clients.bench.cli", "Benchmark a server (serve) or the engine (throughput)."),
+    "gateway": ("llmrpc.gateway.cli", "Serve the OpenAI-compatible REST API for gRPC replicas."),
+    "envoy-config": ("llmrpc.gateway.envoy_cli", "Print an Envoy bootstrap (YAML) for replicas."),
+    "k8s-manifests": ("llmrpc.gateway.k8s_cli", "Print Kubernetes manifests (YAML) for serving."),
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The top-level parser and its ``serve`` subparser."""
+    parser = options.OneLineErrorParser(
+        prog="llmrpc", description="LLM inference server with a gRPC-first API."
+    )
+    parser.add_argument("--version", action="version", version=f"llmrpc {server_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="Serve a model over gRPC.",
+        description="Serve a model over gRPC (health and reflection always on).",
+    )
+    options.add_serve_arguments(serve)
+    for verb, (_, summary) in DELEGATED_VERBS.items():
+        commands.add_parser(verb, help=summary, add_help=False)
+    return parser, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED_VERBS:
+        module = importlib.import_module(DELEGATED_VERBS[argv[0]][0])
+        return module.main(argv[1:])
+    parser, serve_parser = build_parser()
+    if argv and argv[0] == "serve":
+        from llmrpc.cli.serve import run_serve
+
+        return run_serve(serve_parser, argv[1:])
+    parser.parse_args(argv)  # --help, --version, or an unknown verb (exits)
+    parser.print_help(sys.stderr)
+    return 2

@@ -1,0 +1,7 @@
+"""``python -m llmrpc.cli``: the ``llmrpc`` command."""
+
+import sys
+
+from llmrpc.cli import main
+
+sys.exit(main())

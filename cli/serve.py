@@ -1,0 +1,52 @@
+"""``llmrpc serve``: the gRPC server and, beside it in the same process, the REST gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import os
+
+from llmrpc.engine.config import EngineConfig
+from llmrpc.gateway.server import BindError as RestBindError
+from llmrpc.server import options
+from llmrpc.server.logs import configure_logging
+from llmrpc.server.settings import BindError, FrontendConfig
+
+logger = logging.getLogger("llmrpc.cli.serve")
+
+
+def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    serve_values = options.parse_serve_values(serve_parser, argv)
+    engine_config, frontend = options.configs_or_exit(serve_parser, serve_values)
+    try:
+        configure_logging(frontend.logs)
+    except ValueError as error:
+        serve_parser.error(str(error))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network
+    options.warn_about_inert_flags(serve_values, logger)
+    from llmrpc.engine.memory import limit_arenas
+
+    limit_arenas()  # before the engine, gRPC and tokenizer threads start allocating
+
+    try:
+        return asyncio.run(serve(engine_config, frontend))
+    except (BindError, RestBindError) as error:
+        logger.error("%s", error)
+        return 1
+    except ValueError as error:  # a flag value found wrong while starting (TLS files...)
+        logger.error("%s", error)
+        return 2
+
+
+async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
+    """The gRPC server until it stops, with the REST gateway beside it unless
+    --no-rest-gateway; the exit status."""
+    from llmrpc.cli import rest
+    from llmrpc.server import app  # torch and the engine: imported only when serving
+
+    beside = None
+    if frontend.rest.enabled:
+        beside = functools.partial(rest.in_process_gateway, frontend)
+    return await app.serve(engine_config, frontend, beside=beside)
