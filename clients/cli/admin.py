@@ -58,6 +58,12 @@ def _health(client, args) -> int:
     return common.EXIT_OK if status == "SERVING" else common.EXIT_UNAVAILABLE
 
 
+def _request_id(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a request id must not be empty")
+    return text
+
+
 def build_parser() -> common.Parser:
     parser = common.Parser(
         prog="llmrpc admin",
@@ -79,7 +85,13 @@ def build_parser() -> common.Parser:
     add("models", _models, "The served models, the default first.")
     add("load", _load, "Requests running and waiting, KV cache usage, throughput, sleep state.")
     abort = add("abort", _abort, "Abort running or queued requests by id.")
-    abort.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    abort.add_argument(
+        "request_ids",
+        nargs="+",
+        type=_request_id,
+        metavar="REQUEST_ID",
+        help="Ids the requests were sent with (e.g. `llmrpc generate --request-id ID`).",
+    )
     add("reset-prefix-cache", _reset_prefix_cache, "Forget every cached prefix (when idle).")
     sleep = add("sleep", _sleep, "Free memory while idle (server needs --enable-sleep-mode).")
     sleep.add_argument(

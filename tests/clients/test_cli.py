@@ -95,6 +95,15 @@ def test_bad_flags_exit_2():
     assert "--max-tokens" in result.stderr
 
 
+@pytest.mark.parametrize("request_ids", [[], [""], ["cli-1", "  "]])
+def test_admin_abort_without_a_request_id_is_a_usage_error(request_ids):
+    result = llmrpc("admin", "abort", *request_ids)
+    assert (result.returncode, result.stdout) == (common.EXIT_USAGE, "")
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("llmrpc admin abort: error: ")
+    assert "REQUEST_ID" in result.stderr
+
+
 def test_help_documents_the_exit_codes():
     result = llmrpc("generate", "--help")
     assert result.returncode == 0
