@@ -25,7 +25,7 @@ from llmrpc.server.flags import (
 from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
-ONE_DEVICE = "needs several devices or processes; this build runs the engine on one device"
+ONE_DEVICE = "needs several devices or processes; this build runs one engine, in one process"
 LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 STRUCTURED = "needs structured output (guided decoding), which this build does not support"
@@ -34,14 +34,22 @@ NO_HUB = "needs the model hub; this build loads local folders and .gguf files on
 POOLING = "needs pooling (embedding) models; this build serves text generation only"
 TRACING = "needs OpenTelemetry tracing, which this build does not support"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
-QUANTIZATION = "needs quantized weights, which this build does not support"
-NOT_SUPPORTED = "is not supported by this build"
-GPU_TUNING = "tunes CUDA graphs or GPU kernels; the engine makes these choices itself"
-GPU_MEMORY = (
-    "sizes GPU memory; size the KV cache with --kv-cache-memory or --num-gpu-blocks-override"
+QUANTIZATION = (
+    "computes with quantized weights, which this build does not do (a .gguf file is "
+    "dequantized when it is loaded)"
 )
-REMOVED = "was removed from vLLM; accepted so old command lines still start"
-NO_EFFECT_HERE = "has nothing to act on in this build"
+NOT_SUPPORTED = "is not supported by this build"
+# The engine runs on the CPU: the model, the KV cache and every step tensor are made there.
+EAGER = "the engine runs eager PyTorch on the CPU, with no CUDA graphs and no torch.compile"
+CUDA_GRAPHS = f"sizes CUDA graph capture; {EAGER}"
+GPU_MEMORY = (
+    "sizes the share of GPU memory to use; the engine uses no GPU: size the KV cache with "
+    "--kv-cache-memory or --num-gpu-blocks-override"
+)
+OLD_FEATURE = (
+    "belongs to a feature of older vLLM releases that this engine does not have; accepted so "
+    "old command lines still start"
+)
 
 
 def _group(name: str, *flags: Flag) -> list[Flag]:
@@ -78,8 +86,8 @@ _OURS = _group(
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",
          "Seconds between periodic stats lines (see --disable-log-stats).", metavar="SECONDS"),
     ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
-         "GiB of host memory for the KV cache when no GPU is used; it sets the number of KV "
-         "blocks.", metavar="GIB"),
+         "GiB of host memory for the KV cache (the engine runs on the CPU); it sets the number "
+         "of KV blocks unless --num-gpu-blocks-override does.", metavar="GIB"),
     ours("--drain-delay", 0.0, float, "frontend.drain_delay_s",
          "On SIGTERM, health turns NOT_SERVING at once and new calls are still served for this "
          "many seconds, so load balancers can stop routing here; then the server stops. Set it "
@@ -188,7 +196,9 @@ _FRONTEND = _group(
     refused("--enable-auto-tool-choice", False, None, TOOLS),
     refused("--tool-call-parser", None, str, TOOLS),
     refused("--tool-parser-plugin", "", str, TOOLS),
-    refused("--exclude-tools-when-tool-choice-none", False, None, TOOLS),
+    refused("--exclude-tools-when-tool-choice-none", False, None,
+            "would leave tools out of prompts whose tool_choice is none; this build always "
+            "passes them to the chat template"),
     refused("--tool-server", None, str, TOOLS),
     works("--enable-prompt-tokens-details", False, None, "rest.enable_prompt_tokens_details",
           "usage.prompt_tokens_details.cached_tokens in REST responses."),
@@ -214,7 +224,9 @@ _FRONTEND = _group(
           "may use %%(request_id)s."),
     inert("--disable-frontend-multiprocessing", False, None,
           "is how llmrpc always runs: the engine steps on a thread of the server's process"),
-    refused("--api-server-count", 1, int, ONE_DEVICE),
+    refused("--api-server-count", 1, int,
+            "runs several API server processes; this build serves gRPC and REST from the "
+            "process that runs the engine"),
     refused("--headless", False, None, "would serve no frontend; this build always serves gRPC"),
 )  # fmt: skip
 
@@ -224,7 +236,8 @@ _MODEL = _group(
           "Model to serve (the same as MODEL): a local folder holding config.json, or a .gguf "
           "file. Default: the packaged SmolLM2-135M-Instruct."),
     works("--served-model-name", None, str, "model.served_model_name",
-          "Name(s) clients use in the model field; the first is the default. Default: the "
+          "Name(s) clients use in the model field; the first is used when a request names "
+          "none. Default: the "
           "--model string, or SmolLM2-135M-Instruct for the packaged model.", nargs="+"),
     works("--tokenizer", None, str, "model.tokenizer",
           "Tokenizer folder or .gguf file. Default: the model's."),
@@ -234,17 +247,21 @@ _MODEL = _group(
     refused("--revision", None, str, NO_HUB),
     refused("--code-revision", None, str, NO_HUB),
     inert("--trust-remote-code", False, None,
-          "has nothing to trust: llmrpc runs only its own model code"),
+          "has nothing to trust: a model folder's own Python code is never run, only llmrpc's "
+          "models and Transformers' built-in ones"),
     refused("--hf-config-path", None, str, NOT_SUPPORTED),
     inert("--hf-token", None, str, "has no hub to authenticate to",
           nargs="?", const=True, secret=True),
     works("--hf-overrides", {}, json_object, "model.hf_overrides",
-          "JSON object of entries set on the model's Hugging Face config after loading."),
+          "JSON object of entries set on the model's Hugging Face config before the model is "
+          "built."),
     refused("--config-format", "auto", str, NOT_SUPPORTED, choices=("auto", "hf", "mistral")),
     works("--dtype", "auto", str, "model.dtype",
           "Weight and activation dtype; auto: bfloat16 unless the checkpoint is float16.",
           choices=DTYPES),
-    works("--seed", 0, int, "model.seed", "Random seed of requests that set none."),
+    works("--seed", 0, int, "model.seed",
+          "Seeds the sampling of requests that set no seed (each draws its own from this one, "
+          "in arrival order) and the random weights of --load-format dummy."),
     works("--max-model-len", None, human_readable_int, "model.max_model_len",
           "Context window in tokens (prompt plus output); takes 1k/1K/25.6k/2m: lower case "
           "is powers of 1000, upper case powers of 1024. Default: the model's own."),
@@ -252,8 +269,10 @@ _MODEL = _group(
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),
     works("--rope-theta", None, float, "model.rope_theta", "Rope base frequency override."),
-    inert("--enforce-eager", False, None, GPU_TUNING),
-    inert("--max-seq-len-to-capture", 8192, int, GPU_TUNING),
+    inert("--enforce-eager", False, None,
+          "is how the engine always runs: eager PyTorch on the CPU, with no CUDA graphs and no "
+          "torch.compile"),
+    inert("--max-seq-len-to-capture", 8192, int, CUDA_GRAPHS),
     works("--max-logprobs", 20, int, "model.max_logprobs",
           "Most logprobs a request may ask for per token; -1: no limit."),
     works("--logprobs-mode", "raw_logprobs", str, "model.logprobs_mode",
@@ -261,8 +280,10 @@ _MODEL = _group(
           "temperature, top-k/p) logits, or those logits themselves.",
           choices=("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")),
     inert("--disable-sliding-window", False, None,
-          "has nothing to disable: the native models attend over the whole context"),
-    inert("--disable-cascade-attn", False, None, GPU_TUNING),
+          "is how the engine always runs: a model with an attention window has its context "
+          "capped at the window, and attends over all of it"),
+    inert("--disable-cascade-attn", False, None,
+          "turns off cascade attention, which the engine's attention does not use"),
     works("--skip-tokenizer-init", False, None, "model.skip_tokenizer_init",
           "Load no tokenizer: token ids in, token ids out (text input, stop strings refused)."),
     refused("--enable-prompt-embeds", False, None, NOT_SUPPORTED),
@@ -288,7 +309,9 @@ _MODEL = _group(
     refused("--override-pooler-config", None, json_object, POOLING),
     refused("--override-attention-dtype", None, str, NOT_SUPPORTED),
     refused("--allowed-local-media-path", "", str, MULTIMODAL),
-    inert("--disable-async-output-proc", False, None, REMOVED),
+    inert("--disable-async-output-proc", False, None,
+          "turns off asynchronous output processing; this engine turns each step's tokens into "
+          "outputs within the step"),
     inert("--override-neuron-config", {}, json_object, "configures AWS Neuron devices"),
 )  # fmt: skip
 
@@ -301,7 +324,9 @@ _LOADING = _group(
     refused("--model-loader-extra-config", {}, json_object, NOT_SUPPORTED),
     inert("--ignore-patterns", None, str, "has nothing to download: models are local",
           nargs="+"),
-    inert("--use-tqdm-on-load", True, None, "is always on: loading shows its progress"),
+    inert("--use-tqdm-on-load", True, None,
+          "switches the weight-loading progress bar; here converting a .gguf file always shows "
+          "one and reading safetensors weights shows none"),
     inert("--pt-load-map-location", "cpu", str, "applies to .pt checkpoints, not read here"),
 )  # fmt: skip
 
@@ -336,7 +361,8 @@ _PARALLELISM = _group(
     refused("--eplb-window-size", 1000, int, ONE_DEVICE),
     refused("--eplb-step-interval", 3000, int, ONE_DEVICE),
     refused("--eplb-log-balancedness", False, None, ONE_DEVICE),
-    inert("--max-parallel-loading-workers", None, int, "applies to several workers; one loads"),
+    inert("--max-parallel-loading-workers", None, int,
+          "applies when several workers load the model; here one thread loads it"),
     inert("--disable-custom-all-reduce", False, None, "applies to several devices; one is used"),
     refused("--worker-cls", "auto", str, NOT_SUPPORTED),
     refused("--worker-extension-cls", "", str, NOT_SUPPORTED),
@@ -346,7 +372,8 @@ _PARALLELISM = _group(
 
 _KV_CACHE = _group(
     "KV cache",
-    works("--block-size", 16, int, "cache.block_size", "Tokens per KV cache block."),
+    works("--block-size", 16, int, "cache.block_size",
+          "Tokens per KV cache block (a power of two)."),
     inert("--gpu-memory-utilization", 0.9, float, GPU_MEMORY),
     inert("--swap-space", 4.0, float, "sizes swap for preemption; preemption recomputes here"),
     refused("--kv-cache-dtype", "auto", str, NOT_SUPPORTED,
@@ -360,7 +387,9 @@ _KV_CACHE = _group(
           choices=("builtin", "sha256", "sha256_cbor_64bit")),
     refused("--cpu-offload-gb", 0.0, float, NOT_SUPPORTED),
     inert("--calculate-kv-scales", False, None, "applies to fp8 KV caches, not used here"),
-    inert("--kv-sharing-fast-prefill", False, None, GPU_TUNING),
+    inert("--kv-sharing-fast-prefill", False, None,
+          "speeds up the prefill of models whose layers share KV caches, which this engine "
+          "does not do"),
     inert("--mamba-cache-dtype", "auto", str, "applies to Mamba models, not served here"),
     inert("--mamba-ssm-cache-dtype", "auto", str, "applies to Mamba models, not served here"),
 )  # fmt: skip
@@ -387,13 +416,18 @@ _SCHEDULER = _group(
           choices=("recompute", "swap")),
     refused("--num-lookahead-slots", 0, int, NOT_SUPPORTED),
     refused("--scheduler-delay-factor", 0.0, float, NOT_SUPPORTED),
-    inert("--cuda-graph-sizes", [], int, GPU_TUNING, nargs="+"),
+    inert("--cuda-graph-sizes", [], int, CUDA_GRAPHS, nargs="+"),
     refused("--scheduler-cls", "vllm.core.scheduler.Scheduler", str, NOT_SUPPORTED),
-    inert("--disable-hybrid-kv-cache-manager", False, None, NO_EFFECT_HERE),
-    inert("--async-scheduling", False, None, "is the engine's own choice here"),
-    inert("--disable-chunked-mm-input", False, None, NO_EFFECT_HERE),
-    inert("--num-scheduler-steps", 1, int, REMOVED),
-    inert("--multi-step-stream-outputs", True, None, REMOVED),
+    inert("--disable-hybrid-kv-cache-manager", False, None,
+          "turns off the hybrid KV cache manager (for models mixing attention types); this "
+          "engine's KV cache has one kind of block for every layer"),
+    inert("--async-scheduling", False, None,
+          "overlaps scheduling with model execution on an accelerator; this engine runs both "
+          "on the CPU, scheduling each step before running it"),
+    inert("--disable-chunked-mm-input", False, None,
+          "applies to multimodal inputs, which this build does not support"),
+    inert("--num-scheduler-steps", 1, int, OLD_FEATURE),
+    inert("--multi-step-stream-outputs", True, None, OLD_FEATURE),
 )  # fmt: skip
 
 _LORA = _group(
@@ -435,15 +469,17 @@ _OTHER = _group(
     refused("--kv-transfer-config", None, json_object, KV_TRANSFER),
     refused("--kv-events-config", None, json_object, KV_TRANSFER),
     inert(("--compilation-config", "-O"), {}, compilation_config,
-          "configures torch.compile and CUDA graphs; the engine makes these choices itself"),
+          f"configures torch.compile and CUDA graphs; {EAGER}"),
     inert("--additional-config", {}, json_object, "configures other hardware platforms"),
-    inert("--use-v2-block-manager", False, None, REMOVED),
-    inert("--enable-prompt-adapter", False, None, REMOVED),
-    inert("--prompt-adapters", None, str, REMOVED, nargs="+"),
-    inert("--max-prompt-adapters", 1, int, REMOVED),
-    inert("--max-prompt-adapter-token", 0, int, REMOVED),
-    inert("--qlora-adapter-name-or-path", None, str, REMOVED),
-    inert("--device", "auto", str, "is chosen by the engine: CUDA when present, else the CPU"),
+    inert("--use-v2-block-manager", False, None, OLD_FEATURE),
+    inert("--enable-prompt-adapter", False, None, OLD_FEATURE),
+    inert("--prompt-adapters", None, str, OLD_FEATURE, nargs="+"),
+    inert("--max-prompt-adapters", 1, int, OLD_FEATURE),
+    inert("--max-prompt-adapter-token", 0, int, OLD_FEATURE),
+    inert("--qlora-adapter-name-or-path", None, str, OLD_FEATURE),
+    refused("--device", "auto", str,
+            "picks the device the engine runs on; this build runs it on the CPU only (auto "
+            "and cpu both mean the CPU)", accepted=("cpu",)),
 )  # fmt: skip
 
 FLAGS: tuple[Flag, ...] = (

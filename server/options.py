@@ -5,13 +5,15 @@ the command line over it, vLLM's defaults under both; dotted JSON flags
 (``--hf-overrides.rope_theta 1e6``) merged into their object. ``check_states`` stops on a refused
 flag set to a value it cannot take; ``build_configs`` fills the typed configurations from the
 flags that work; ``warn_about_inert_flags`` says which flags did nothing. Bad values end the
-program with one line naming the flag (exit status 2), never a traceback.
+program with one line naming the flag (exit status 2), never a traceback; an unknown flag or
+``--config`` key is named with the closest known one. ``--help`` is ``serve_help``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -22,8 +24,9 @@ from typing import Any, NoReturn
 import yaml
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
-from llmrpc.server.flags import Flag, MergeJsonAction, State, json_value
+from llmrpc.server.flags import Flag, State, json_value
 from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig, RestConfig, TLSConfig
 
 FLAGS_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
@@ -32,67 +35,73 @@ _JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
 _ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 _FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig, "rest": RestConfig}
 SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
-_EPILOG = (
-    "Flags take vLLM's names, defaults and syntax. A flag marked [refused] stops start-up if set "
-    "to anything but its default; one marked [inert] is accepted and has no effect (a warning "
-    "says so); every other flag works. (llmrpc) marks our own flags."
-)
+# How alike a mistyped flag and a known one must be (difflib's ratio) for a suggestion.
+SUGGESTION_CUTOFF = 0.8
+# What a --config file's keys name: the long flags (booleans take true or false there).
+_CONFIG_KEYS = [flag.name for flag in FLAGS if flag.name != "--config"]
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad value in one line (no usage dump) and exits with status 2, like argparse."""
+    """Reports a bad value in one line (no usage dump) and exits with status 2, like argparse;
+    an unknown flag is named with the closest known one."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            known = [name for action in self._actions for name in action.option_strings]
+            self.error(unrecognized(unknown, known))
+        return namespace
+
+
+def closest(name: str, known: list[str]) -> str | None:
+    """The known name ``name`` most likely misspells, if one is close."""
+    matches = difflib.get_close_matches(name, known, n=1, cutoff=SUGGESTION_CUTOFF)
+    return matches[0] if matches else None
+
+
+def unrecognized(tokens: list[str], known: list[str]) -> str:
+    """``unrecognized argument --max-model-lenn; did you mean --max-model-len?``"""
+    described = []
+    for token in tokens:
+        name = token.partition("=")[0] if token.startswith("-") else token
+        match = closest(name, known) if token.startswith("-") else None
+        described.append((name, match))
+    if len(described) == 1:
+        name, match = described[0]
+        return f"unrecognized argument {name}" + (f"; did you mean {match}?" if match else "")
+    listed = ", ".join(
+        name + (f" (did you mean {match}?)" if match else "") for name, match in described
+    )
+    return f"unrecognized arguments: {listed}"
 
 
 # --- the parser ------------------------------------------------------------------------------
 
 
-def _help(flag: Flag) -> str:
-    default = "" if flag.default in (None, (), [], {}, "") else f" (default: {flag.default})"
-    if flag.state is State.REFUSED:
-        return (
-            f"[refused] This flag {flag.help}; start-up stops unless it keeps its default{default}."
-        )
-    if flag.state is State.INERT:
-        return f"[inert] No effect: this flag {flag.help}."
-    return f"{'(llmrpc) ' if flag.ours else ''}{flag.help}{default}"
-
-
-def _argument_options(flag: Flag) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "dest": flag.dest,
-        "default": argparse.SUPPRESS,  # absent from the namespace unless given: "set by the user"
-        "help": _help(flag),
-    }
-    if flag.is_bool:
-        options["action"] = argparse.BooleanOptionalAction
-        return options
-    options["type"] = flag.parse
-    if flag.is_json:
-        options["action"] = MergeJsonAction
-    for key in ("choices", "nargs", "const", "metavar"):
-        if getattr(flag, key) is not None:
-            options[key] = getattr(flag, key)
-    return options
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = "%(prog)s [MODEL] [flags]"
-    parser.epilog = _EPILOG
+    help_options = {"action": serve_help.ServeHelpAction, "help": serve_help.HELP_HELP}
+    if parser.add_help:  # argparse's own -h/--help is there: ours takes its option strings
+        parser._optionals.conflict_handler = "resolve"
+        parser.add_argument("-h", "--help", **help_options)
+        parser._optionals.conflict_handler = parser.conflict_handler
+    else:
+        parser.add_argument("-h", "--help", **help_options)
     parser.add_argument(
         "model_tag",
         nargs="?",
         default=argparse.SUPPRESS,
         metavar="MODEL",
-        help="Model to serve, the same as --model.",
+        help=serve_help.MODEL_HELP,
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in FLAGS:
         if flag.group not in groups:
             groups[flag.group] = parser.add_argument_group(flag.group)
-        groups[flag.group].add_argument(*flag.names, **_argument_options(flag))
+        groups[flag.group].add_argument(*flag.names, **serve_help.argument_options(flag))
 
 
 # --- argument lists: dotted JSON keys and --config files -------------------------------------
@@ -123,7 +132,9 @@ def _config_tokens(key: str, value: Any, source: str) -> list[str]:
     name = "--" + str(key).replace("_", "-")
     flag = FLAGS_BY_NAME.get(name)
     if flag is None or name == "--config":
-        raise ValueError(f"--config {source}: {key!r} is not a serve flag")
+        match = closest(name, _CONFIG_KEYS)
+        hint = f"; did you mean {match.removeprefix('--')!r}?" if match else ""
+        raise ValueError(f"--config {source}: {key!r} is not a serve flag{hint}")
     if flag.is_bool:
         return [name if value else "--no-" + name[2:]]
     if value is None:
@@ -189,9 +200,10 @@ def check_states(serve: ServeValues) -> None:
     for flag in FLAGS:
         value = serve.values[flag.dest]
         if flag.state is State.REFUSED and not flag.honours(value):
+            others = "".join(f" or use {_shown(accepted)}" for accepted in flag.accepted)
             raise ValueError(
                 f"{flag.name} {_shown(value)} is refused: this flag {flag.help}; leave it at "
-                f"its default ({_shown(flag.default)})"
+                f"its default ({_shown(flag.default)}){others}"
             )
 
 

@@ -1,6 +1,7 @@
-"""The flag table against SERVE_OPTIONS.md: every flag there is accepted and in one state;
-refused flags refuse, inert flags warn, working flags land in a configuration field; vLLM's
-value syntax (--config YAML, dotted JSON keys, -O3, --no- booleans)."""
+"""The flag table against vllm serve's flags (vllm_serve_flags.txt): every flag there is accepted
+and in one state, with vLLM's aliases and defaults; refused flags refuse, inert flags warn,
+working flags land in a configuration field; vLLM's value syntax (--config YAML, dotted JSON
+keys, -O3, --no- booleans); a mistyped flag names the closest one."""
 
 from __future__ import annotations
 
@@ -9,47 +10,78 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from llmrpc import cli
 from llmrpc.server import options
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, human_readable_int, json_value
 
-SERVE_OPTIONS = Path(__file__).resolve().parents[3] / "shared" / "SERVE_OPTIONS.md"
-# Syntax examples in the document, and argparse's own --help: not rows of the table.
-PLACEHOLDERS = {"--flag", "--no-flag", "--help"}
-_, SERVE_PARSER = cli.build_parser()
+VLLM_FLAGS = Path(__file__).with_name("vllm_serve_flags.txt")
+SERVE_PARSER = options.OneLineErrorParser(prog="llmrpc serve")
+options.add_serve_arguments(SERVE_PARSER)
 
 
 def parse(*argv: str) -> options.ServeValues:
     return options.parse_serve_values(SERVE_PARSER, list(argv))
 
 
-def _expand_braces(token: str) -> list[str]:
-    match = re.search(r"\{([^}]*)\}", token)
-    if match is None:
-        return [token]
-    head, tail = token[: match.start()], token[match.end() :]
-    parts = match.group(1).split(",")
-    return [name for part in parts for name in _expand_braces(head + part + tail)]
+def serve_error(capsys, *argv: str) -> str:
+    """The one line ``llmrpc serve ARGV`` ends with (exit status 2) before serving."""
+    with pytest.raises(SystemExit) as exit_info:
+        options.configs_or_exit(SERVE_PARSER, parse(*argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llmrpc serve: error: "), err
+    return err.removeprefix("llmrpc serve: error: ").removesuffix("\n")
 
 
-def documented_flags() -> set[str]:
-    """Every flag name in SERVE_OPTIONS.md's backticks, braces expanded, dotted keys dropped."""
-    names = set()
-    for quoted in re.findall(r"`([^`]+)`", SERVE_OPTIONS.read_text()):
-        word = quoted.split()[0]
-        if not word.startswith("-") or word in PLACEHOLDERS:
+class VllmFlag(NamedTuple):
+    names: tuple[str, ...]  # the name, then its aliases
+    default: object = None
+    has_default: bool = False  # the reference states the default
+
+
+def vllm_flags() -> list[VllmFlag]:
+    """The rows of vllm_serve_flags.txt: ``NAME [ALIAS...] [= JSON default]``."""
+    rows = []
+    for line in VLLM_FLAGS.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
             continue
-        for name in _expand_braces(word):
-            names.add(re.sub(r"^(-O)\d+$", r"\1", name.split(".")[0]))
-    return names
+        names, has_default, default = line.partition(" = ")
+        rows.append(
+            VllmFlag(tuple(names.split()), json.loads(default or "null"), bool(has_default))
+        )
+    return rows
 
 
-def test_the_document_lists_many_flags():
-    names = documented_flags()
+def _unset(value) -> bool:
+    return value is None or value == ()  # () is "none given" of a flag taking several values
+
+
+def disagreements(row: VllmFlag, flags_by_name: dict[str, Flag]) -> list[str]:
+    """How the flag table departs from one vLLM flag: missing names, aliases, a wrong default."""
+    name, *aliases = row.names
+    if name.endswith("-*"):  # a family, e.g. --eplb-*
+        family = name.removesuffix("*")
+        return [] if any(n.startswith(family) for n in flags_by_name) else [f"no {name} flag"]
+    if name.startswith("--no-") and name not in flags_by_name:
+        flag = flags_by_name.get("--" + name.removeprefix("--no-"))
+        return [] if flag is not None and flag.is_bool else [f"{name}: no boolean to negate"]
+    flag = flags_by_name.get(name)
+    if flag is None:
+        return [f"{name} is missing"]
+    found = [f"{name}: alias {alias} is missing" for alias in aliases if alias not in flag.names]
+    if row.has_default and not (
+        flag.default == row.default or _unset(flag.default) and _unset(row.default)
+    ):
+        found.append(f"{name}: default {flag.default!r}, vLLM's is {row.default!r}")
+    return found
+
+
+def test_the_reference_lists_many_flags():
+    names = {name for row in vllm_flags() for name in row.names}
     assert len(names) > 180
     assert {
         "--hf-overrides",
@@ -57,19 +89,30 @@ def test_the_document_lists_many_flags():
         "--data-parallel-rpc-port",
         "--no-enable-prefix-caching",
     } <= names
+    assert sum(row.has_default for row in vllm_flags()) > 40
 
 
-@pytest.mark.parametrize("name", sorted(documented_flags()))
-def test_every_documented_flag_is_in_the_table_with_a_state(name):
-    if name.endswith("-*"):  # a family, e.g. --eplb-*
-        assert any(flag.name.startswith(name[:-1]) for flag in FLAGS), name
-        return
-    if name.startswith("--no-") and name not in options.FLAGS_BY_NAME:
-        flag = options.FLAGS_BY_NAME["--" + name.removeprefix("--no-")]
-        assert flag.is_bool, f"{name}: only booleans have a --no- form"
-        return
-    assert name in options.FLAGS_BY_NAME, f"{name} is missing from the flag table"
-    assert isinstance(options.FLAGS_BY_NAME[name].state, State)
+@pytest.mark.parametrize("row", vllm_flags(), ids=lambda row: row.names[0])
+def test_every_vllm_flag_is_in_the_table_with_its_aliases_and_default(row):
+    assert disagreements(row, options.FLAGS_BY_NAME) == []
+    if row.names[0] in options.FLAGS_BY_NAME:
+        assert isinstance(options.FLAGS_BY_NAME[row.names[0]].state, State)
+
+
+def test_the_comparison_catches_a_missing_flag_alias_or_wrong_default():
+    table = dict(options.FLAGS_BY_NAME)
+    port = VllmFlag(("--port",), 8000, True)
+    assert disagreements(port, table) == []
+    assert disagreements(VllmFlag(("--port",), 8080, True), table) == [
+        "--port: default 8000, vLLM's is 8080"
+    ]
+    assert disagreements(VllmFlag(("--compilation-config", "-C")), table) == [
+        "--compilation-config: alias -C is missing"
+    ]
+    del table["--port"]
+    assert disagreements(port, table) == ["--port is missing"]
+    assert disagreements(VllmFlag(("--no-port",)), table) == ["--no-port: no boolean to negate"]
+    assert disagreements(VllmFlag(("--nothing-*",)), table) == ["no --nothing-* flag"]
 
 
 def test_each_flag_is_in_the_table_once():
@@ -125,13 +168,29 @@ def _default_argv(flag: Flag) -> list[str]:
 
 
 def test_refusal_is_one_line_naming_the_flag(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["serve", "-tp", "2"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (
-        "llmrpc serve: error: --tensor-parallel-size 2 is refused: this flag needs several "
-        "devices or processes; this build runs the engine on one device; leave it at its default "
-        "(1)\n"
+    assert serve_error(capsys, "-tp", "2") == (
+        "--tensor-parallel-size 2 is refused: this flag needs several devices or processes; "
+        "this build runs one engine, in one process; leave it at its default (1)"
+    )
+
+
+def test_refusal_names_the_other_values_that_are_fine(capsys):
+    assert serve_error(capsys, "--runner", "pooling").endswith(
+        "leave it at its default (auto) or use generate"
+    )
+
+
+def test_the_engine_runs_on_the_cpu_so_device_takes_only_auto_and_cpu(capsys, caplog):
+    for device in ("auto", "cpu"):
+        serve = parse("--device", device)
+        options.build_configs(serve)
+        with caplog.at_level(logging.WARNING):
+            options.warn_about_inert_flags(serve, logging.getLogger("test"))
+        assert not caplog.records
+    assert serve_error(capsys, "--device", "cuda") == (
+        "--device cuda is refused: this flag picks the device the engine runs on; this build "
+        "runs it on the CPU only (auto and cpu both mean the CPU); leave it at its default "
+        "(auto) or use cpu"
     )
 
 
@@ -159,16 +218,36 @@ def test_working_flag_targets_a_configuration_field(flag):
     assert name in fields
 
 
-def test_help_shows_every_flag_and_its_state(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["serve", "--help"])
-    help_text = capsys.readouterr().out
-    for flag in FLAGS:
-        assert re.search(rf"^\s+{re.escape(flag.name)}\b", help_text, re.MULTILINE), flag.name
-    # Each tag once per flag in its state, and once more where the epilog explains it.
-    assert help_text.count("[refused]") == len(REFUSED) + 1
-    assert help_text.count("[inert]") == len(INERT) + 1
-    assert help_text.count("(llmrpc)") == sum(flag.ours for flag in FLAGS) + 1
+# --- mistyped flags --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max-model-lenn", "4k"],
+            "unrecognized argument --max-model-lenn; did you mean --max-model-len?",
+        ),
+        (
+            ["--max-model-lenn=4k"],
+            "unrecognized argument --max-model-lenn; did you mean --max-model-len?",
+        ),
+        (
+            ["some/model", "--no-enable-prefix-cachng"],
+            "unrecognized argument --no-enable-prefix-cachng; did you mean "
+            "--no-enable-prefix-caching?",
+        ),
+        (["-tpp", "2"], "unrecognized argument -tpp; did you mean -tp?"),
+        (["one/model", "another/model"], "unrecognized argument another/model"),
+        (["--frobnicate"], "unrecognized argument --frobnicate"),
+        (
+            ["--verbose", "--prot", "80"],
+            "unrecognized arguments: --verbose, --prot (did you mean --port?)",
+        ),
+    ],
+)
+def test_an_unknown_flag_is_one_line_naming_the_closest_known_one(capsys, argv, message):
+    assert serve_error(capsys, *argv) == message
 
 
 # --- value syntax ----------------------------------------------------------------------------
@@ -222,7 +301,11 @@ def test_config_file_gives_flags_and_the_command_line_wins(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("no-such-flag: 1\n", "'no-such-flag' is not a serve flag"),
+        ("no-such-flag: 1\n", "'no-such-flag' is not a serve flag\n"),
+        (
+            "max_model_lenn: 4k\n",
+            "'max_model_lenn' is not a serve flag; did you mean 'max-model-len'?\n",
+        ),
         ("- a list\n", "expected a mapping"),
         ("tensor-parallel-size: 2\n", "--tensor-parallel-size 2 is refused"),
     ],
@@ -230,11 +313,7 @@ def test_config_file_gives_flags_and_the_command_line_wins(tmp_path):
 def test_bad_config_file_is_one_line(tmp_path, capsys, content, message):
     config = tmp_path / "serve.yaml"
     config.write_text(content)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["serve", "--config", str(config)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    assert message.rstrip("\n") in serve_error(capsys, "--config", str(config)) + "\n"
 
 
 def test_engine_flags_reach_the_engine_config():

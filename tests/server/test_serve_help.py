@@ -1,0 +1,130 @@
+"""``llmrpc serve --help``: the flags that work by group, refused and inert flags in brief at the
+end; ``--help=all``, ``--help=GROUP``, ``--help=WORD``, ``--help=listgroup`` as vLLM's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmrpc.server import options, serve_help
+from llmrpc.server.flag_table import FLAGS
+from llmrpc.server.flags import State
+
+WORKS = [flag for flag in FLAGS if flag.state is State.WORKS]
+NOT_WORKING = [flag for flag in FLAGS if flag.state is not State.WORKS]
+LLMRPC = Path(sys.executable).with_name("llmrpc")  # the installed console script
+
+
+@pytest.fixture(autouse=True)
+def _fixed_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+
+
+def serve_help_text(capsys, *argv: str) -> str:
+    parser = options.OneLineErrorParser(prog="llmrpc serve")
+    options.add_serve_arguments(parser)
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_serve_values(parser, list(argv))
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def option_lines(text: str) -> list[str]:
+    """The first name on each flag line of an argparse listing (--help's own line left out)."""
+    return [name for name in re.findall(r"^  (-[\w-]+)", text, re.MULTILINE) if name != "-h"]
+
+
+def named(flag_name: str, text: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag_name)}(?![\w-])", text) is not None
+
+
+def test_plain_help_lists_the_working_flags_then_the_others_in_brief(capsys):
+    text = serve_help_text(capsys, "--help")
+    listing, _, brief = text.partition("\nRefused flags:")
+    assert brief, "no brief section of refused flags"
+    assert option_lines(listing) == [flag.name for flag in WORKS]
+    assert "[refused]" not in text and "[inert]" not in text
+    _, _, inert = brief.partition("\nInert flags:")
+    assert inert, "no brief section of inert flags"
+    for flag in NOT_WORKING:
+        assert named(flag.name, inert if flag.state is State.INERT else brief), flag.name
+    one_line = " ".join(brief.split())
+    for reason in {flag.help for flag in NOT_WORKING}:  # each reason once, before its flags
+        assert one_line.count(f": {reason}.") == 1, reason
+
+
+def test_plain_help_is_well_below_the_full_listing(capsys):
+    plain = serve_help_text(capsys, "--help").count("\n")
+    full = serve_help_text(capsys, "--help=all").count("\n")
+    assert plain < 0.6 * full
+    assert serve_help_text(capsys, "-h") == serve_help_text(capsys, "--help")
+
+
+def test_help_all_shows_every_flag_in_full_with_its_state(capsys):
+    text = serve_help_text(capsys, "--help=all")
+    assert option_lines(text) == [flag.name for flag in FLAGS]
+    # Each tag once per flag in its state, and once more where the closing lines explain it.
+    assert text.count("[refused]") == sum(flag.state is State.REFUSED for flag in FLAGS) + 1
+    assert text.count("[inert]") == sum(flag.state is State.INERT for flag in FLAGS) + 1
+    assert text.count("(llmrpc)") == sum(flag.ours for flag in FLAGS) + 1
+    assert serve_help_text(capsys, "--help", "all") == text
+
+
+@pytest.mark.parametrize("topic", ["model", "ModelConfig", "modelconfig"])
+def test_help_group_shows_that_group_by_our_name_or_vllms(capsys, topic):
+    text = serve_help_text(capsys, f"--help={topic}")
+    assert option_lines(text) == [flag.name for flag in FLAGS if flag.group == "model"]
+
+
+def test_help_word_shows_the_flag_it_names_else_those_whose_names_contain_it(capsys):
+    text = serve_help_text(capsys, "--help=max-num")
+    expected = [flag.name for flag in FLAGS if any("max-num" in name for name in flag.names)]
+    assert option_lines(text) == expected and len(expected) > 2
+    for topic in ("max-num-seqs", "--max-num-seqs", "MAX-NUM-SEQS"):
+        assert option_lines(serve_help_text(capsys, f"--help={topic}")) == ["--max-num-seqs"]
+    assert option_lines(serve_help_text(capsys, "--help=-tp")) == ["--tensor-parallel-size"]
+
+
+def test_help_listgroup_names_every_group(capsys):
+    text = serve_help_text(capsys, "--help=listgroup")
+    for heading, names in serve_help.GROUP_TOPICS.items():
+        assert heading in text and names[0] in text
+
+
+def test_every_group_has_a_help_topic():
+    assert {flag.group for flag in FLAGS} == set(serve_help.GROUP_TOPICS)
+
+
+def test_an_unknown_topic_is_one_line(capsys):
+    parser = options.OneLineErrorParser(prog="llmrpc serve")
+    options.add_serve_arguments(parser)
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_serve_values(parser, ["--help=zzzz"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "llmrpc serve: error: --help=zzzz: no group or flag name matches; --help=listgroup "
+        "lists the groups\n"
+    )
+
+
+def run_llmrpc(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(LLMRPC), *argv], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_the_installed_command_prints_help_and_names_a_mistyped_flag():
+    shown = run_llmrpc("serve", "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: llmrpc serve [MODEL] [flags]")
+    assert "\nRefused flags:" in shown.stdout and "\nInert flags:" in shown.stdout
+    mistyped = run_llmrpc("serve", "--max-model-lenn", "4k")
+    assert mistyped.returncode == 2
+    assert mistyped.stderr == (
+        "llmrpc serve: error: unrecognized argument --max-model-lenn; did you mean "
+        "--max-model-len?\n"
+    )
