@@ -264,7 +264,8 @@ _MODEL = _group(
           "in arrival order) and the random weights of --load-format dummy."),
     works("--max-model-len", None, human_readable_int, "model.max_model_len",
           "Context window in tokens (prompt plus output); takes 1k/1K/25.6k/2m: lower case "
-          "is powers of 1000, upper case powers of 1024. Default: the model's own."),
+          "is powers of 1000, upper case powers of 1024. Default: the model's own (its "
+          "attention window, if shorter)."),
     refused(("--quantization", "-q"), None, str, QUANTIZATION),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),
@@ -296,8 +297,9 @@ _MODEL = _group(
     works("--enable-sleep-mode", False, None, "model.enable_sleep_mode",
           "Allow AdminService Sleep and WakeUp (free the KV cache, and the weights at level 2)."),
     works("--model-impl", "auto", str, "model.model_impl",
-          "vllm: our native models; transformers: any Transformers causal LM on our KV "
-          "cache; auto: native when there is one.",
+          "vllm: our native models; transformers: Transformers' own causal LM on our KV "
+          "cache (one whose attention goes through Transformers' attention interface); auto: "
+          "native when there is one.",
           choices=("auto", "vllm", "transformers")),
     refused("--runner", "auto", str, POOLING, accepted=("generate",),
             choices=("auto", "generate", "pooling", "draft")),
@@ -318,7 +320,9 @@ _MODEL = _group(
 _LOADING = _group(
     "loading",
     works("--load-format", "auto", str, "model.load_format",
-          "How to read the weights; dummy = random weights, for tests and benchmarks.",
+          "dummy: random weights, for tests and benchmarks; auto, safetensors and gguf all "
+          "read what --model names (a folder's safetensors files, or a .gguf file converted "
+          "once).",
           choices=LOAD_FORMATS),
     inert("--download-dir", None, str, "has nothing to download: models are local"),
     refused("--model-loader-extra-config", {}, json_object, NOT_SUPPORTED),
