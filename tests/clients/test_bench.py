@@ -164,6 +164,12 @@ def test_throughput_against_the_transformers_baseline(tiny_llama_dir, tmp_path):
     assert results["config"]["dtype"] == "float32"
 
 
+def test_throughput_usage_errors_are_one_line():
+    result = bench("throughput", "--num-prompts", "many")
+    assert result.returncode == common.EXIT_USAGE
+    assert result.stderr.count("\n") == 1 and "--num-prompts" in result.stderr
+
+
 def test_summary_of_known_measurements():
     ok = RequestResult(
         success=True, prompt_len=4, output_len=11, ttft=0.1, itl=[0.1] * 10, latency=1.1

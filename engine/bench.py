@@ -1,32 +1,64 @@
-"""Offline throughput of the engine in this process, no server: every prompt is queued at once
-and the engine steps until all are done (continuous batching under its token budget).
-
-With ``--baseline transformers`` the same prompts also run through Transformers' static-batch
-``generate`` on the same weights and dtype, in the same process, and the ratio of output-token
-throughputs is printed. Prompts are random token ids of exactly --input-len tokens and outputs
-exactly --output-len tokens (EOS ignored; ``min_new_tokens`` for Transformers), greedy on both
-sides, so both do the same work.
-
-Each side first runs the same batch shape untimed, on other prompts and a few output tokens:
-PyTorch's CPU kernels pay a large one-time cost for each new shape, which is not throughput.
-With ``--repeats N`` the sides take turns N times and each keeps its fastest run, so a burst of
-load from other processes on a shared machine skews the ratio less. The engine's prefix cache
-is reset before each run: a repeat must not find its prompts cached.
-
-This module imports torch, the engine and Transformers lazily, inside its functions, so that
-``llmrpc bench`` parses its arguments (and ``bench serve`` runs) without them.
+"""``llmrpc bench throughput``: the engine's offline throughput in this process, optionally
+against Transformers (``DESCRIPTION`` says how it measures). ``llmrpc bench``, in the clients,
+which never import the engine, hands this mode to ``main`` by module name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import sys
 import time
 from pathlib import Path
 
-from llmrpc.clients.bench.datasets import random_requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.core import EngineCore
+from llmrpc.engine.request import SamplingParams
 
 _WARMUP_OUTPUT_LEN = 4
+
+DESCRIPTION = """\
+Offline throughput of the engine in this process, no server: every prompt is queued at once
+and the engine steps until all are done (continuous batching under its token budget).
+
+With --baseline transformers the same prompts also run through Transformers' static-batch
+generate() on the same weights and dtype, in the same process, and the ratio of output-token
+throughputs is printed. Prompts are random token ids of exactly --input-len tokens and outputs
+exactly --output-len tokens (EOS ignored; min_new_tokens for Transformers), greedy on both
+sides, so both do the same work.
+
+Each side first runs the same batch shape untimed, on other prompts and a few output tokens:
+PyTorch's CPU kernels pay a large one-time cost for each new shape, which is not throughput.
+With --repeats N the sides take turns N times and each keeps its fastest run, so a burst of
+load from other processes on a shared machine skews the ratio less. The engine's prefix cache
+is reset before each run: a repeat must not find its prompts cached.
+"""
+# Random prompts leave out the first token ids, where tokenizers keep their special tokens (as
+# ``llmrpc bench serve``'s random prompts do).
+_FIRST_ORDINARY_TOKEN = 100
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2), as the other ``llmrpc`` verbs print them."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="llmrpc bench throughput",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +89,6 @@ class EngineSide:
     name = "engine"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-        from llmrpc.engine.core import EngineCore
-
         self.core = EngineCore(
             EngineConfig(
                 model=ModelConfig(model=args.model, dtype=args.dtype),
@@ -74,8 +103,6 @@ class EngineSide:
 
     def run(self, prompts: list[list[int]], output_len: int) -> int:
         """Queue every prompt, step until all finish; the number of output tokens."""
-        from llmrpc.engine.request import SamplingParams
-
         self.core.reset_prefix_cache()
         self._num_runs += 1
         for index, prompt in enumerate(prompts):
@@ -93,8 +120,6 @@ class TransformersSide:
     name = "transformers"
 
     def __init__(self, model_dir: Path, dtype, batch_size: int | None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.batch_size = batch_size
 
@@ -105,8 +130,6 @@ class TransformersSide:
         )
 
     def _generate(self, batch: list[list[int]], num_tokens: int) -> int:
-        import torch
-
         input_ids = torch.tensor(batch)  # [batch, input_len]: equal lengths, no padding
         with torch.inference_mode():
             output = self.model.generate(
@@ -120,9 +143,15 @@ class TransformersSide:
         return (output.shape[1] - input_ids.shape[1]) * input_ids.shape[0]
 
 
-def _prompts(args: argparse.Namespace, vocab_size: int, seed: int) -> list[list[int]]:
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, seed)
-    return [request.prompt for request in requests]
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num_prompts`` prompts of exactly ``input_len`` random ordinary token ids."""
+    if vocab_size <= _FIRST_ORDINARY_TOKEN:
+        raise ValueError(f"vocabulary of {vocab_size} tokens is too small for random prompts")
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(input_len)]
+        for _ in range(num_prompts)
+    ]
 
 
 def _figures(num_requests: int, input_tokens: int, output_tokens: int, elapsed: float) -> dict:
@@ -179,7 +208,19 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
+        print(f"llmrpc: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def run(args: argparse.Namespace) -> int:
     engine = EngineSide(args)
     core = engine.core
     sides = [engine]
@@ -187,7 +228,8 @@ def main(args: argparse.Namespace) -> int:
         sides.append(TransformersSide(core.model_dir, core.dtype, args.baseline_batch_size))
     vocab_size = core.hf_config.vocab_size
     prompts, warmup_prompts = (
-        _prompts(args, vocab_size, seed) for seed in (args.seed, args.seed + 1)
+        random_prompts(args.num_prompts, args.input_len, vocab_size, seed)
+        for seed in (args.seed, args.seed + 1)
     )
     results = measure(sides, prompts, warmup_prompts, args.output_len, args.repeats)
     if "transformers" in results:
@@ -196,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
         )
         results["ratio"] = ratio
     results["config"] = {
-        **{k: v for k, v in vars(args).items() if k not in ("output_json", "mode")},
+        **{k: v for k, v in vars(args).items() if k != "output_json"},
         "dtype": str(core.dtype).removeprefix("torch."),
         "model_dir": str(core.model_dir),
     }
