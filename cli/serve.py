@@ -35,9 +35,8 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
     except (BindError, RestBindError) as error:
         logger.error("%s", error)
         return 1
-    except ValueError as error:  # a flag value found wrong while starting (TLS files...)
-        logger.error("%s", error)
-        return 2
+    except ValueError as error:  # a flag value found wrong before any port was bound
+        serve_parser.error(str(error))
 
 
 async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:

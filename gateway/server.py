@@ -18,6 +18,7 @@ import ssl
 
 import uvicorn
 
+from llmrpc.common.tls_files import check_tls_files
 from llmrpc.gateway.settings import HttpSettings
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 def uvicorn_config(app, http: HttpSettings) -> uvicorn.Config:
+    """uvicorn's configuration, its TLS context loaded; ValueError naming the flag for a TLS
+    file that is wrong."""
+    if http.tls:
+        check_tls_files(http.ssl_keyfile, http.ssl_certfile, http.ssl_ca_certs)
     config = uvicorn.Config(
         app,
         root_path=http.root_path or "",
@@ -51,10 +56,7 @@ def uvicorn_config(app, http: HttpSettings) -> uvicorn.Config:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    try:
-        config.load()
-    except (OSError, ssl.SSLError) as error:
-        raise ValueError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: {error}") from None
+    config.load()
     return config
 
 

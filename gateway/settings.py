@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.common.tls_files import check_tls_flags
+
 CONTENT_FORMATS = ("auto", "string", "openai")
 # The gRPC servers' default receive limit (--grpc-max-receive-message-size): a larger body
 # could not reach them anyway.
@@ -59,14 +61,13 @@ class HttpSettings:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be a port number in [0, 65535], got {self.port}")
-        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
-            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
-        if self.ssl_cert_reqs not in (0, 1, 2):
-            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
-        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
-            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs")
-        if self.enable_ssl_refresh and self.ssl_certfile is None:
-            raise ValueError("--enable-ssl-refresh needs --ssl-certfile and --ssl-keyfile")
+        check_tls_flags(
+            self.ssl_keyfile,
+            self.ssl_certfile,
+            self.ssl_ca_certs,
+            self.ssl_cert_reqs,
+            self.enable_ssl_refresh,
+        )
         for flag, value in (
             ("--h11-max-incomplete-event-size", self.h11_max_incomplete_event_size),
             ("--h11-max-header-count", self.h11_max_header_count),

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.common.tls_files import check_tls_flags
+
 DEFAULT_GRPC_PORT = 50051
 MIB = 1024 * 1024
-CERT_REQS = (0, 1, 2)  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED, as vLLM numbers them
 
 
 def _check_port(flag: str, value: int | None) -> None:
@@ -39,23 +40,7 @@ class TLSConfig:
         return self.certfile is not None
 
     def __post_init__(self) -> None:
-        if (self.keyfile is None) != (self.certfile is None):
-            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
-        if self.cert_reqs not in CERT_REQS:
-            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.cert_reqs}")
-        if not self.enabled:
-            for flag, value in (
-                ("--ssl-ca-certs", self.ca_certs),
-                ("--ssl-cert-reqs", self.cert_reqs),
-                ("--enable-ssl-refresh", self.refresh),
-            ):
-                if value:
-                    raise ValueError(f"{flag} needs TLS: give --ssl-certfile and --ssl-keyfile")
-        if self.cert_reqs and self.ca_certs is None:
-            raise ValueError(
-                f"--ssl-cert-reqs {self.cert_reqs} needs --ssl-ca-certs to verify client "
-                "certificates with"
-            )
+        check_tls_flags(self.keyfile, self.certfile, self.ca_certs, self.cert_reqs, self.refresh)
 
 
 @dataclass(frozen=True)

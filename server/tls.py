@@ -1,8 +1,8 @@
 """TLS for the gRPC listener: ``--ssl-*`` flags to server credentials, with certificate refresh.
 
-Files are checked with the standard ``ssl`` module at start-up (key matches certificate, CA file
-parses), so a mistake stops the server with a line naming the flag instead of failing every
-handshake later. With ``--enable-ssl-refresh`` gRPC asks, at each new connection's handshake,
+Files are checked at start-up by ``llmrpc.common.tls_files`` (the REST gateway's check too), so
+a mistake stops the server with a line naming the flag instead of failing every handshake
+later. With ``--enable-ssl-refresh`` gRPC asks, at each new connection's handshake,
 for a newer certificate configuration; the files are re-read only when one of them changed.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 
 import grpc
 
+from llmrpc.common.tls_files import check_tls_files
 from llmrpc.server.settings import TLSConfig
 
 logger = logging.getLogger(__name__)
@@ -37,26 +37,10 @@ class CertificateFiles:
         except OSError:  # mid-replacement: a file is missing for a moment
             return None
 
-    def _check(self) -> None:
+    def load(self) -> grpc.ServerCertificateConfiguration:
         """ValueError naming the flag if a file is missing, unparsable, or key and cert differ."""
         tls = self.tls
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            context.load_cert_chain(tls.certfile, tls.keyfile)
-        except (OSError, ssl.SSLError) as error:
-            raise ValueError(
-                f"--ssl-certfile {tls.certfile} / --ssl-keyfile {tls.keyfile}: not a certificate "
-                f"and its private key in PEM: {error}"
-            ) from None
-        if tls.ca_certs:
-            try:
-                context.load_verify_locations(cafile=tls.ca_certs)
-            except (OSError, ssl.SSLError) as error:
-                raise ValueError(f"--ssl-ca-certs {tls.ca_certs}: {error}") from None
-
-    def load(self) -> grpc.ServerCertificateConfiguration:
-        self._check()
-        tls = self.tls
+        check_tls_files(tls.keyfile, tls.certfile, tls.ca_certs)
         with open(tls.keyfile, "rb") as key, open(tls.certfile, "rb") as cert:
             pair = (key.read(), cert.read())
         root = None
