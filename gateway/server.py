@@ -66,8 +66,20 @@ def bind_socket(http: HttpSettings) -> socket.socket:
             return _bind_unix(http.uds)
         return _bind_tcp(http.host, http.port)
     except OSError as error:
-        where = f"--uds {http.uds}" if http.uds else f"--host {http.host} --port {http.port}"
-        raise BindError(f"{where}: cannot listen there: {error}") from None
+        reason = error.strerror or str(error)
+        if http.uds:
+            raise BindError(f"--uds {http.uds}: cannot listen there: {reason}") from None
+        address = _shown_address(http.host, http.port)
+        raise BindError(f"--port {http.port}: cannot listen on {address}: {reason}") from None
+
+
+def _shown_address(host: str | None, port: int) -> str:
+    host = host or _all_addresses()
+    return f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _all_addresses() -> str:
+    return "::" if socket.has_ipv6 else "0.0.0.0"
 
 
 def _bind_unix(path: str) -> socket.socket:
@@ -81,7 +93,7 @@ def _bind_unix(path: str) -> socket.socket:
 
 def _bind_tcp(host: str | None, port: int) -> socket.socket:
     if not host:  # all addresses: IPv6 and IPv4 on one socket where the machine has IPv6
-        host = "::" if socket.has_ipv6 else "0.0.0.0"
+        host = _all_addresses()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -31,6 +31,7 @@ from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
 from llmrpc.server.loopback import HandlerRegistry, LoopbackChannel
 from llmrpc.server.options import effective_config
+from llmrpc.server.ports import check_can_listen
 from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
@@ -246,8 +247,12 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
 async def listen(running: RunningServer, frontend: FrontendConfig) -> None:
     """Bind ``running``'s ports and start it; health says NOT_SERVING for now.
 
-    Raises BindError naming the flag if a port cannot be bound.
+    Raises BindError naming the flag if a port cannot be bound (asked of the operating system
+    first, so gRPC core never reports the failure in its own words).
     """
+    check_can_listen("--grpc-port", frontend.host, frontend.grpc_port)
+    if frontend.health_port is not None:
+        check_can_listen("--health-port", frontend.host, frontend.health_port)
     port = _add_port(running, frontend)
     running.port = port
     running.state.effective_config["grpc_port"] = str(port)

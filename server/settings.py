@@ -157,6 +157,21 @@ class FrontendConfig:
         ):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more, got {value}")
+        self._check_ports_apart()
+
+    def _check_ports_apart(self) -> None:
+        """Two of our own listeners cannot share a port (0, the OS chooses, is never shared)."""
+        ports = {"--grpc-port": self.grpc_port, "--health-port": self.health_port}
+        if self.rest.enabled and self.rest.uds is None:
+            ports["--port"] = self.rest.port
+        seen: dict[int, str] = {}
+        for flag, port in ports.items():
+            if port and port in seen:
+                raise ValueError(
+                    f"{flag} {port} and {seen[port]} {port}: each listener needs a port of its own"
+                )
+            if port:
+                seen[port] = flag
 
 
 class BindError(RuntimeError):
