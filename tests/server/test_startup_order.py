@@ -42,8 +42,7 @@ def port_in_use(host: str = "127.0.0.1") -> Iterator[int]:
 
 def bad_values(model: Path, tmp_path: Path, port: int) -> dict[str, tuple[list[str], str]]:
     """name -> (serve arguments, the flag the error must name)."""
-    text_file = tmp_path / "weights.bin"
-    text_file.write_text("not a model")
+    text_file = tmp_path / "weights.bin"  # written by the test that uses it
     missing = tmp_path / "missing"
     tiny = [str(model)]
     return {
@@ -77,6 +76,7 @@ CASES = list(bad_values(Path("m"), Path("."), 1))
 @pytest.mark.parametrize("case", CASES)
 def test_a_bad_value_is_one_line_before_any_port_is_bound(case, tiny_llama_dir, tmp_path):
     # The gRPC port is taken: had serve bound before checking, it would fail on the port.
+    (tmp_path / "weights.bin").write_text("not a model")
     with port_in_use() as port:
         args, flag = bad_values(tiny_llama_dir, tmp_path, port)[case]
         done = run_serve(*args, "--host", "127.0.0.1", "--grpc-port", str(port))
