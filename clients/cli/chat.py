@@ -18,11 +18,20 @@ EXIT_COMMAND = "/exit"
 def build_parser() -> common.Parser:
     parser = common.Parser(
         prog="llmrpc chat",
-        description="Chat with the served model: one line per user turn, replies streamed. "
-        f"{RESET_COMMAND} forgets the history; {EXIT_COMMAND} or end of input quits.",
+        description=f"""\
+Chat with the served model: one line per user turn, replies streamed.
+{RESET_COMMAND} forgets the history; {EXIT_COMMAND} or end of input quits.
+
+Each reply runs until the model stops, bounded by the context window (--max-tokens N
+caps it); sampling follows the server's defaults unless flags set it, e.g.
+llmrpc chat --temperature 0.2 --top-p 0.9 --max-tokens 512""",
     )
     parser.add_argument("--system", help="System message that opens the conversation.")
-    common.add_sampling_arguments(parser)
+    common.add_sampling_arguments(
+        parser,
+        "Most tokens in each reply. Default: until the model stops, bounded by the context "
+        "window (what the conversation so far leaves of it).",
+    )
     common.add_connection_arguments(parser)
     return parser
 
@@ -52,6 +61,12 @@ def read_turns(interactive: bool):
 def reply(client, conversation: Conversation, user_text: str, params: dict) -> None:
     """Stream the answer to one user turn; the turn joins the history only once answered."""
     messages = [*conversation.messages, {"role": "user", "content": user_text}]
+    if "max_tokens" not in params:  # until the model stops: all the room the context leaves
+        tokens = client.tokenize(messages=messages)
+        params = {
+            **params,
+            "max_tokens": common.max_tokens_within_context(tokens.count, tokens.max_model_len),
+        }
     parts = []
     for delta in client.chat_stream(messages, **params):
         print(delta.text, end="", flush=True)

@@ -158,11 +158,21 @@ def _plain(value):
     return value
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags for ``GenerateParams``; unset flags leave the server's defaults in force."""
-    group = parser.add_argument_group("sampling and stopping (unset: the server's defaults)")
+SAMPLING_HELP = """\
+Sampling flags left unset take the server's defaults, which `llmrpc admin info`
+shows as default_sampling: an llmrpc server reads them from the model's
+generation_config.json and its --override-generation-config, else uses
+temperature 1.0 and top-p 1.0. Set them per call, e.g. --temperature 0.2
+--top-p 0.9 for steadier answers or --temperature 0 for greedy ones, and the
+length with --max-tokens N."""
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens_help: str) -> None:
+    """Flags for ``GenerateParams``; unset sampling flags leave the server's defaults in force,
+    and an unset --max-tokens is the verb's own default (``max_tokens_help`` says which)."""
+    group = parser.add_argument_group("sampling and stopping", SAMPLING_HELP)
     group.add_argument("--model", default="", help="Served model name (default: the server's).")
-    group.add_argument("--max-tokens", type=int, help="Most tokens to generate.")
+    group.add_argument("--max-tokens", type=int, help=max_tokens_help)
     group.add_argument("--temperature", type=float, help="0 is greedy.")
     group.add_argument("--top-p", type=float)
     group.add_argument("--top-k", type=int)
@@ -192,3 +202,15 @@ def sampling_params(args: argparse.Namespace) -> dict:
     belong to ``generate`` alone)."""
     values = {name: getattr(args, name, None) for name in _SAMPLING_FLAGS}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def max_tokens_within_context(
+    num_prompt_tokens: int, max_model_len: int, limit: int | None = None
+) -> int | None:
+    """The default length of an output: ``limit`` tokens (None: as many as fit), cut to the
+    room the context window leaves after the prompt. None, to leave the length to the server,
+    when the prompt leaves no room (the server then says the prompt is too long)."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        return None
+    return room if limit is None else min(limit, room)

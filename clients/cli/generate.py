@@ -6,11 +6,18 @@ import sys
 
 from llmrpc.clients.cli import common
 
+DEFAULT_MAX_TOKENS = 256
+
 
 def build_parser() -> common.Parser:
     parser = common.Parser(
         prog="llmrpc generate",
-        description="Generate text from a prompt and print it (the prompt itself is not printed).",
+        description=f"""\
+Generate text from a prompt and print it (the prompt itself is not printed).
+
+The output is at most {DEFAULT_MAX_TOKENS} tokens unless --max-tokens N says otherwise;
+sampling follows the server's defaults unless flags set it, e.g.
+llmrpc generate "Once upon a time" --temperature 0.8 --max-tokens 512""",
     )
     parser.add_argument("prompt", help='Prompt text; "-" reads it from stdin.')
     parser.add_argument("--stream", action="store_true", help="Print tokens as they arrive.")
@@ -30,7 +37,11 @@ def build_parser() -> common.Parser:
     parser.add_argument(
         "--logprobs", type=int, help="Logprobs of each token and N alternatives (with --json)."
     )
-    common.add_sampling_arguments(parser)
+    common.add_sampling_arguments(
+        parser,
+        f"Most tokens to generate. Default: {DEFAULT_MAX_TOKENS}, or fewer when the prompt "
+        "leaves less room in the context window.",
+    )
     common.add_connection_arguments(parser)
     return parser
 
@@ -44,6 +55,21 @@ def read_prompt(parser: common.Parser, text: str, token_ids: bool) -> str | list
         return [int(token) for token in text.replace(",", " ").split()]
     except ValueError:
         parser.error(f"--token-ids: {text!r} is not a list of integers")
+
+
+def with_default_length(client, prompt: str | list[int], params: dict) -> dict:
+    """``params`` with --max-tokens' default when it was not given."""
+    if "max_tokens" in params:
+        return params
+    if isinstance(prompt, list):
+        num_prompt_tokens, max_model_len = len(prompt), client.model_info().max_model_len
+    else:
+        tokens = client.tokenize(prompt)
+        num_prompt_tokens, max_model_len = tokens.count, tokens.max_model_len
+    max_tokens = common.max_tokens_within_context(
+        num_prompt_tokens, max_model_len, DEFAULT_MAX_TOKENS
+    )
+    return {**params, "max_tokens": max_tokens}
 
 
 def print_stream(deltas, as_json: bool) -> None:
@@ -63,10 +89,10 @@ def main(argv: list[str]) -> int:
     if args.stream and not args.json and (args.n or 1) > 1:
         parser.error("--stream with --n > 1 interleaves the samples: add --json")
     prompt = read_prompt(parser, args.prompt, args.token_ids)
-    params = common.sampling_params(args)
 
     def command() -> None:
         with common.client_from_args(args, args.model) as client:
+            params = with_default_length(client, prompt, common.sampling_params(args))
             if args.stream:
                 print_stream(client.stream(prompt, request_id=args.request_id, **params), args.json)
                 return

@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from client_utils import ServerThread, tiny_engine_config
 
 from llmrpc.clients import Client
 from llmrpc.clients.cli import common
@@ -33,6 +35,17 @@ def llmrpc(*args: str, stdin: str = "", env: dict | None = None) -> subprocess.C
 def client(server):
     with Client(server.address) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def greedy_server(tiny_llama_dir):
+    """A server whose generation config makes greedy decoding its default: a client that sends
+    no temperature gets the same tokens every time, one that sends temperature 1 does not."""
+    config = tiny_engine_config(tiny_llama_dir)
+    model = replace(config.model, override_generation_config={"temperature": 0.0})
+    server = ServerThread(replace(config, model=model), host="127.0.0.1", port=0)
+    yield server
+    server.stop()
 
 
 def test_generate_prints_the_output_text(server, client):
@@ -125,6 +138,51 @@ def test_chat_keeps_the_history(server, client):
     ]
     second = client.chat(history, **params).text
     assert result.stdout == f"{first}\n{second}\n"
+
+
+def test_chat_defaults_to_the_servers_sampling_and_answers_until_the_model_stops(greedy_server):
+    result = llmrpc("chat", "--url", greedy_server.address, stdin="Hello\n")
+    assert result.returncode == 0, result.stderr
+    messages = [{"role": "user", "content": "Hello"}]
+    with Client(greedy_server.address) as client:
+        room = client.tokenize(messages=messages)
+        answer = client.chat(messages, max_tokens=room.max_model_len - room.count)
+    assert answer.usage.completion_tokens > 16  # the server's own default length
+    assert result.stdout == answer.text + "\n"
+
+
+def test_generate_defaults_to_the_servers_sampling_and_256_tokens(greedy_server):
+    result = llmrpc("generate", "Hello", "--json", "--url", greedy_server.address)
+    assert result.returncode == 0, result.stderr
+    completion = json.loads(result.stdout)
+    assert (completion["finish_reason"], completion["usage"]["completion_tokens"]) == (
+        "length",
+        256,
+    )
+    with Client(greedy_server.address) as client:
+        assert completion["token_ids"] == client.generate("Hello", max_tokens=256).token_ids
+
+
+def test_generate_default_length_stops_at_the_end_of_the_context(greedy_server):
+    prompt = "word " * 400
+    result = llmrpc("generate", prompt, "--json", "--url", greedy_server.address)
+    assert result.returncode == 0, result.stderr
+    completion = json.loads(result.stdout)
+    usage = completion["usage"]
+    assert completion["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 512  # the tiny model's context
+    ids = " ".join(map(str, range(100, 500)))
+    result = llmrpc("generate", ids, "--token-ids", "--json", "--url", greedy_server.address)
+    assert json.loads(result.stdout)["usage"]["completion_tokens"] == 512 - 400
+
+
+def test_sampling_help_states_the_defaults_and_how_to_change_them():
+    chat_help = " ".join(llmrpc("chat", "--help").stdout.split())
+    assert "Default: until the model stops, bounded by the context window" in chat_help
+    assert "--temperature 0.2" in chat_help and "`llmrpc admin info`" in chat_help
+    generate_help = " ".join(llmrpc("generate", "--help").stdout.split())
+    assert "Default: 256, or fewer when the prompt leaves less room" in generate_help
+    assert "--temperature 0.8 --max-tokens 512" in generate_help
 
 
 def test_tokenize_prints_ids_and_strings(server, client):
