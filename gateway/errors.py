@@ -35,16 +35,21 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
+# The 4xx statuses with a type of their own; any other 4xx (400, 405, 408, 413, 431...) is the
+# caller's request at fault, "invalid_request_error" as OpenAI types it; 5xx are "server_error".
 _ERROR_TYPES = {
-    400: "invalid_request_error",
-    408: "invalid_request_error",  # the body arrived too slowly
-    413: "invalid_request_error",  # the body is too large
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
     429: "rate_limit_error",
 }
+
+
+def error_type(status: int) -> str:
+    if 400 <= status < 500:
+        return _ERROR_TYPES.get(status, "invalid_request_error")
+    return "server_error"
 
 
 class OpenAIError(HTTPException):
@@ -58,8 +63,9 @@ class OpenAIError(HTTPException):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(status, message)
+        super().__init__(status, message, headers)
         self.status = status
         self.message = message
         self.param = param
@@ -67,18 +73,17 @@ class OpenAIError(HTTPException):
         self.retry_after = retry_after
 
     def body(self) -> dict:
-        error_type = _ERROR_TYPES.get(self.status, "server_error")
         return {
             "error": {
                 "message": self.message,
-                "type": error_type,
+                "type": error_type(self.status),
                 "param": self.param,
                 "code": self.code,
             }
         }
 
     def response(self) -> JSONResponse:
-        headers = {}
+        headers = dict(self.headers or {})
         if self.retry_after is not None:
             headers["retry-after"] = str(math.ceil(self.retry_after))
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
@@ -101,12 +106,22 @@ def from_grpc(error: LlmrpcError, names: dict[str, str | None] | None = None) ->
     violations = error.field_violations
     param = param_of(violations[0].field, names) if violations else None
     message = error.message
-    if violations and violations[0].description not in message:
-        message = f"{message}: {violations[0].description}"
-    if param is not None and message.startswith(f"{violations[0].field}: "):
-        message = param + message[len(violations[0].field) :]  # the caller's name, not ours
+    if violations:
+        message = _in_callers_terms(message, violations[0], param)
     status = _HTTP_STATUS.get(error.code, 500)
     return OpenAIError(status, message, param, error.code_name.lower(), error.details.retry_delay)
+
+
+def _in_callers_terms(message: str, violation, param: str | None) -> str:
+    """The message with the gRPC field path it starts with replaced by the caller's parameter
+    (or dropped: a field the caller did not send, which no parameter names)."""
+    if violation.description not in message:
+        message = f"{message}: {violation.description}"
+    prefix = f"{violation.field}: "
+    if message.startswith(prefix):
+        rest = message[len(prefix) :]
+        return rest if param is None else f"{param}: {rest}"
+    return message
 
 
 def validation_failed(errors: list[dict]) -> OpenAIError:
@@ -124,7 +139,17 @@ async def _on_validation_error(request: Request, error: RequestValidationError) 
 
 
 async def _on_http_error(request: Request, error: HTTPException) -> JSONResponse:
-    return OpenAIError(error.status_code, str(error.detail)).response()
+    """A status Starlette or FastAPI answered itself: an unknown route, a wrong method..."""
+    headers = dict(error.headers or {})
+    where = f"{request.method} {request.url.path}"
+    if error.status_code == 404 and error.detail == "Not Found":
+        message = f"{where}: no such route"
+    elif error.status_code == 405:
+        allowed = headers.get("Allow") or headers.get("allow") or ""
+        message = f"{where}: method not allowed (allowed: {allowed})"
+    else:
+        message = str(error.detail)
+    return OpenAIError(error.status_code, message, headers=headers).response()
 
 
 async def _on_openai_error(request: Request, error: OpenAIError) -> JSONResponse:

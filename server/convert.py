@@ -320,7 +320,9 @@ def engine_failure(output: RequestOutput) -> str | None:
 # --- tokenization --------------------------------------------------------------------------
 
 
-_NO_TOKENIZER = "this server runs with --skip-tokenizer-init: send token_ids"
+_NO_TOKENIZER = (
+    "this server runs with --skip-tokenizer-init and has no tokenizer: send the prompt as token ids"
+)
 
 
 def _require_tokenizer(tokenizer) -> None:
