@@ -3,7 +3,12 @@
 ``grpc``: ``GenerationService.GenerateStream`` through ``AsyncClient``. ``openai``: streamed
 ``POST /v1/completions`` (server-sent events) over aiohttp, which any OpenAI-compatible server
 accepts, vLLM's included; ``ignore_eos`` is vLLM's extension of that API, and token-id prompts
-use the API's list-of-integers form of ``prompt``.
+use the API's list-of-integers form of ``prompt``. The OpenAI API does not publish the
+vocabulary size that random token-id prompts draw from: the openai backend asks
+``GET /get_tokenizer_info`` (vLLM's, which llmrpc's gateway serves with
+--enable-tokenizer-info-endpoint and fills with ``vocab_size``), then reads the ``config.json`` of
+a model folder on this machine that ``GET /v1/models`` names (vLLM gives its --model path as the
+model's ``root``).
 
 Timing is taken when a response carrying new tokens arrives: time to first token (TTFT) is
 from sending to the first one, inter-token latencies (ITL) are the gaps between later ones. A
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -114,13 +120,46 @@ class OpenAIBackend:
         self.extra = {"ignore_eos": ignore_eos, "temperature": temperature}
 
     async def vocab_size(self) -> int:
-        # The OpenAI API does not publish it; random token-id prompts need it.
+        """The vocabulary size for random prompts: as given, else what the server tells (see
+        the module's doc); ValueError naming the flags when neither gives it."""
+        if self._vocab_size is None:
+            self._vocab_size = (
+                await self._tokenizer_info_vocab_size() or await self._model_folder_vocab_size()
+            )
         if self._vocab_size is None:
             raise ValueError(
-                "the openai backend needs --vocab-size (or --tokenizer DIR with a config.json) "
-                "for random prompts"
+                f"{self.server_url} does not publish its vocabulary size (no vocab_size from "
+                "GET /get_tokenizer_info, no model folder here named by GET /v1/models), which "
+                "random prompts need: pass --vocab-size N or --tokenizer MODEL_DIR"
             )
         return self._vocab_size
+
+    @property
+    def server_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    async def _tokenizer_info_vocab_size(self) -> int | None:
+        info = await self._get_json(f"{self.server_url}/get_tokenizer_info")
+        size = info.get("vocab_size") if isinstance(info, dict) else None
+        return size if isinstance(size, int) and size > 0 else None
+
+    async def _model_folder_vocab_size(self) -> int | None:
+        listing = await self._get_json(f"{self.base_url}/models")
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        for card in cards if isinstance(cards, list) else ():
+            if isinstance(card, dict) and card.get("id") == self.model:
+                return vocab_size_of_folder(card.get("root")) or vocab_size_of_folder(card["id"])
+        return None
+
+    async def _get_json(self, url: str):
+        """The JSON a GET answers, or None for an error status or a body that is not JSON."""
+        async with self.http.get(url) as response:
+            if response.status != 200:
+                return None
+            try:
+                return await response.json(content_type=None)
+            except ValueError:
+                return None
 
     async def model_name(self) -> str:
         """The model to ask for: the one given, else the first the server lists."""
@@ -178,3 +217,15 @@ async def _events(reply: aiohttp.ClientResponse):
         if payload == b"[DONE]":
             return
         yield json.loads(payload)
+
+
+def vocab_size_of_folder(folder) -> int | None:
+    """``vocab_size`` from the ``config.json`` of a model folder on this machine, if any."""
+    config = Path(folder) / "config.json" if isinstance(folder, str) and folder else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        size = json.loads(config.read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None

@@ -21,7 +21,12 @@ from tqdm import tqdm
 
 from llmrpc.clients.async_client import AsyncClient
 from llmrpc.clients.bench import datasets, metrics
-from llmrpc.clients.bench.backends import GrpcBackend, OpenAIBackend, RequestResult
+from llmrpc.clients.bench.backends import (
+    GrpcBackend,
+    OpenAIBackend,
+    RequestResult,
+    vocab_size_of_folder,
+)
 from llmrpc.clients.cli import common
 
 DEFAULT_URLS = {"grpc": "localhost:50051", "openai": "http://localhost:8000"}
@@ -74,9 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="Let EOS end outputs early (by default outputs are exactly --output-len tokens).",
     )
-    parser.add_argument("--vocab-size", type=int, help="openai backend: vocabulary size.")
     parser.add_argument(
-        "--tokenizer", help="openai backend: model folder whose config.json gives vocab_size."
+        "--vocab-size",
+        type=int,
+        help="openai backend, random prompts: the vocabulary size. Default: the server's "
+        "(GET /get_tokenizer_info's vocab_size, as llmrpc's gateway gives it with "
+        "--enable-tokenizer-info-endpoint), else the config.json of the model folder "
+        "GET /v1/models names, when it is on this machine (as vLLM names it), else the gRPC "
+        "baseline's.",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="MODEL_DIR",
+        help="openai backend: a model folder whose config.json gives the vocabulary size.",
     )
     parser.add_argument("--output-json", type=Path, help="Write the results here as JSON.")
     parser.add_argument("--plot", type=Path, help="Draw the latency distributions to a PNG.")
@@ -114,17 +129,13 @@ def _openai_http(args: argparse.Namespace) -> tuple[aiohttp.ClientSession, str]:
     return session, base if base.endswith("/v1") else f"{base}/v1"
 
 
-def _vocab_size_of(folder: str | None) -> int | None:
-    config = Path(folder) / "config.json" if folder else None
-    if config is None or not config.is_file():
-        return None
-    return json.loads(config.read_text())["vocab_size"]
-
-
 def make_backend(args: argparse.Namespace) -> GrpcBackend | OpenAIBackend:
     args.target = args.target or DEFAULT_URLS[args.backend]
     if args.backend == "openai":
-        vocab_size = args.vocab_size or _vocab_size_of(args.tokenizer or args.model)
+        vocab_size = args.vocab_size or vocab_size_of_folder(args.tokenizer or args.model)
+        if args.tokenizer and vocab_size is None:
+            message = f"--tokenizer {args.tokenizer}: no config.json with a vocab_size there"
+            raise BenchError(message, common.EXIT_USAGE)
         session, base_url = _openai_http(args)
         return OpenAIBackend(
             session, base_url, args.model, vocab_size, args.ignore_eos, args.temperature

@@ -5,12 +5,18 @@ consistency (token counts add up, percentiles are ordered), never for speed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from client_utils import ServerThread, tiny_engine_config
 from openai_standin import OpenAIStandIn
 
 from llmrpc.clients import Client
@@ -33,6 +39,44 @@ async def bench_async(*args: str) -> tuple[int, str, str]:
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
     return process.returncode, stdout.decode(), stderr.decode()
+
+
+@contextlib.contextmanager
+def running_gateway(backend: str, port: int, *flags: str):
+    """A real ``llmrpc gateway`` in front of ``backend``, serving on ``port``; its base URL."""
+    command = [LLMRPC, "gateway", "--backend", backend, "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--uvicorn-log-level", "warning", *flags], stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(url):
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the gateway did not become healthy"
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def named_server(tiny_llama_dir):
+    """The tiny model served as "tiny": a name, not a folder a client could read."""
+    config = tiny_engine_config(tiny_llama_dir)
+    model = replace(config.model, served_model_name=("tiny",))
+    server = ServerThread(replace(config, model=model), host="127.0.0.1", port=0)
+    yield server
+    server.stop()
 
 
 def assert_consistent(summary: dict, num_prompts: int, output_len: int) -> None:
@@ -102,6 +146,49 @@ async def test_serve_over_the_openai_api(server, tmp_path):
     assert summary["total_input_tokens"] == 4 * 12
     assert summary["config"]["model"] == server.running.engine.model_info.served_model_names[0]
     assert standin.num_completions == 5  # the first test request, then the four measured
+
+
+OPENAI_LOAD = ["--num-prompts", "3", "--concurrency", "3", "--input-len", "12", "--output-len", "4"]
+
+
+def test_serve_openai_asks_a_real_gateway_for_the_vocabulary_size(
+    named_server, unused_tcp_port, tmp_path
+):
+    out = tmp_path / "result.json"
+    flag = "--enable-tokenizer-info-endpoint"
+    with running_gateway(named_server.address, unused_tcp_port, flag) as url:
+        result = bench(
+            "serve", "--backend", "openai", "--url", url, *OPENAI_LOAD, "--output-json", str(out)
+        )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert_consistent(summary, num_prompts=3, output_len=4)
+    assert summary["total_input_tokens"] == 3 * 12
+    assert summary["config"]["model"] == "tiny"
+
+
+def test_serve_openai_reads_the_vocabulary_size_from_the_served_model_folder(
+    server, unused_tcp_port, tmp_path
+):
+    """A server on this machine that names its model by folder (vLLM's /v1/models root)."""
+    out = tmp_path / "result.json"
+    with running_gateway(server.address, unused_tcp_port) as url:
+        result = bench(
+            "serve", "--backend", "openai", "--url", url, *OPENAI_LOAD, "--output-json", str(out)
+        )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["total_input_tokens"] == 3 * 12
+
+
+def test_serve_openai_without_a_vocabulary_size_names_the_flag_in_one_line(
+    named_server, unused_tcp_port
+):
+    with running_gateway(named_server.address, unused_tcp_port) as url:
+        result = bench("serve", "--backend", "openai", "--url", url, *OPENAI_LOAD)
+    assert (result.returncode, result.stdout) == (common.EXIT_USAGE, "")
+    last_line = result.stderr.splitlines()[-1]  # after the progress bar's lines, if any
+    assert last_line.startswith("llmrpc: error: ") and "--vocab-size" in last_line
+    assert "--vocab-size" not in "\n".join(result.stderr.splitlines()[:-1])
 
 
 async def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(server, tmp_path):
