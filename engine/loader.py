@@ -32,6 +32,9 @@ from llmrpc.engine.model_source import (
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "LLMRPC_CACHE_DIR"
+# Transformers' key for "Token indices sequence length is longer than ..." in a tokenizer's
+# record of the warnings it gave.
+LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 _HASH_CHUNK = 1 << 20  # bytes hashed at each end of a GGUF file
 _TMP_PREFIX = ".tmp-"
 
@@ -149,10 +152,17 @@ def load_tokenizer(model_dir_or_tokenizer_path: str | Path) -> PreTrainedTokeniz
     """A tokenizer from a local folder (``--model`` or ``--tokenizer``) or a ``.gguf`` file."""
     path = locate_tokenizer(model_dir_or_tokenizer_path)
     if path.is_file():  # a .gguf file
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    # The engine bounds prompts by --max-model-len and refuses longer ones with a typed error;
+    # Transformers would also warn ("...will result in indexing errors") the first time a
+    # tokenizer encodes more than its model_max_length, though nothing is indexed. Its record
+    # of that warning as given keeps it out of the log (copies of the tokenizer inherit it).
+    tokenizer.deprecation_warnings[LONG_SEQUENCE_WARNING] = True
+    return tokenizer
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
