@@ -8,11 +8,15 @@ every Transformers call is local only.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,13 +86,63 @@ def _convert_cached(gguf_path: Path, cache_dir: Path | None) -> Path:
         "Converting %s to safetensors once (about 20 s); caching it in %s", gguf_path.name, target
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent))
+    _sweep_abandoned_conversions(target.parent)
+    owner = f"{os.getpid()}@{_HOST}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-{owner}-", dir=target.parent))
+    _unfinished.add(tmp)
     try:
         convert_gguf(gguf_path, tmp)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
+        _unfinished.discard(tmp)
     return target
+
+
+# A conversion's folder is named .tmp-<target>-<pid>@<host>-<random>: the process converting
+# into it, so a later conversion can tell a live conversion's folder from a dead one's.
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "", socket.gethostname()) or "host"
+_OWNER = re.compile(r"-(\d+)@([A-Za-z0-9.-]+)-[a-z0-9_]+$")
+_UNNAMED_STALE_S = 86400  # a folder naming no process: abandoned once a day old
+_unfinished: set[Path] = set()  # this process's conversions under way
+
+
+@atexit.register
+def _remove_unfinished_conversions() -> None:
+    """At exit with a conversion still under way (``llmrpc serve`` stopped while converting on
+    its engine thread), remove its folder: the conversion will never finish."""
+    for tmp in list(_unfinished):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep_abandoned_conversions(folder: Path) -> None:
+    """Remove the ``.tmp-*`` folders of conversions whose process is gone (killed, or the
+    machine restarted). Folders of a live process, or of another host's, are left alone."""
+    for entry in folder.glob(f"{_TMP_PREFIX}*"):
+        if _abandoned(entry):
+            logger.info("Removing %s, left by an interrupted conversion", entry.name)
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _abandoned(entry: Path) -> bool:
+    owner = _OWNER.search(entry.name)
+    if owner is None:  # named before folders named their process
+        try:
+            return time.time() - entry.stat().st_mtime > _UNNAMED_STALE_S
+        except OSError:
+            return False
+    pid, host = int(owner.group(1)), owner.group(2)
+    return host == _HOST and not _process_exists(pid)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _publish(tmp: Path, target: Path) -> None:
