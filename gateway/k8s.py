@@ -18,6 +18,9 @@ from dataclasses import dataclass
 # A Service name (RFC 1035 label); the Services add suffixes to it.
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,40}[a-z0-9])?")
 CONTAINER = "llmrpc"
+# What the repository's Dockerfile says to build (`docker build -t llmrpc:0.1.0 .`): the package
+# version as the tag. Its entrypoint is the container's command below, `llmrpc serve`.
+DEFAULT_IMAGE = "llmrpc:0.1.0"
 PROBE_PERIOD_S = 5
 # Past drain + grace, the process still needs a moment to stop the engine and exit.
 EXIT_MARGIN_S = 5
@@ -25,7 +28,7 @@ EXIT_MARGIN_S = 5
 
 @dataclass(frozen=True)
 class K8sOptions:
-    image: str
+    image: str = DEFAULT_IMAGE
     name: str = "llmrpc"
     namespace: str | None = None
     model: str | None = None  # None: the server's packaged default model

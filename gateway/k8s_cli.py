@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmrpc.gateway.k8s import PROBE_PERIOD_S, K8sOptions, build_manifests
+from llmrpc.gateway.k8s import DEFAULT_IMAGE, PROBE_PERIOD_S, K8sOptions, build_manifests
 from llmrpc.gateway.yaml_output import dump_documents
 
 DESCRIPTION = """Print Kubernetes manifests on stdout: a Deployment running `llmrpc serve` with
@@ -17,7 +17,14 @@ NAME-http for the REST gateway. Apply with: kubectl apply -f FILE."""
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmrpc k8s-manifests", description=DESCRIPTION)
     add = parser.add_argument
-    add("--image", required=True, help="Container image with llmrpc installed.")
+    add(
+        "--image",
+        default=DEFAULT_IMAGE,
+        help="Container image with llmrpc installed, run as `llmrpc serve ARGS`. Default: "
+        "%(default)s, what the repository's Dockerfile builds with `docker build -t "
+        "%(default)s .` (load it into the cluster's nodes or push it to a registry they pull "
+        "from, and pass that name).",
+    )
     add(
         "--name",
         default="llmrpc",
