@@ -1,8 +1,9 @@
 """``llmrpc chat``: an interactive conversation, streamed, with the history kept.
 
 Each line read from stdin is a user turn; the reply streams to stdout and joins the history.
-With a terminal on stdin a "> " prompt is shown; piped input gives clean output for scripts.
-``/reset`` forgets the history, ``/exit`` (or end of input) ends the session.
+With a terminal on stdin a "> " prompt is shown and Ctrl-C stops a reply (the session goes on);
+piped input gives clean output for scripts. ``/reset`` forgets the history, ``/exit`` (or end of
+input) ends the session.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ Chat with the served model: one line per user turn, replies streamed.
 {RESET_COMMAND} forgets the history; {EXIT_COMMAND} or end of input quits.
 
 Each reply runs until the model stops, bounded by the context window (--max-tokens N
-caps it); sampling follows the server's defaults unless flags set it, e.g.
+caps it); at a terminal, Ctrl-C stops a reply and the chat goes on. Sampling follows the
+server's defaults unless flags set it, e.g.
 llmrpc chat --temperature 0.2 --top-p 0.9 --max-tokens 512""",
     )
     parser.add_argument("--system", help="System message that opens the conversation.")
@@ -58,8 +60,11 @@ def read_turns(interactive: bool):
             yield line.strip()
 
 
-def reply(client, conversation: Conversation, user_text: str, params: dict) -> None:
-    """Stream the answer to one user turn; the turn joins the history only once answered."""
+def reply(
+    client, conversation: Conversation, user_text: str, params: dict, interactive: bool
+) -> None:
+    """Stream the answer to one user turn; the turn joins the history once answered, or as far
+    as it got when Ctrl-C stopped it at a terminal."""
     messages = [*conversation.messages, {"role": "user", "content": user_text}]
     if "max_tokens" not in params:  # until the model stops: all the room the context leaves
         tokens = client.tokenize(messages=messages)
@@ -68,9 +73,16 @@ def reply(client, conversation: Conversation, user_text: str, params: dict) -> N
             "max_tokens": common.max_tokens_within_context(tokens.count, tokens.max_model_len),
         }
     parts = []
-    for delta in client.chat_stream(messages, **params):
-        print(delta.text, end="", flush=True)
-        parts.append(delta.text)
+    stream = client.chat_stream(messages, **params)
+    try:
+        for delta in stream:
+            print(delta.text, end="", flush=True)
+            parts.append(delta.text)
+    except KeyboardInterrupt:
+        if not interactive:
+            raise
+    finally:
+        stream.close()  # cancels the call if it is still open: the server aborts the request
     print(flush=True)
     conversation.messages = [*messages, {"role": "assistant", "content": "".join(parts)}]
 
@@ -82,10 +94,11 @@ def main(argv: list[str]) -> int:
     def command() -> None:
         conversation = Conversation(args.system)
         with common.client_from_args(args, args.model) as client:
-            for user_text in read_turns(sys.stdin.isatty()):
+            interactive = sys.stdin.isatty()
+            for user_text in read_turns(interactive):
                 if user_text == RESET_COMMAND:
                     conversation.reset()
                 else:
-                    reply(client, conversation, user_text, params)
+                    reply(client, conversation, user_text, params, interactive)
 
     return common.run_command(command)

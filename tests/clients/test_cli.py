@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,6 +153,63 @@ def test_chat_defaults_to_the_servers_sampling_and_answers_until_the_model_stops
         answer = client.chat(messages, max_tokens=room.max_model_len - room.count)
     assert answer.usage.completion_tokens > 16  # the server's own default length
     assert result.stdout == answer.text + "\n"
+
+
+def test_ctrl_c_at_a_terminal_stops_the_reply_and_the_chat_goes_on(greedy_server):
+    """Replies run until the model stops: at a terminal, Ctrl-C cuts one short (the call is
+    cancelled, so the server stops computing it) and the next turn follows."""
+    messages = [{"role": "user", "content": "Hello"}]
+    with Client(greedy_server.address) as client:
+        room = client.tokenize(messages=messages)
+        full_reply = client.chat(messages, max_tokens=room.max_model_len - room.count).text
+        pid, terminal = pty.fork()
+        if pid == 0:  # the child: llmrpc chat on the pseudo-terminal
+            os.execv(LLMRPC, [LLMRPC, "chat", "--url", greedy_server.address])
+        screen = Screen(terminal)
+        screen.read_until("> ")
+        os.write(terminal, b"Hello\n")
+        screen.read_until("Hello\n")  # the terminal's echo; the reply follows
+        screen.wait_for_output()
+        os.kill(pid, signal.SIGINT)
+        interrupted = screen.read_until("\n> ")
+        assert len(interrupted) < len(full_reply) and full_reply.startswith(interrupted)
+        deadline = time.monotonic() + 10
+        while client.load().num_running_requests:
+            assert time.monotonic() < deadline, "the interrupted request kept running"
+            time.sleep(0.01)
+    os.write(terminal, b"/exit\n")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+class Screen:
+    """What a program writes to its pseudo-terminal (line ends as "\\n"), read up to a marker."""
+
+    def __init__(self, terminal: int) -> None:
+        self.terminal = terminal
+        self.pending = ""
+
+    def wait_for_output(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.pending:
+            self._read(deadline, "any output")
+
+    def read_until(self, marker: str, timeout: float = 30.0) -> str:
+        """The output before ``marker`` (consumed with it)."""
+        deadline = time.monotonic() + timeout
+        while marker not in self.pending:
+            self._read(deadline, repr(marker))
+        before, _, self.pending = self.pending.partition(marker)
+        return before
+
+    def _read(self, deadline: float, what: str) -> None:
+        ready, _, _ = select.select([self.terminal], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no {what} on the terminal; it shows {self.pending[-300:]!r}"
+        try:
+            data = os.read(self.terminal, 4096).decode(errors="replace")
+        except OSError:  # EIO: the program closed the terminal, it has ended
+            pytest.fail(f"the program ended before {what}; it showed {self.pending!r}")
+        self.pending = (self.pending + data).replace("\r\n", "\n")
 
 
 def test_generate_defaults_to_the_servers_sampling_and_256_tokens(greedy_server):
