@@ -14,6 +14,9 @@ from llmrpc.clients.cli import common
 
 RESET_COMMAND = "/reset"
 EXIT_COMMAND = "/exit"
+# Most tokens in a reply unless --max-tokens says otherwise: more than an answer needs, few enough
+# that a small model caught repeating itself stops within seconds, not at its context's end.
+DEFAULT_MAX_TOKENS = 1024
 
 
 def build_parser() -> common.Parser:
@@ -23,16 +26,18 @@ def build_parser() -> common.Parser:
 Chat with the served model: one line per user turn, replies streamed.
 {RESET_COMMAND} forgets the history; {EXIT_COMMAND} or end of input quits.
 
-Each reply runs until the model stops, bounded by the context window (--max-tokens N
-caps it); at a terminal, Ctrl-C stops a reply and the chat goes on. Sampling follows the
-server's defaults unless flags set it, e.g.
+Each reply runs until the model stops, at most {DEFAULT_MAX_TOKENS} tokens or what the context
+window leaves (--max-tokens N changes that); at a terminal, Ctrl-C stops a
+reply and the chat goes on. Sampling follows the server's defaults unless flags
+set it, e.g.
 llmrpc chat --temperature 0.2 --top-p 0.9 --max-tokens 512""",
     )
     parser.add_argument("--system", help="System message that opens the conversation.")
     common.add_sampling_arguments(
         parser,
-        "Most tokens in each reply. Default: until the model stops, bounded by the context "
-        "window (what the conversation so far leaves of it).",
+        f"Most tokens in each reply. Default: until the model stops, at most "
+        f"{DEFAULT_MAX_TOKENS} tokens, or fewer when the conversation so far leaves less room in "
+        "the context window.",
     )
     common.add_connection_arguments(parser)
     return parser
@@ -66,12 +71,12 @@ def reply(
     """Stream the answer to one user turn; the turn joins the history once answered, or as far
     as it got when Ctrl-C stopped it at a terminal."""
     messages = [*conversation.messages, {"role": "user", "content": user_text}]
-    if "max_tokens" not in params:  # until the model stops: all the room the context leaves
+    if "max_tokens" not in params:
         tokens = client.tokenize(messages=messages)
-        params = {
-            **params,
-            "max_tokens": common.max_tokens_within_context(tokens.count, tokens.max_model_len),
-        }
+        max_tokens = common.max_tokens_within_context(
+            tokens.count, tokens.max_model_len, DEFAULT_MAX_TOKENS
+        )
+        params = {**params, "max_tokens": max_tokens}
     parts = []
     stream = client.chat_stream(messages, **params)
     try:

@@ -52,6 +52,16 @@ def greedy_server(tiny_llama_dir):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def long_context_greedy_server(tiny_model_factory):
+    """As ``greedy_server``, with a context of 2048 tokens."""
+    config = tiny_engine_config(tiny_model_factory(max_position_embeddings=2048))
+    model = replace(config.model, override_generation_config={"temperature": 0.0})
+    server = ServerThread(replace(config, model=model), host="127.0.0.1", port=0)
+    yield server
+    server.stop()
+
+
 def test_generate_prints_the_output_text(server, client):
     flags = ["--max-tokens", "5", *GREEDY_FLAGS, "--url", server.address]
     result = llmrpc("generate", "Hello", *flags)
@@ -155,6 +165,16 @@ def test_chat_defaults_to_the_servers_sampling_and_answers_until_the_model_stops
     assert result.stdout == answer.text + "\n"
 
 
+def test_chat_replies_are_at_most_1024_tokens_by_default(long_context_greedy_server):
+    address = long_context_greedy_server.address
+    result = llmrpc("chat", "--url", address, stdin="Hello\n")
+    assert result.returncode == 0, result.stderr
+    with Client(address) as client:
+        answer = client.chat([{"role": "user", "content": "Hello"}], max_tokens=1024)
+    assert (answer.finish_reason.value, answer.usage.completion_tokens) == ("length", 1024)
+    assert result.stdout == answer.text + "\n"
+
+
 def test_ctrl_c_at_a_terminal_stops_the_reply_and_the_chat_goes_on(greedy_server):
     """Replies run until the model stops: at a terminal, Ctrl-C cuts one short (the call is
     cancelled, so the server stops computing it) and the next turn follows."""
@@ -239,7 +259,7 @@ def test_generate_default_length_stops_at_the_end_of_the_context(greedy_server):
 
 def test_sampling_help_states_the_defaults_and_how_to_change_them():
     chat_help = " ".join(llmrpc("chat", "--help").stdout.split())
-    assert "Default: until the model stops, bounded by the context window" in chat_help
+    assert "Default: until the model stops, at most 1024 tokens" in chat_help
     assert "--temperature 0.2" in chat_help and "`llmrpc admin info`" in chat_help
     generate_help = " ".join(llmrpc("generate", "--help").stdout.split())
     assert "Default: 256, or fewer when the prompt leaves less room" in generate_help
