@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import grpc
 from fastapi import FastAPI, Request
@@ -17,7 +18,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from llmrpc.clients import LlmrpcError
-from llmrpc.gateway.param_names import location_param, most_telling, param_of
+from llmrpc.gateway.param_names import (
+    COMPLETION_PARAMS,
+    SECTIONS,
+    location_param,
+    most_telling,
+    param_of,
+)
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -107,21 +114,29 @@ def from_grpc(error: LlmrpcError, names: dict[str, str | None] | None = None) ->
     param = param_of(violations[0].field, names) if violations else None
     message = error.message
     if violations:
-        message = _in_callers_terms(message, violations[0], param)
+        message = _in_callers_terms(message, violations[0], param, names or COMPLETION_PARAMS)
     status = _HTTP_STATUS.get(error.code, 500)
     return OpenAIError(status, message, param, error.code_name.lower(), error.details.retry_delay)
 
 
-def _in_callers_terms(message: str, violation, param: str | None) -> str:
+def _in_callers_terms(
+    message: str, violation, param: str | None, names: dict[str, str | None]
+) -> str:
     """The message with the gRPC field path it starts with replaced by the caller's parameter
-    (or dropped: a field the caller did not send, which no parameter names)."""
+    (or dropped: a field the caller did not send, which no parameter names), and other fields
+    it mentions by the names the caller used (``max_tokens`` is ``max_completion_tokens`` in a
+    chat request that sent that)."""
     if violation.description not in message:
         message = f"{message}: {violation.description}"
     prefix = f"{violation.field}: "
-    if message.startswith(prefix):
-        rest = message[len(prefix) :]
-        return rest if param is None else f"{param}: {rest}"
-    return message
+    if not message.startswith(prefix):
+        return message
+    rest = message[len(prefix) :]
+    for field, name in names.items():
+        section, _, short = field.rpartition(".")
+        if section in SECTIONS and name is not None and name != short:
+            rest = re.sub(rf"(?<![\w.]){re.escape(short)}\b", name, rest)
+    return rest if param is None else f"{param}: {rest}"
 
 
 def validation_failed(errors: list[dict]) -> OpenAIError:

@@ -147,6 +147,23 @@ class TokenizeChat(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+def _tokenize_form(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        return type(value).__name__
+    chat = isinstance(value, dict) and "messages" in value
+    return "TokenizeChat" if chat else "TokenizeCompletion"
+
+
+# /tokenize takes messages or a prompt; an error is about the form the body has, not about the
+# other one (a bad prompt is not "messages: Field required"). Tags named as the classes read as
+# types in error locations, which ``param_names`` leaves out.
+TokenizeBody = Annotated[
+    Annotated[TokenizeChat, Tag("TokenizeChat")]
+    | Annotated[TokenizeCompletion, Tag("TokenizeCompletion")],
+    Discriminator(_tokenize_form),
+]
+
+
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[UInt32]

@@ -94,12 +94,15 @@ def _content(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            param = f"messages[{index}].content"
+    for number, part in enumerate(message.content):
+        param = f"messages[{index}].content[{number}]"
+        if part.type != "text":
             raise invalid(
-                param, f"content parts of type {part.type!r} are not supported: text only"
+                f"{param}.type",
+                f"{param}.type: content parts of type {part.type!r} are not supported: text only",
             )
+        if part.text is None:
+            raise invalid(f"{param}.text", f"{param}.text: a text part needs its text")
         texts.append(part.text)
     return "\n".join(texts)
 

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from llmrpc.clients import LlmrpcError
 from llmrpc.gateway.errors import OpenAIError, from_grpc
 from llmrpc.gateway.json_body import JsonRoute
-from llmrpc.gateway.openai_models import DetokenizeRequest, TokenizeChat, TokenizeCompletion
+from llmrpc.gateway.openai_models import DetokenizeRequest, TokenizeBody, TokenizeChat
 from llmrpc.gateway.openapi_docs import (
     ERRORS,
     PROBE,
@@ -69,7 +69,7 @@ async def retrieve_model(model: str, request: Request) -> dict:
 
 
 @router.post("/tokenize", responses=answer(Tokens))
-async def tokenize(body: TokenizeChat | TokenizeCompletion, request: Request) -> dict:
+async def tokenize(body: TokenizeBody, request: Request) -> dict:
     gateway = gateway_of(request)
     kwargs = {"model": body.model or "", "add_special_tokens": body.add_special_tokens}
     if isinstance(body, TokenizeChat):

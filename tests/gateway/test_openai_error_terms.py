@@ -47,6 +47,27 @@ CHAT = [
     ({"messages": MESSAGES, "top_k": -5}, "top_k"),
     ({"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages"),
+    (
+        {"messages": MESSAGES, "max_completion_tokens": 4, "min_tokens": 8},
+        "min_tokens",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content[0].text",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type",
+    ),
+    (
+        {"messages": MESSAGES, "skip_special_tokens": False, "prompt_logprobs": -3},
+        "prompt_logprobs",
+    ),
+]
+TOKENIZE = [
+    ({"prompt": [99999999]}, "prompt"),
+    ({"prompt": 7}, "prompt"),
+    ({"messages": [{"role": "user"}], "add_generation_prompt": "x"}, "add_generation_prompt"),
 ]
 
 
@@ -67,6 +88,14 @@ def test_completion_400s_name_the_openai_parameter(gateway, body, param):
 @pytest.mark.parametrize(("body", "param"), CHAT, ids=[p for _, p in CHAT])
 def test_chat_400s_name_the_openai_parameter(gateway, body, param):
     reply = post(gateway, "/v1/chat/completions", body)
+    assert reply.status_code == 400, reply.text
+    assert_in_openai_terms(reply.json()["error"], param)
+
+
+@pytest.mark.parametrize(("body", "param"), TOKENIZE, ids=[p for _, p in TOKENIZE])
+def test_tokenize_400s_name_the_parameter_of_the_form_sent(gateway, body, param):
+    """/tokenize takes a prompt or messages: an error is about the form the caller sent."""
+    reply = post(gateway, "/tokenize", body)
     assert reply.status_code == 400, reply.text
     assert_in_openai_terms(reply.json()["error"], param)
 
@@ -162,3 +191,12 @@ def test_an_sse_error_event_uses_the_same_envelope():
     event = OpenAIError(400, "stop[1]: must not be empty", "stop[1]").sse_event()
     (data,) = sse_data(event + b"data: [DONE]\n\n")[:-1]
     assert json.loads(data)["error"]["param"] == "stop[1]"
+
+
+def test_a_bound_names_the_length_parameter_the_caller_sent(gateway):
+    body = {"messages": MESSAGES, "max_completion_tokens": 4, "min_tokens": 8}
+    reply = post(gateway, "/v1/chat/completions", body)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert "max_completion_tokens" in message, message
+    assert not re.search(r"(?<!_)max_tokens", message), message

@@ -50,7 +50,7 @@ def _error(reply: httpx.Response, status: int, param: str | None) -> dict:
          "tool_choice"),
         ("/v1/chat/completions",
          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content"),
+         "messages[0].content[0].type"),
         ("/v1/chat/completions",
          {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
          "continue_final_message"),
