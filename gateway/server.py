@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -83,12 +84,25 @@ def _all_addresses() -> str:
 
 
 def _bind_unix(path: str) -> socket.socket:
-    with contextlib.suppress(FileNotFoundError):
-        if os.path.exists(path) and not os.path.isdir(path):
+    if os.path.exists(path) and not os.path.isdir(path):
+        if _listened_on(path):
+            raise OSError(errno.EADDRINUSE, "in use by a running process")
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a socket file left by an earlier run
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     return sock
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # refused (nobody listens), not a socket, or gone
+            return False
+        return True
 
 
 def _bind_tcp(host: str | None, port: int) -> socket.socket:

@@ -15,7 +15,8 @@ from envoy_support import TestCa
 from gateway_support import post, running_gateway, sse_json
 
 from llmrpc.gateway.app import create_app
-from llmrpc.gateway.settings import ApiSettings
+from llmrpc.gateway.server import BindError, bind_socket
+from llmrpc.gateway.settings import ApiSettings, HttpSettings
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -288,3 +289,23 @@ def test_api_settings_check_their_values():
         ApiSettings(chat_template_content_format="xml")
     with pytest.raises(ValueError, match="--api-key"):
         ApiSettings(api_keys=("",))
+
+
+def test_uds_in_use_by_a_live_server_is_refused_and_kept(tmp_path):
+    """A socket file a live process listens on is not taken over (its listener would be cut
+    off); one left by a dead process is replaced."""
+    path = str(tmp_path / "live.sock")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(path)
+    live.listen()
+    with live:
+        with pytest.raises(BindError, match=r"^--uds .*live\.sock: .*in use"):
+            bind_socket(HttpSettings(uds=path))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(path)  # the live listener still has its file
+
+    stale = str(tmp_path / "stale.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(stale)
+    dead.close()  # the file stays, nobody listens
+    bind_socket(HttpSettings(uds=stale)).close()
