@@ -78,7 +78,9 @@ def _template(chat: common_pb2.Chat, tokenizer, has_chat_template: bool) -> str 
         return chat.chat_template
     if not has_chat_template:
         raise InvalidArgument(
-            "chat", "the model's tokenizer has no chat template; send text or token_ids instead"
+            "chat",
+            "the model's tokenizer has no chat template: serve it with --chat-template, or send "
+            "a plain prompt instead of chat messages",
         )
     return None
 

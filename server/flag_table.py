@@ -177,8 +177,9 @@ _FRONTEND = _group(
     works("--h11-max-header-count", 256, int, "rest.h11_max_header_count",
           "Most header fields in a REST request; more get HTTP 431."),
     works("--chat-template", None, str, "frontend.chat_template",
-          "Chat template for chat input: a file, or the template itself. Default: the "
-          "tokenizer's."),
+          "Chat template for chat input: the path of a readable file, else the template "
+          "itself when the value holds a brace or a line break (anything else is refused). "
+          "Default: the tokenizer's."),
     works("--chat-template-content-format", "auto", str, "rest.chat_template_content_format",
           "Message content given to chat templates: a string, or OpenAI's list of text parts; "
           "auto: parts for templates that loop over the content.",
