@@ -38,7 +38,6 @@ class K8sOptions:
     http_port: int = 8000
     cpu: str | None = None
     memory: str | None = None
-    gpus: int = 0
     drain_delay_s: float = 10.0
     shutdown_grace_s: float = 30.0
     startup_timeout_s: float = 600.0  # model download or conversion, load and warm-up
@@ -131,8 +130,6 @@ def resources(options: K8sOptions) -> dict:
         requests["cpu"] = options.cpu  # no CPU limit: throttling stalls every stream at once
     if options.memory:
         requests["memory"] = limits["memory"] = options.memory
-    if options.gpus:
-        limits["nvidia.com/gpu"] = options.gpus
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
 
 

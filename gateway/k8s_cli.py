@@ -59,7 +59,6 @@ def _add_resource_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--cpu", help="CPU request, e.g. 8 (no limit is set). Default: none.")
     add("--memory", help="Memory request and limit, e.g. 32Gi. Default: none.")
-    add("--gpus", type=int, default=0, help="nvidia.com/gpu limit. Default: %(default)s.")
     add(
         "--model-pvc",
         metavar="CLAIM",
@@ -123,7 +122,6 @@ def options_from_args(args: argparse.Namespace) -> K8sOptions:
         http_port=args.http_port,
         cpu=args.cpu,
         memory=args.memory,
-        gpus=args.gpus,
         drain_delay_s=args.drain_delay,
         shutdown_grace_s=args.shutdown_grace,
         startup_timeout_s=args.startup_timeout,

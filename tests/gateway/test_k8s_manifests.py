@@ -102,19 +102,25 @@ def test_startup_probe_allows_the_startup_timeout():
 
 def test_resources_model_volume_and_namespace():
     objects = manifests(
-        *["--namespace", "ai", "--cpu", "8", "--memory", "32Gi", "--gpus", "2"],
+        *["--namespace", "ai", "--cpu", "8", "--memory", "32Gi"],
         *["--model-pvc", "weights", "--model-mount-path", "/w"],
     )
     assert {o["metadata"]["namespace"] for o in objects.values()} == {"ai"}
     container = _container(objects)
     assert container["resources"] == {
         "requests": {"cpu": "8", "memory": "32Gi"},
-        "limits": {"memory": "32Gi", "nvidia.com/gpu": 2},
+        "limits": {"memory": "32Gi"},
     }
     (mount,) = container["volumeMounts"]
     (volume,) = objects["Deployment/llmrpc"]["spec"]["template"]["spec"]["volumes"]
     assert (mount["name"], mount["mountPath"]) == (volume["name"], "/w")
     assert volume["persistentVolumeClaim"]["claimName"] == "weights"
+
+
+def test_no_gpu_is_requested_for_an_engine_that_runs_on_the_cpu():
+    with pytest.raises(SystemExit) as exit_:
+        manifests("--gpus", "1")
+    assert exit_.value.code == 2
 
 
 def test_defaults_set_no_resources_and_no_namespace():
