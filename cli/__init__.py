@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.server import options
 from llmrpc.server.state import server_version
 
@@ -28,16 +29,21 @@ DELEGATED_VERBS: dict[str, tuple[str, str]] = {
     "k8s-manifests": ("llmrpc.gateway.k8s_cli", "Print Kubernetes manifests (YAML) for serving."),
 }
 
+# (verb, mode) -> module whose main(argv) runs it, given the arguments after the mode: modes of a
+# client verb that belong to a lower layer (the engine benchmark runs the engine in-process).
+DELEGATED_MODES: dict[tuple[str, str], str] = {("bench", "throughput"): "llmrpc.engine.bench"}
+
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and its ``serve`` subparser."""
-    parser = options.OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog="llmrpc", description="LLM inference server with a gRPC-first API."
     )
     parser.add_argument("--version", action="version", version=f"llmrpc {server_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
+        add_help=False,  # the serve flags bring their own --help (--help=all, --help=GROUP)
         help="Serve a model over gRPC.",
         description="Serve a model over gRPC (health and reflection always on).",
     )
@@ -49,6 +55,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if tuple(argv[:2]) in DELEGATED_MODES:
+        return importlib.import_module(DELEGATED_MODES[tuple(argv[:2])]).main(argv[2:])
     if argv and argv[0] in DELEGATED_VERBS:
         module = importlib.import_module(DELEGATED_VERBS[argv[0]][0])
         return module.main(argv[1:])

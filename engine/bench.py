@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.request import SamplingParams
@@ -44,15 +45,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (exit 2), as the other ``llmrpc`` verbs print them."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="llmrpc bench throughput",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,

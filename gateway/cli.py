@@ -12,8 +12,8 @@ import json
 import logging
 import signal
 import sys
-from typing import NoReturn
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.common.chat_template import read_chat_template
 from llmrpc.gateway.settings import (
     CONTENT_FORMATS,
@@ -156,16 +156,8 @@ def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad flag value in one line (no usage dump), exit status 2, as ``llmrpc serve``
-    does."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog="llmrpc gateway", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="llmrpc gateway", description=__doc__.split("\n\n")[0])
     _add_backend_arguments(parser)
     _add_http_arguments(parser)
     _add_api_arguments(parser)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.gateway.descriptors import api_descriptor_set_bytes
 from llmrpc.gateway.envoy import Endpoint, EnvoyOptions, HealthCheck, build_bootstrap
 from llmrpc.gateway.envoy_tls import FrontTls, SanMatch, UpstreamTls
@@ -18,7 +19,7 @@ the --gateway replicas. Run it with: envoy -c FILE."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmrpc envoy-config", description=DESCRIPTION)
+    parser = OneLineErrorParser(prog="llmrpc envoy-config", description=DESCRIPTION)
     _add_routing_arguments(parser)
     _add_front_tls_arguments(parser.add_argument_group("front listener TLS"))
     _add_upstream_tls_arguments(parser.add_argument_group("TLS to the gRPC replicas"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.gateway.k8s import DEFAULT_IMAGE, PROBE_PERIOD_S, K8sOptions, build_manifests
 from llmrpc.gateway.yaml_output import dump_documents
 
@@ -15,7 +16,7 @@ NAME-http for the REST gateway. Apply with: kubectl apply -f FILE."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmrpc k8s-manifests", description=DESCRIPTION)
+    parser = OneLineErrorParser(prog="llmrpc k8s-manifests", description=DESCRIPTION)
     add = parser.add_argument
     add(
         "--image",

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 
+from llmrpc.common.args import closest
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
@@ -35,47 +35,8 @@ _JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
 _ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 _FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig, "rest": RestConfig}
 SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
-# How alike a mistyped flag and a known one must be (difflib's ratio) for a suggestion.
-SUGGESTION_CUTOFF = 0.8
 # What a --config file's keys name: the long flags (booleans take true or false there).
 _CONFIG_KEYS = [flag.name for flag in FLAGS if flag.name != "--config"]
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad value in one line (no usage dump) and exits with status 2, like argparse;
-    an unknown flag is named with the closest known one."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        namespace, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            known = [name for action in self._actions for name in action.option_strings]
-            self.error(unrecognized(unknown, known))
-        return namespace
-
-
-def closest(name: str, known: list[str]) -> str | None:
-    """The known name ``name`` most likely misspells, if one is close."""
-    matches = difflib.get_close_matches(name, known, n=1, cutoff=SUGGESTION_CUTOFF)
-    return matches[0] if matches else None
-
-
-def unrecognized(tokens: list[str], known: list[str]) -> str:
-    """``unrecognized argument --max-model-lenn; did you mean --max-model-len?``"""
-    described = []
-    for token in tokens:
-        name = token.partition("=")[0] if token.startswith("-") else token
-        match = closest(name, known) if token.startswith("-") else None
-        described.append((name, match))
-    if len(described) == 1:
-        name, match = described[0]
-        return f"unrecognized argument {name}" + (f"; did you mean {match}?" if match else "")
-    listed = ", ".join(
-        name + (f" (did you mean {match}?)" if match else "") for name, match in described
-    )
-    return f"unrecognized arguments: {listed}"
 
 
 # --- the parser ------------------------------------------------------------------------------
@@ -83,13 +44,10 @@ def unrecognized(tokens: list[str], known: list[str]) -> str:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = "%(prog)s [MODEL] [flags]"
-    help_options = {"action": serve_help.ServeHelpAction, "help": serve_help.HELP_HELP}
-    if parser.add_help:  # argparse's own -h/--help is there: ours takes its option strings
-        parser._optionals.conflict_handler = "resolve"
-        parser.add_argument("-h", "--help", **help_options)
-        parser._optionals.conflict_handler = parser.conflict_handler
-    else:
-        parser.add_argument("-h", "--help", **help_options)
+    # Our --help (--help=all, --help=GROUP...): the parser is made with add_help=False.
+    parser.add_argument(
+        "-h", "--help", action=serve_help.ServeHelpAction, help=serve_help.HELP_HELP
+    )
     parser.add_argument(
         "model_tag",
         nargs="?",

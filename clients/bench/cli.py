@@ -1,21 +1,14 @@
-"""``llmrpc bench serve|throughput``: argument parsing and exit codes of ``bench serve`` (the work
-is in ``serve``), and the hand-off of ``bench throughput`` to the engine's own benchmark.
+"""``llmrpc bench serve``: argument parsing and exit codes (the work is in ``serve``).
 
-``throughput`` runs the engine in this process, so it lives with the engine
-(``llmrpc.engine.bench``). The clients never import the engine: this module names it and imports
-it by name only when that mode is asked for, as ``llmrpc``'s top-level command line does with its
-verbs.
+``llmrpc bench throughput`` runs the engine in this process, so it lives with the engine
+(``llmrpc.engine.bench``) and the ``llmrpc`` command hands it there; it is listed here only so
+that ``llmrpc bench --help`` shows both modes.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from llmrpc.clients.bench import serve
 from llmrpc.clients.cli import common
-
-# mode -> module whose main(argv) runs it, given the arguments after the mode
-DELEGATED_MODES = {"throughput": "llmrpc.engine.bench"}
 
 SERVE_EPILOG = (
     "bench serve exits 1 when any request failed (the table and JSON count them).\n\n"
@@ -48,7 +41,8 @@ def build_parser() -> common.Parser:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in DELEGATED_MODES:
-        return importlib.import_module(DELEGATED_MODES[argv[0]]).main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.mode != "serve":
+        parser.error(f"bench {args.mode} is run by the llmrpc command: llmrpc bench {args.mode}")
     return common.run_command(lambda: serve.main(args))

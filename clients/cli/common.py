@@ -16,6 +16,7 @@ import grpc
 from llmrpc.clients.base import DEFAULT_TARGET
 from llmrpc.clients.client import Client
 from llmrpc.clients.errors import LlmrpcError
+from llmrpc.common.args import OneLineErrorParser
 
 # Exit codes, documented in every verb's --help (EXIT_CODES_HELP).
 EXIT_OK = 0
@@ -69,16 +70,14 @@ class CommandError(Exception):
         self.exit_code = exit_code
 
 
-class Parser(argparse.ArgumentParser):
-    """One-line usage errors (exit 2), and the exit codes at the end of --help."""
+class Parser(OneLineErrorParser):
+    """One-line usage errors naming the closest flag (exit 2), and the exit codes at the end of
+    --help."""
 
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         kwargs.setdefault("epilog", EXIT_CODES_HELP)
         super().__init__(**kwargs)
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def add_connection_arguments(

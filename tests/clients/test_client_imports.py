@@ -15,9 +15,6 @@ import pytest
 CLIENTS = Path(__file__).resolve().parents[2] / "clients"
 FORBIDDEN = ("llmrpc.engine", "llmrpc.server", "llmrpc.gateway", "llmrpc.kernels", "torch")
 FORBIDDEN += ("transformers",)
-# The one place clients name a module of another layer: the ``bench`` verb's dispatch table,
-# which hands ``bench throughput`` to the engine's benchmark without importing it here.
-DISPATCHED = {"bench/cli.py": {"llmrpc.engine.bench"}}
 
 
 def _is_forbidden(module: str) -> bool:
@@ -64,8 +61,7 @@ def test_no_client_module_imports_a_lower_layer(path: Path):
     tree = ast.parse(path.read_text(), filename=str(path))
     wrong = sorted({name for name in imported_modules(tree) if _is_forbidden(name)})
     assert wrong == [], f"{path.relative_to(CLIENTS)} imports {', '.join(wrong)}"
-    allowed = DISPATCHED.get(str(path.relative_to(CLIENTS)), set())
-    assert named_modules(tree) <= allowed, f"{path.relative_to(CLIENTS)} names another layer"
+    assert not named_modules(tree), f"{path.relative_to(CLIENTS)} names another layer"
 
 
 def test_the_checks_see_imports_in_functions_and_from_forms():

@@ -14,12 +14,13 @@ from typing import NamedTuple
 
 import pytest
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.server import options
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, human_readable_int, json_value
 
 VLLM_FLAGS = Path(__file__).with_name("vllm_serve_flags.txt")
-SERVE_PARSER = options.OneLineErrorParser(prog="llmrpc serve")
+SERVE_PARSER = OneLineErrorParser(prog="llmrpc serve", add_help=False)
 options.add_serve_arguments(SERVE_PARSER)
 
 

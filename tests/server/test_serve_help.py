@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.server import options, serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import State
@@ -25,7 +26,7 @@ def _fixed_width(monkeypatch):
 
 
 def serve_help_text(capsys, *argv: str) -> str:
-    parser = options.OneLineErrorParser(prog="llmrpc serve")
+    parser = OneLineErrorParser(prog="llmrpc serve", add_help=False)
     options.add_serve_arguments(parser)
     with pytest.raises(SystemExit) as exit_info:
         options.parse_serve_values(parser, list(argv))
@@ -100,7 +101,7 @@ def test_every_group_has_a_help_topic():
 
 
 def test_an_unknown_topic_is_one_line(capsys):
-    parser = options.OneLineErrorParser(prog="llmrpc serve")
+    parser = OneLineErrorParser(prog="llmrpc serve", add_help=False)
     options.add_serve_arguments(parser)
     with pytest.raises(SystemExit) as exit_info:
         options.parse_serve_values(parser, ["--help=zzzz"])
