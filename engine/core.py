@@ -170,6 +170,7 @@ class EngineCore:
             model_config.generation_config,
             self.model_dir,
             model_config.override_generation_config,
+            packaged=model_config.model is None,
         )
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)

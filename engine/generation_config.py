@@ -1,8 +1,9 @@
 """Server-wide sampling defaults: generation_config.json and --override-generation-config.
 
-``--generation-config auto`` reads the model folder's file, ``vllm`` ignores it (the built-in
-defaults apply), and any other value names a folder holding one. Only the keys below carry over;
-``max_new_tokens`` becomes the default ``max_tokens``.
+``--generation-config auto`` reads the model folder's file (for the packaged default model, over
+the sampling its model card uses: ``model_source.PACKAGED_SAMPLING``), ``vllm`` ignores it (the
+built-in defaults apply), and any other value names a folder holding one. Only the keys below
+carry over; ``max_new_tokens`` becomes the default ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmrpc.engine.model_source import generation_config_file
+from llmrpc.engine.model_source import PACKAGED_SAMPLING, generation_config_file
 
 # generation_config.json key -> SamplingParams field
 _KEYS = {
@@ -25,10 +26,11 @@ _KEYS = {
 
 
 def sampling_defaults(
-    mode: str, model_dir: Path, overrides: dict[str, Any] | None = None
+    mode: str, model_dir: Path, overrides: dict[str, Any] | None = None, packaged: bool = False
 ) -> dict[str, Any]:
-    """SamplingParams field -> server default, for the fields a request leaves unset."""
-    defaults: dict[str, Any] = {}
+    """SamplingParams field -> server default, for the fields a request leaves unset;
+    ``packaged``: the model is the packaged default (``--model`` omitted)."""
+    defaults: dict[str, Any] = dict(PACKAGED_SAMPLING) if packaged and mode == "auto" else {}
     path = generation_config_file(mode, model_dir)
     if path is not None and path.is_file():
         defaults.update(_read(path))

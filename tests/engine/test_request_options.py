@@ -32,6 +32,15 @@ def test_queued_request_that_cannot_meet_its_deadline_is_dropped_early(tiny_llam
     core.abort_requests(["busy", "generous"])
 
 
+def test_the_packaged_model_samples_as_its_model_card_unless_told_otherwise(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert sampling_defaults("auto", tmp_path, packaged=True) == {"temperature": 0.2, "top_p": 0.9}
+    assert sampling_defaults("auto", tmp_path) == {}  # a model given by path: its own file only
+    assert sampling_defaults("vllm", tmp_path, packaged=True) == {}  # vLLM's built-in defaults
+    overridden = sampling_defaults("auto", tmp_path, {"temperature": 0.0}, packaged=True)
+    assert overridden == {"temperature": 0.0, "top_p": 0.9}
+
+
 def test_generation_config_supplies_defaults_and_overrides_win(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "do_sample": True})
