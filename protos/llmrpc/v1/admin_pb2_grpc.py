@@ -137,7 +137,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WakeUp(self, request, context):
-        """Restores what Sleep freed; a no-op when awake.
+        """Restores what Sleep freed; a no-op when awake. Needs --enable-sleep-mode:
+        FAILED_PRECONDITION without it, as Sleep.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
