@@ -44,8 +44,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve = commands.add_parser(
         "serve",
         add_help=False,  # the serve flags bring their own --help (--help=all, --help=GROUP)
-        help="Serve a model over gRPC.",
-        description="Serve a model over gRPC (health and reflection always on).",
+        help="Serve a model over gRPC and the OpenAI-compatible REST API.",
+        description="Serve a model over gRPC (health and reflection always on) and, unless "
+        "--no-rest-gateway, the OpenAI-compatible REST API.",
     )
     options.add_serve_arguments(serve)
     for verb, (_, summary) in DELEGATED_VERBS.items():
