@@ -132,6 +132,7 @@ class ModelCard:
     id: str
     max_model_len: int
     owned_by: str
+    root: str = ""  # the folder the server loaded the model from
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def tokens_from_proto(response: tokenization_pb2.TokenizeResponse) -> Tokens:
 
 
 def models_from_proto(response: admin_pb2.ListModelsResponse) -> list[ModelCard]:
-    return [ModelCard(m.id, m.max_model_len, m.owned_by) for m in response.models]
+    return [ModelCard(m.id, m.max_model_len, m.owned_by, m.root) for m in response.models]
 
 
 def server_info_from_proto(response: admin_pb2.GetServerInfoResponse) -> ServerInfo:

@@ -54,6 +54,7 @@ class ModelInfo:
     block_size: int
     num_kv_blocks: int
     sampling_defaults: dict  # SamplingParams field -> server default (generation config)
+    model_dir: str = ""  # the folder the weights were loaded from (a .gguf file's converted one)
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ class EngineCore:
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.kv_manager.block_size,
             num_kv_blocks=self.kv_manager.num_blocks,
+            model_dir=str(self.model_dir),
         )
 
     @property

@@ -47,7 +47,7 @@ def _model_card(card, created: int) -> dict:
         "object": "model",
         "created": created,
         "owned_by": card.owned_by,
-        "root": card.id,
+        "root": card.root or card.id,
         "parent": None,
         "max_model_len": card.max_model_len,
     }

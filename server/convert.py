@@ -400,7 +400,9 @@ def model_info_response(name: str, info: ModelInfo) -> admin_pb2.GetModelInfoRes
 
 def list_models_response(info: ModelInfo) -> admin_pb2.ListModelsResponse:
     models = [
-        admin_pb2.Model(id=name, max_model_len=info.max_model_len, owned_by="llmrpc")
+        admin_pb2.Model(
+            id=name, max_model_len=info.max_model_len, owned_by="llmrpc", root=info.model_dir
+        )
         for name in info.served_model_names
     ]
     return admin_pb2.ListModelsResponse(models=models)

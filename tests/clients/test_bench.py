@@ -180,15 +180,35 @@ def test_serve_openai_reads_the_vocabulary_size_from_the_served_model_folder(
     assert json.loads(out.read_text())["total_input_tokens"] == 3 * 12
 
 
-def test_serve_openai_without_a_vocabulary_size_names_the_flag_in_one_line(
-    named_server, unused_tcp_port
+def test_serve_openai_reads_the_folder_a_named_model_was_loaded_from(
+    named_server, unused_tcp_port, tmp_path
 ):
+    """Served under a name, the model's folder is still the root /v1/models gives, as vLLM's."""
+    out = tmp_path / "result.json"
     with running_gateway(named_server.address, unused_tcp_port) as url:
-        result = bench("serve", "--backend", "openai", "--url", url, *OPENAI_LOAD)
-    assert (result.returncode, result.stdout) == (common.EXIT_USAGE, "")
-    last_line = result.stderr.splitlines()[-1]  # after the progress bar's lines, if any
+        result = bench(
+            "serve", "--backend", "openai", "--url", url, *OPENAI_LOAD, "--output-json", str(out)
+        )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["total_input_tokens"] == 3 * 12
+
+
+async def test_serve_openai_without_a_vocabulary_size_names_the_flag_in_one_line(named_server):
+    """A server that publishes neither tokenizer facts nor a model folder (the stand-in, whose
+    model list gives ids alone, here a name)."""
+    standin = OpenAIStandIn(named_server.address)
+    port = await standin.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        code, stdout, stderr = await bench_async(
+            "serve", "--backend", "openai", "--url", url, *OPENAI_LOAD
+        )
+    finally:
+        await standin.stop()
+    assert (code, stdout) == (common.EXIT_USAGE, "")
+    last_line = stderr.splitlines()[-1]  # after the progress bar's lines, if any
     assert last_line.startswith("llmrpc: error: ") and "--vocab-size" in last_line
-    assert "--vocab-size" not in "\n".join(result.stderr.splitlines()[:-1])
+    assert "--vocab-size" not in "\n".join(stderr.splitlines()[:-1])
 
 
 async def test_serve_against_a_baseline_alternates_rounds_and_reports_ratios(server, tmp_path):

@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from llmrpc.v1 import common_pb2 as llmrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmrpc/v1/admin.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\x16\n\x14GetServerInfoRequest\"\x8f\x01\n\x12ServerCapabilities\x12\x0b\n\x03tls\x18\x01 \x01(\x08\x12\x15\n\rauth_required\x18\x02 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08services\x18\x05 \x03(\t\x12\x1b\n\x13\x61\x64min_auth_required\x18\x06 \x01(\x08\"\xdf\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12\x33\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1d.llmrpc.v1.ServerCapabilities\x12<\n\x06\x63onfig\x18\x04 \x03(\x0b\x32,.llmrpc.v1.GetServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x86\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12\x35\n\x10\x64\x65\x66\x61ult_stopping\x18\x0b \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12\x30\n\x0e\x64\x65\x66\x61ult_output\x18\x0c \x01(\x0b\x32\x18.llmrpc.v1.OutputOptionsB\x0f\n\r_bos_token_id\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.llmrpc.v1.Model\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\xea\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x19\n\x11prompt_throughput\x18\x06 \x01(\x02\x12\x1d\n\x15generation_throughput\x18\x07 \x01(\x02\x12\x13\n\x0bis_sleeping\x18\x08 \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse\",\n\x0cSleepRequest\x12\x12\n\x05level\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x13\n\x11IsSleepingRequest\")\n\x12IsSleepingResponse\x12\x13\n\x0bis_sleeping\x18\x01 \x01(\x08\x32\xad\x07\n\x0c\x41\x64minService\x12q\n\rGetServerInfo\x12\x1f.llmrpc.v1.GetServerInfoRequest\x1a .llmrpc.v1.GetServerInfoResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/server_info\x12m\n\x0cGetModelInfo\x12\x1e.llmrpc.v1.GetModelInfoRequest\x1a\x1f.llmrpc.v1.GetModelInfoResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\x12\x14/v1/admin/model_info\x12\x63\n\nListModels\x12\x1c.llmrpc.v1.ListModelsRequest\x1a\x1d.llmrpc.v1.ListModelsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/admin/models\x12V\n\x05\x41\x62ort\x12\x17.llmrpc.v1.AbortRequest\x1a\x18.llmrpc.v1.AbortResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/abort:\x01*\x12X\n\x07GetLoad\x12\x19.llmrpc.v1.GetLoadRequest\x1a\x1a.llmrpc.v1.GetLoadResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/admin/load\x12\x84\x01\n\x10ResetPrefixCache\x12\".llmrpc.v1.ResetPrefixCacheRequest\x1a#.llmrpc.v1.ResetPrefixCacheResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/admin/reset_prefix_cache:\x01*\x12V\n\x05Sleep\x12\x17.llmrpc.v1.SleepRequest\x1a\x18.llmrpc.v1.SleepResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/sleep:\x01*\x12[\n\x06WakeUp\x12\x18.llmrpc.v1.WakeUpRequest\x1a\x19.llmrpc.v1.WakeUpResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\"\x11/v1/admin/wake_up:\x01*\x12h\n\nIsSleeping\x12\x1c.llmrpc.v1.IsSleepingRequest\x1a\x1d.llmrpc.v1.IsSleepingResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/is_sleepingb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmrpc/v1/admin.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\x16\n\x14GetServerInfoRequest\"\x8f\x01\n\x12ServerCapabilities\x12\x0b\n\x03tls\x18\x01 \x01(\x08\x12\x15\n\rauth_required\x18\x02 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08services\x18\x05 \x03(\t\x12\x1b\n\x13\x61\x64min_auth_required\x18\x06 \x01(\x08\"\xdf\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12\x33\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1d.llmrpc.v1.ServerCapabilities\x12<\n\x06\x63onfig\x18\x04 \x03(\x0b\x32,.llmrpc.v1.GetServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x86\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12\x35\n\x10\x64\x65\x66\x61ult_stopping\x18\x0b \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12\x30\n\x0e\x64\x65\x66\x61ult_output\x18\x0c \x01(\x0b\x32\x18.llmrpc.v1.OutputOptionsB\x0f\n\r_bos_token_id\"\x13\n\x11ListModelsRequest\"J\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.llmrpc.v1.Model\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\xea\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x19\n\x11prompt_throughput\x18\x06 \x01(\x02\x12\x1d\n\x15generation_throughput\x18\x07 \x01(\x02\x12\x13\n\x0bis_sleeping\x18\x08 \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse\",\n\x0cSleepRequest\x12\x12\n\x05level\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x13\n\x11IsSleepingRequest\")\n\x12IsSleepingResponse\x12\x13\n\x0bis_sleeping\x18\x01 \x01(\x08\x32\xad\x07\n\x0c\x41\x64minService\x12q\n\rGetServerInfo\x12\x1f.llmrpc.v1.GetServerInfoRequest\x1a .llmrpc.v1.GetServerInfoResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/server_info\x12m\n\x0cGetModelInfo\x12\x1e.llmrpc.v1.GetModelInfoRequest\x1a\x1f.llmrpc.v1.GetModelInfoResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\x12\x14/v1/admin/model_info\x12\x63\n\nListModels\x12\x1c.llmrpc.v1.ListModelsRequest\x1a\x1d.llmrpc.v1.ListModelsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/admin/models\x12V\n\x05\x41\x62ort\x12\x17.llmrpc.v1.AbortRequest\x1a\x18.llmrpc.v1.AbortResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/abort:\x01*\x12X\n\x07GetLoad\x12\x19.llmrpc.v1.GetLoadRequest\x1a\x1a.llmrpc.v1.GetLoadResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/admin/load\x12\x84\x01\n\x10ResetPrefixCache\x12\".llmrpc.v1.ResetPrefixCacheRequest\x1a#.llmrpc.v1.ResetPrefixCacheResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/admin/reset_prefix_cache:\x01*\x12V\n\x05Sleep\x12\x17.llmrpc.v1.SleepRequest\x1a\x18.llmrpc.v1.SleepResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/sleep:\x01*\x12[\n\x06WakeUp\x12\x18.llmrpc.v1.WakeUpRequest\x1a\x19.llmrpc.v1.WakeUpResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\"\x11/v1/admin/wake_up:\x01*\x12h\n\nIsSleeping\x12\x1c.llmrpc.v1.IsSleepingRequest\x1a\x1d.llmrpc.v1.IsSleepingResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/is_sleepingb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -68,33 +68,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=917
   _globals['_LISTMODELSREQUEST']._serialized_end=936
   _globals['_MODEL']._serialized_start=938
-  _globals['_MODEL']._serialized_end=998
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1000
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1054
-  _globals['_ABORTREQUEST']._serialized_start=1056
-  _globals['_ABORTREQUEST']._serialized_end=1091
-  _globals['_ABORTRESPONSE']._serialized_start=1093
-  _globals['_ABORTRESPONSE']._serialized_end=1137
-  _globals['_GETLOADREQUEST']._serialized_start=1139
-  _globals['_GETLOADREQUEST']._serialized_end=1155
-  _globals['_GETLOADRESPONSE']._serialized_start=1158
-  _globals['_GETLOADRESPONSE']._serialized_end=1392
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1394
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1419
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1421
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1447
-  _globals['_SLEEPREQUEST']._serialized_start=1449
-  _globals['_SLEEPREQUEST']._serialized_end=1493
-  _globals['_SLEEPRESPONSE']._serialized_start=1495
-  _globals['_SLEEPRESPONSE']._serialized_end=1510
-  _globals['_WAKEUPREQUEST']._serialized_start=1512
-  _globals['_WAKEUPREQUEST']._serialized_end=1527
-  _globals['_WAKEUPRESPONSE']._serialized_start=1529
-  _globals['_WAKEUPRESPONSE']._serialized_end=1545
-  _globals['_ISSLEEPINGREQUEST']._serialized_start=1547
-  _globals['_ISSLEEPINGREQUEST']._serialized_end=1566
-  _globals['_ISSLEEPINGRESPONSE']._serialized_start=1568
-  _globals['_ISSLEEPINGRESPONSE']._serialized_end=1609
-  _globals['_ADMINSERVICE']._serialized_start=1612
-  _globals['_ADMINSERVICE']._serialized_end=2553
+  _globals['_MODEL']._serialized_end=1012
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1014
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1068
+  _globals['_ABORTREQUEST']._serialized_start=1070
+  _globals['_ABORTREQUEST']._serialized_end=1105
+  _globals['_ABORTRESPONSE']._serialized_start=1107
+  _globals['_ABORTRESPONSE']._serialized_end=1151
+  _globals['_GETLOADREQUEST']._serialized_start=1153
+  _globals['_GETLOADREQUEST']._serialized_end=1169
+  _globals['_GETLOADRESPONSE']._serialized_start=1172
+  _globals['_GETLOADRESPONSE']._serialized_end=1406
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1408
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1433
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1435
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1461
+  _globals['_SLEEPREQUEST']._serialized_start=1463
+  _globals['_SLEEPREQUEST']._serialized_end=1507
+  _globals['_SLEEPRESPONSE']._serialized_start=1509
+  _globals['_SLEEPRESPONSE']._serialized_end=1524
+  _globals['_WAKEUPREQUEST']._serialized_start=1526
+  _globals['_WAKEUPREQUEST']._serialized_end=1541
+  _globals['_WAKEUPRESPONSE']._serialized_start=1543
+  _globals['_WAKEUPRESPONSE']._serialized_end=1559
+  _globals['_ISSLEEPINGREQUEST']._serialized_start=1561
+  _globals['_ISSLEEPINGREQUEST']._serialized_end=1580
+  _globals['_ISSLEEPINGRESPONSE']._serialized_start=1582
+  _globals['_ISSLEEPINGRESPONSE']._serialized_end=1623
+  _globals['_ADMINSERVICE']._serialized_start=1626
+  _globals['_ADMINSERVICE']._serialized_end=2567
 # @@protoc_insertion_point(module_scope)
