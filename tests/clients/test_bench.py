@@ -167,25 +167,15 @@ def test_serve_openai_asks_a_real_gateway_for_the_vocabulary_size(
     assert summary["config"]["model"] == "tiny"
 
 
+@pytest.mark.parametrize("fixture", ["server", "named_server"])
 def test_serve_openai_reads_the_vocabulary_size_from_the_served_model_folder(
-    server, unused_tcp_port, tmp_path
+    fixture, request, unused_tcp_port, tmp_path
 ):
-    """A server on this machine that names its model by folder (vLLM's /v1/models root)."""
+    """A server on this machine: /v1/models' root is the folder the model was loaded from (as
+    vLLM's), whether the model is served by its path or under a name."""
+    address = request.getfixturevalue(fixture).address
     out = tmp_path / "result.json"
-    with running_gateway(server.address, unused_tcp_port) as url:
-        result = bench(
-            "serve", "--backend", "openai", "--url", url, *OPENAI_LOAD, "--output-json", str(out)
-        )
-    assert result.returncode == 0, result.stderr
-    assert json.loads(out.read_text())["total_input_tokens"] == 3 * 12
-
-
-def test_serve_openai_reads_the_folder_a_named_model_was_loaded_from(
-    named_server, unused_tcp_port, tmp_path
-):
-    """Served under a name, the model's folder is still the root /v1/models gives, as vLLM's."""
-    out = tmp_path / "result.json"
-    with running_gateway(named_server.address, unused_tcp_port) as url:
+    with running_gateway(address, unused_tcp_port) as url:
         result = bench(
             "serve", "--backend", "openai", "--url", url, *OPENAI_LOAD, "--output-json", str(out)
         )
