@@ -30,6 +30,7 @@ from llmrpc.engine.request import (
 )
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
+from llmrpc.engine.threads import configure_engine_threads
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,9 @@ def check_capacity(config: EngineConfig, max_model_len: int, num_blocks: int) ->
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        """Build the engine on the thread (or process) that will step it: the torch thread
+        count set here holds for the calling thread."""
+        configure_engine_threads()
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
         self.model_dir = loader.resolve_model_dir(model_config.model)
