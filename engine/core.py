@@ -20,6 +20,7 @@ from llmrpc.engine.metrics import RateMeter
 from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.models import build_model
 from llmrpc.engine.models.rotary import rope_parameters
+from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output_processor import OutputProcessor
 from llmrpc.engine.request import (
     FinishReason,
@@ -31,6 +32,7 @@ from llmrpc.engine.request import (
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
 from llmrpc.engine.threads import configure_engine_threads
+from llmrpc.kernels.linear import pack_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +217,10 @@ class EngineCore:
         weights = None if dummy else loader.iter_weights(self.model_dir)
         logger.info("loading %s (%s)", self.model_dir, self.dtype)
         config = self.model_config
-        return build_model(self.hf_config, self.dtype, weights, config.seed, config.model_impl)
+        model = build_model(self.hf_config, self.dtype, weights, config.seed, config.model_impl)
+        if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
+            logger.info("%d linear layers packed for oneDNN", pack_linear_layers(model))
+        return model
 
     @property
     def model_info(self) -> ModelInfo:
