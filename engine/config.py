@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MODEL_IMPLS = ("auto", "vllm", "transformers")  # "vllm": our native models, as vLLM names them
+# --quantization: weight-only int8 and int4 (ours), and a .gguf file's own blocks (vLLM's name)
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ModelConfig:
     override_generation_config: dict = field(default_factory=dict)
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     model_impl: str = "auto"  # auto: native when the architecture has one, else Transformers
+    quantization: str | None = None  # None: the weights in --dtype (a .gguf file dequantized)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -45,8 +48,30 @@ class ModelConfig:
             raise ValueError(
                 f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
             )
+        self._check_quantization()
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+    def _check_quantization(self) -> None:
+        method = self.quantization
+        if method is None:
+            return
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}"
+            )
+        if method != "gguf":
+            return
+        if self.model is not None and not self.model.endswith(".gguf"):
+            raise ValueError(
+                f"--quantization gguf serves a .gguf file's own quantized blocks; --model "
+                f"{self.model!r} is not a .gguf file (use int8 or int4 to quantize a folder)"
+            )
+        if self.load_format == "dummy":
+            raise ValueError(
+                "--quantization gguf reads the .gguf file's weights; --load-format dummy reads "
+                "none (use int8 or int4 with random weights)"
+            )
 
 
 @dataclass(frozen=True)

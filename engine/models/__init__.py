@@ -8,6 +8,7 @@ from torch import nn
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
+from llmrpc.engine.quantization import QuantizationPlan
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -32,11 +33,24 @@ def model_class(hf_config, model_impl: str = "auto") -> type[nn.Module]:
     return native
 
 
-def build_model(hf_config, dtype, weights, seed: int = 0, model_impl: str = "auto") -> nn.Module:
-    """The model ``model_impl`` picks; ``weights`` None: random (``--load-format dummy``)."""
+def build_model(
+    hf_config,
+    dtype,
+    weights,
+    seed: int = 0,
+    model_impl: str = "auto",
+    quantization: QuantizationPlan | None = None,
+) -> nn.Module:
+    """The model ``model_impl`` picks; ``weights`` None: random (``--load-format dummy``).
+
+    ``quantization`` (``plan_quantization(model_config)``) swaps the loaded layers for packed
+    ones before the rest is cast to ``dtype``, so the float weights are freed, not kept.
+    """
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_class(hf_config, model_impl)(hf_config)
     if weights is not None:
         model.load_weights(weights)
+    if quantization is not None:
+        model = quantization.apply(model, hf_config, dtype)
     return model.to(dtype).eval().requires_grad_(False)

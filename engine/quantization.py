@@ -1,0 +1,557 @@
+"""Weight-only quantization (``--quantization``): linear layers whose weights are held packed.
+
+- ``int8``: per-output-channel symmetric int8, ``w = q * scale[n]`` with ``q`` in [-127, 127]
+  and ``scale[n] = max|w[n, :]| / 127``; computed by ``torch.ops.aten._weight_int8pack_mm``.
+- ``int4``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
+  ``w = (u - 8) * scale + zero`` with ``u`` in [0, 15], ``scale = (max - min) / 15`` and
+  ``zero = min + 8 * scale`` per group; computed by ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+  on weights packed by ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly
+  that formula, with ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
+- ``gguf``: a .gguf model's Q4_0, Q4_1 and Q8_0 tensors served from their own blocks (see
+  ``quantize_model_from_gguf``); its other tensors stay as dequantized at load.
+
+Every ``nn.Linear`` of the model is swapped after loading, ``lm_head`` included; an embedding
+tied to ``lm_head`` reads its rows from the same packed weight, so the float weight is freed.
+Scales (and zeros) are held in the model's dtype, as the kernels require.
+
+The packed kernels are fast only with bfloat16 or float16 activations, and only for few rows:
+their cost grows with every row, where a dense matmul reuses each weight across rows. So a layer
+uses its packed kernel for at most ``dense_above`` rows (decode steps of small batches) in
+bfloat16/float16, and otherwise dequantizes its weight for that call and runs the dense matmul:
+a prefill chunk, a large batch, and every call under ``--dtype float32`` (where the packed
+kernels are 10-50x slower than a float32 matmul; dequantizing is exact in float32, so a
+quantized float32 model computes what the same model with dequantized weights computes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from llmrpc.engine.config import ModelConfig
+from llmrpc.engine.model_source import locate_model
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and Q8_0
+# Rows up to which the packed kernels beat dequantize-then-dense in bfloat16 (one thread, this
+# machine, SmolLM2-135M's layer shapes): int8 960x576 at 32 rows 220 us vs 118 + 103 us, at 64
+# rows 439 vs 284 us; int4 at 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
+INT8_DENSE_ABOVE = 32
+INT4_DENSE_ABOVE = 128
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` packed; subclasses say how it is packed."""
+
+    dense_above: int
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the scales: the model's dtype, which the packed kernels compute in."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if x.dtype in _FAST_DTYPES and x.dtype == self.dtype and x.shape[0] <= self.dense_above:
+            y = self.packed_matmul(x)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x, self.dequantize(x.dtype), self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` by the packed kernel: ``x`` is ``[rows, in_features]`` in ``self.dtype``."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight ``[out_features, in_features]`` the packed one stands for, in ``dtype``."""
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight, in ``self.dtype`` (an embedding's lookup)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}"
+        )
+
+
+class Int8Linear(QuantizedLinear):
+    """Per-output-channel symmetric int8: ``W[n, k] = qweight[n, k] * scales[n]``."""
+
+    dense_above = INT8_DENSE_ABOVE
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias=None) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.register_buffer("qweight", qweight.contiguous())  # int8 [out, in]
+        self.register_buffer("scales", scales.contiguous())  # [out], the model's dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias=None, dtype=torch.bfloat16) -> Int8Linear:
+        weight = weight.detach().float()
+        scales = weight.abs().amax(dim=1) / 127
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales)).to(dtype)
+        # Rounded against the scale as held, so q * scale is the nearest point to w.
+        qweight = torch.round(weight / scales.float()[:, None]).clamp_(-127, 127)
+        return cls(qweight.to(torch.int8), scales, bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        # q has 8 bits and the scale at most 24: the product is exact in float32, rounded once
+        # in a narrower dtype.
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scales[ids].float()[:, None]).to(self.dtype)
+
+
+class Int4Linear(QuantizedLinear):
+    """Group-wise int4 in torch's CPU packing: ``W[n, k] = (u - 8) * scale + zero``, with one
+    ``(scale, zero)`` per ``GROUP_SIZE`` inputs, held in ``scales_and_zeros[k // 32, n]``."""
+
+    dense_above = INT4_DENSE_ABOVE
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias=None) -> None:
+        num_groups, out_features, _ = scales_and_zeros.shape
+        super().__init__(num_groups * GROUP_SIZE, out_features, bias)
+        self.register_buffer("qweight", packed)  # uint8 [out, in / 2], torch's layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
+
+    @staticmethod
+    def supports(out_features: int, in_features: int) -> bool:
+        """torch's int4 packing takes ``out % 16 == 0`` and whole groups of inputs."""
+        return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
+
+    @property
+    def packed_rows(self) -> int:
+        return self.scales_and_zeros.shape[1]
+
+    @classmethod
+    def from_codes(cls, codes, scales, zeros, bias=None, dtype=torch.bfloat16) -> Int4Linear:
+        """``codes`` ``[out, in]`` in [0, 15]; ``scales`` and ``zeros`` ``[out, in / 32]``."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype)
+        return cls(packed, scales_and_zeros, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias=None, dtype=torch.bfloat16) -> Int4Linear:
+        out_features, in_features = weight.shape
+        groups = weight.detach().float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).to(dtype)
+        zeros = (low + 8 * scales.float()).to(dtype)
+        # The nearest code under the scale and zero as held; a constant group (scale 0) is its
+        # zero, code 8.
+        scale, zero = scales.float()[..., None], zeros.float()[..., None]
+        codes = torch.where(
+            scale > 0, torch.round((groups - zero) / torch.where(scale > 0, scale, 1)) + 8, 8.0
+        ).clamp_(0, 15)
+        return cls.from_codes(codes.view(out_features, in_features), scales, zeros, bias, dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.qweight, GROUP_SIZE, self.scales_and_zeros
+        )
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes ``[packed_rows, in]`` (uint8), unpacked from torch's CPU layout:
+        blocks of 64 rows as ``[in, 32]`` bytes (low nibble: row j, high: row j + 32), then a
+        tail of ``rows % 64`` as ``[in, tail / 2]`` bytes (low: even rows, high: odd)."""
+        in_features = self.in_features
+        flat = self.qweight.view(-1)
+        num_blocks, tail = divmod(self.packed_rows, 64)
+        parts = []
+        if num_blocks:
+            block = flat[: num_blocks * in_features * 32].view(num_blocks, in_features, 32)
+            codes = torch.cat([block & 15, block >> 4], dim=2)  # [blocks, in, 64]
+            parts.append(codes.transpose(1, 2).reshape(num_blocks * 64, in_features))
+        if tail:
+            block = flat[num_blocks * in_features * 32 :].view(in_features, tail // 2)
+            codes = torch.stack([block & 15, block >> 4], dim=2).view(in_features, tail)
+            parts.append(codes.t())
+        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        return self._dequantize_codes(self.codes(), slice(None)).to(dtype or self.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._dequantize_codes(self._row_codes(ids), ids).to(self.dtype)
+
+    def _dequantize_codes(self, codes: torch.Tensor, rows) -> torch.Tensor:
+        # (u - 8) * scale is exact in float32 (4 bits times at most 24); + zero rounds once.
+        num_rows = codes.shape[0]
+        scales = self.scales_and_zeros[:, rows, 0].t().float()[..., None]  # [rows, groups, 1]
+        zeros = self.scales_and_zeros[:, rows, 1].t().float()[..., None]
+        grouped = codes.view(num_rows, -1, GROUP_SIZE).float()
+        return ((grouped - 8) * scales + zeros).view(num_rows, self.in_features)
+
+    def _row_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codes of rows ``ids`` only, read where ``codes`` says they are packed."""
+        in_features = self.in_features
+        num_blocks, tail = divmod(self.packed_rows, 64)
+        in_block = ids < num_blocks * 64
+        block, lane = ids // 64, ids % 64
+        tail_row = ids - num_blocks * 64
+        start = torch.where(
+            in_block,
+            block * (in_features * 32) + lane % 32,
+            num_blocks * in_features * 32 + tail_row // 2,
+        )
+        stride = torch.where(in_block, 32, max(tail // 2, 1))
+        shift = torch.where(in_block, (lane >= 32) * 4, (tail_row % 2) * 4)
+        k = torch.arange(in_features, device=ids.device)
+        packed = self.qweight.view(-1)[start[:, None] + k[None, :] * stride[:, None]]
+        return (packed >> shift[:, None].to(torch.uint8)) & 15
+
+
+class Q8BlockLinear(Int4Linear):
+    """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) exactly, as two int4
+    halves of one packed weight: ``q = 16 * hi + lo`` with ``hi`` in [-8, 7] and ``lo`` in
+    [0, 15]; rows ``[0, out)`` hold ``hi`` (scale ``16 d``, zero 0) and rows ``[out, 2 out)``
+    hold ``lo`` (scale ``d``, zero ``8 d``); ``y`` is the sum of the two halves' outputs."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias=None) -> None:
+        super().__init__(packed, scales_and_zeros, bias)
+        self.out_features //= 2  # the halves are one output each
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, bias=None, dtype=torch.bfloat16):
+        """``q`` int8 ``[out, in]``, ``d`` ``[out, in / 32]`` (float32)."""
+        q = q.to(torch.int32)
+        hi = torch.div(q, 16, rounding_mode="floor")
+        lo = q - 16 * hi
+        codes = torch.cat([hi + 8, lo])
+        scales = torch.cat([16 * d, d])
+        zeros = torch.cat([torch.zeros_like(d), 8 * d])
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype)
+        return cls(packed, scales_and_zeros, bias)
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        both = super().packed_matmul(x)
+        return both[:, : self.out_features] + both[:, self.out_features :]
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        # Both halves are multiples of d and their sum has at most 8 + 11 significant bits:
+        # exact in float32.
+        halves = self._dequantize_codes(self.codes(), slice(None))
+        return (halves[: self.out_features] + halves[self.out_features :]).to(dtype or self.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([ids, ids + self.out_features])
+        halves = self._dequantize_codes(self._row_codes(both), both)
+        return (halves[: len(ids)] + halves[len(ids) :]).to(self.dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding whose rows are those of a packed weight (one tied to ``lm_head``)."""
+
+    def __init__(self, source: QuantizedLinear) -> None:
+        super().__init__()
+        self.source = source
+        self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.source.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of a module's buffers and parameters, each tensor counted once."""
+    tensors = {id(t): t for t in (*module.buffers(), *module.parameters())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing a loaded model
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """What ``--quantization`` asks of the loaded model: a method, and for gguf the file."""
+
+    method: str  # one of config.QUANTIZATION_METHODS
+    gguf_path: Path | None = None
+
+    def apply(self, model: nn.Module, hf_config, dtype: torch.dtype) -> nn.Module:
+        if self.method == "gguf":
+            return quantize_model_from_gguf(model, self.gguf_path, hf_config, dtype)
+        return quantize_model(model, self.method, dtype)
+
+
+def plan_quantization(model_config: ModelConfig) -> QuantizationPlan | None:
+    """The plan for ``model_config.quantization``; None: weights in --dtype."""
+    method = model_config.quantization
+    if method is None:
+        return None
+    if method == "gguf":
+        source = locate_model(model_config.model)
+        if not source.is_gguf:  # ModelConfig checks the name; this, the file found
+            raise ValueError(f"--quantization gguf: {source.path} is not a .gguf file")
+        return QuantizationPlan(method, source.path)
+    return QuantizationPlan(method)
+
+
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> nn.Module:
+    """Swap every ``nn.Linear`` of ``model`` for its ``method`` (int8 or int4) packed form.
+
+    An ``nn.Embedding`` sharing its weight with a linear layer (a tied ``lm_head``) reads the
+    packed rows instead. An int4 layer torch cannot pack (outputs not a multiple of 16, inputs
+    not of 32) stays in ``dtype``. Call it on the float32 weights, before ``model.to(dtype)``.
+    """
+    if method not in ("int8", "int4"):
+        raise ValueError(f"--quantization: quantize_model does int8 and int4, not {method!r}")
+    kind = Int8Linear if method == "int8" else Int4Linear
+    embeddings = _tied_embeddings(model)
+    skipped = []
+    for name, linear in _plain_modules(model, nn.Linear):
+        if kind is Int4Linear and not Int4Linear.supports(linear.out_features, linear.in_features):
+            skipped.append(name)
+            continue
+        packed = kind.from_float(linear.weight, linear.bias, dtype)
+        _replace(model, name, packed)
+        for embedding_name in embeddings.get(id(linear.weight), ()):
+            _replace(model, embedding_name, QuantizedEmbedding(packed))
+    if skipped:
+        logger.info("--quantization %s: left in %s (not packable): %s", method, dtype, skipped)
+    release_freed_memory()
+    return model
+
+
+def _plain_modules(model: nn.Module, kind: type) -> list[tuple[str, nn.Module]]:
+    """Modules of exactly ``kind`` (a subclass may do more in its forward), each once."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is kind]
+
+
+def _tied_embeddings(model: nn.Module) -> dict[int, list[str]]:
+    """id of an embedding's weight -> the names of the plain embeddings holding it."""
+    tied: dict[int, list[str]] = {}
+    for name, embedding in _plain_modules(model, nn.Embedding):
+        tied.setdefault(id(embedding.weight), []).append(name)
+    return tied
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap freed by the float weights back to the system (glibc keeps it otherwise,
+    and the process's resident memory would not drop)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files served from their blocks
+
+# GGUF tensor name (after "blk.N.") -> (our module under layers.N, shard index in a fused one)
+_GGUF_LAYER_TENSORS = {
+    "attn_q": ("self_attn.qkv_proj", 0),
+    "attn_k": ("self_attn.qkv_proj", 1),
+    "attn_v": ("self_attn.qkv_proj", 2),
+    "attn_output": ("self_attn.o_proj", 0),
+    "ffn_gate": ("mlp.gate_up_proj", 0),
+    "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_down": ("mlp.down_proj", 0),
+}
+_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the GGML types served from their blocks
+
+
+@dataclass
+class _Blocks:
+    """One GGUF tensor's blocks as arrays over ``[rows, in]`` (rows: the outputs)."""
+
+    type_name: str
+    codes: np.ndarray  # Q4_x: uint8 in [0, 15]; Q8_0: int8
+    scales: np.ndarray  # float32 [rows, in / 32]: d
+    zeros: np.ndarray | None  # float32 [rows, in / 32]: Q4_x's w at code 8; None for Q8_0
+
+    def permuted(self, order: np.ndarray) -> _Blocks:
+        zeros = None if self.zeros is None else self.zeros[order]
+        return _Blocks(self.type_name, self.codes[order], self.scales[order], zeros)
+
+
+def read_blocks(tensor) -> _Blocks:
+    """Decode a Q4_0, Q4_1 or Q8_0 tensor of a ``gguf.GGUFReader`` to codes, scales, zeros.
+
+    Q4_0: 2-byte f16 d, 16 bytes of nibbles (low: elements 0-15, high: 16-31), w = d * (u - 8).
+    Q4_1: d, f16 m, nibbles, w = d * u + m = (u - 8) * d + (m + 8 d).
+    Q8_0: d, 32 int8 q, w = d * q.
+    """
+    name = tensor.tensor_type.name
+    data = np.asarray(tensor.data)
+    rows = data.shape[0]
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
+    blocks = data.reshape(rows, -1, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        return _Blocks(name, q, d, None)
+    offset = 2 if name == "Q4_0" else 4
+    nibbles = blocks[..., offset:]
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
+    if name == "Q4_0":
+        zeros = np.zeros_like(d)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros = m + 8 * d
+    return _Blocks(name, codes, d, zeros)
+
+
+def _reverse_permute_order(rows: int, num_heads: int) -> np.ndarray:
+    """The row order undoing llama.cpp's rotary permutation of q/k (as Transformers' GGUF
+    loader undoes it for the llama architecture)."""
+    half = rows // num_heads // 2
+    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def quantize_model_from_gguf(
+    model: nn.Module, gguf_path: Path, hf_config, dtype: torch.dtype
+) -> nn.Module:
+    """Swap the linear layers (and a tied or Q8_0 embedding) of a native Llama-family model for
+    packed ones built from the GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
+
+    A fused layer (qkv_proj, gate_up_proj) is packed when all its parts are Q4_x (int4), or all
+    Q8_0; otherwise, like every tensor of another type (F16, K-quants...), it keeps the weights
+    already loaded (the file dequantized). Call it before ``model.to(dtype)``.
+    """
+    import gguf  # only for a .gguf file
+
+    if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
+        raise ValueError(
+            "--quantization gguf serves native Llama-family models (Llama, Mistral, SmolLM2, "
+            "Qwen2, Qwen3); use --model-impl auto or vllm"
+        )
+    reader = gguf.GGUFReader(str(gguf_path))
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    parts: dict[str, dict[int, object]] = {}
+    for tensor in reader.tensors:
+        target = _gguf_target(tensor.name)
+        if target is not None:
+            module, shard = target
+            parts.setdefault(module, {})[shard] = tensor
+    kept = []
+    for module_name, shards in parts.items():
+        blocks = _module_blocks(module_name, shards, architecture, hf_config)
+        if blocks is None or not _packable(blocks):
+            kept.append(module_name)
+            continue
+        if module_name == "embed_tokens":
+            _serve_embedding(model, hf_config, blocks, dtype)
+            continue
+        linear = model.get_submodule(module_name)
+        _check_shape(module_name, blocks, linear.out_features, linear.in_features)
+        _replace(model, module_name, _packed_linear(blocks, linear.bias, dtype))
+    if kept:
+        logger.info("--quantization gguf: %d layers kept as loaded in %s", len(kept), dtype)
+    release_freed_memory()
+    return model
+
+
+def _gguf_target(name: str) -> tuple[str, int] | None:
+    if name == "token_embd.weight":
+        return "embed_tokens", 0
+    if name == "output.weight":
+        return "lm_head", 0
+    prefix, _, rest = name.partition(".")
+    layer, _, rest = rest.partition(".")
+    tensor, _, suffix = rest.partition(".")
+    if prefix != "blk" or suffix != "weight" or tensor not in _GGUF_LAYER_TENSORS:
+        return None
+    module, shard = _GGUF_LAYER_TENSORS[tensor]
+    return f"layers.{int(layer)}.{module}", shard
+
+
+def _module_blocks(module_name, shards, architecture: str, hf_config) -> _Blocks | None:
+    """The module's blocks, its shards' rows one after another; None if they cannot be served."""
+    types = {tensor.tensor_type.name for tensor in shards.values()}
+    if not types <= set(_BLOCK_TYPES) or ("Q8_0" in types and len(types) > 1):
+        return None
+    decoded = []
+    for shard in sorted(shards):
+        tensor = shards[shard]
+        blocks = read_blocks(tensor)
+        if architecture == "llama" and module_name.endswith("qkv_proj") and shard < 2:
+            heads = hf_config.num_attention_heads if shard == 0 else hf_config.num_key_value_heads
+            blocks = blocks.permuted(_reverse_permute_order(blocks.codes.shape[0], heads))
+        decoded.append(blocks)
+    if len(decoded) == 1:
+        return decoded[0]
+    zeros = None if "Q8_0" in types else np.concatenate([b.zeros for b in decoded])
+    return _Blocks(
+        decoded[0].type_name,
+        np.concatenate([b.codes for b in decoded]),
+        np.concatenate([b.scales for b in decoded]),
+        zeros,
+    )
+
+
+def _packable(blocks: _Blocks) -> bool:
+    rows, columns = blocks.codes.shape
+    return Int4Linear.supports(rows if blocks.zeros is not None else 2 * rows, columns)
+
+
+def _packed_linear(blocks: _Blocks, bias, dtype) -> QuantizedLinear:
+    codes, scales = torch.from_numpy(blocks.codes), torch.from_numpy(blocks.scales)
+    if blocks.zeros is None:
+        return Q8BlockLinear.from_blocks(codes, scales, bias, dtype)
+    return Int4Linear.from_codes(codes, scales, torch.from_numpy(blocks.zeros), bias, dtype)
+
+
+def _serve_embedding(model: nn.Module, hf_config, blocks: _Blocks, dtype) -> None:
+    embedding = model.embed_tokens
+    _check_shape("embed_tokens", blocks, embedding.num_embeddings, embedding.embedding_dim)
+    packed = _packed_linear(blocks, None, dtype)
+    model.embed_tokens = QuantizedEmbedding(packed)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        model.lm_head = packed
+
+
+def _check_shape(name: str, blocks: _Blocks, rows: int, columns: int) -> None:
+    if blocks.codes.shape != (rows, columns):
+        raise ValueError(
+            f"--quantization gguf: the GGUF tensor for {name} is {blocks.codes.shape}, the model "
+            f"expects ({rows}, {columns})"
+        )
+
+
+def linear_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """The model's linear layers, packed or not (for reports and tests)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, QuantizedLinear))
+    ]

@@ -1,0 +1,460 @@
+"""Weight-only quantization (--quantization int8 / int4 / gguf).
+
+- A packed layer computes the matmul of its hand-dequantized weight (the reference quantizers
+  below are the documented formulas, written out apart from engine/quantization.py), and its
+  buffers take the bytes the packing promises.
+- The quantized model against Transformers' model carrying the same quantization (its weights
+  fake-quantized: quantized, then dequantized). In float32 the math is the same (each layer's
+  weight is dequantized exactly, then multiplied), so greedy output is token-exact. In bfloat16
+  the packed kernels compute with bfloat16 activations, so a perplexity bound on a fixed text.
+- A GGUF file served from its own Q4_0/Q4_1/Q8_0 blocks: its dequantized weights equal gguf's
+  own dequantization, and its greedy output that of the dequantized model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from engine_utils import make_core, run_to_completion
+from tiny_models import TINY_DECODER, save_tiny_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from llmrpc.engine import loader
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.core import EngineCore
+from llmrpc.engine.models import build_model
+from llmrpc.engine.quantization import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    Q8BlockLinear,
+    QuantizationPlan,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    packed_bytes,
+    plan_quantization,
+    quantize_model,
+)
+from llmrpc.engine.request import SamplingParams
+
+# ---------------------------------------------------------------------------------------------
+# Reference quantizers: the dequantized weight, in float32. Scales and zeros are rounded to the
+# model's dtype (the kernels take them in the activations' dtype) before the codes are chosen.
+
+
+def fake_int8(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-output-channel symmetric: q in [-127, 127], scale = max|w| / 127 (an all-zero row,
+    like a padding token's embedding, stays zero)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).to(dtype).float()[:, None]
+    return torch.round(w / scale).nan_to_num(0).clamp(-127, 127) * scale
+
+
+def fake_int4(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Groups of 32 inputs, asymmetric: w = (u - 8) * scale + zero, u in [0, 15],
+    scale = (max - min) / 15, zero = min + 8 * scale (a constant group is its zero, code 8)."""
+    rows, columns = weight.shape
+    w = weight.detach().float().view(rows, columns // 32, 32)
+    low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).to(dtype).float()
+    zero = (low + 8 * scale).to(dtype).float()
+    code = (torch.round((w - zero) / scale).nan_to_num(0) + 8).clamp(0, 15)
+    return ((code - 8) * scale + zero).view(rows, columns)
+
+
+FAKE = {"int8": fake_int8, "int4": fake_int4}
+
+
+def fake_quantized_transformers(model_dir: Path, method: str, dtype: torch.dtype):
+    """Transformers' float32 model with every linear weight replaced by its dequantization
+    (a tied lm_head is the embedding's weight, so the embedding carries it too)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                module.weight.copy_(FAKE[method](module.weight, dtype))
+    return model
+
+
+def greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    results = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+            )
+        results.append(out[0, len(prompt) :].tolist())
+    return results
+
+
+def quantized_core(
+    model_dir: Path, method: str, dtype: str = "float32", model_impl: str = "auto", **scheduler
+):
+    """An engine core serving ``model_dir`` with its model built under ``--quantization``."""
+    core = EngineCore(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(model_dir), dtype=dtype, max_model_len=512, model_impl=model_impl
+            ),
+            cache=CacheConfig(num_gpu_blocks_override=256),
+            scheduler=SchedulerConfig(**scheduler),
+        )
+    )
+    plan = plan_quantization(ModelConfig(model=str(model_dir), quantization=method))
+    core.model = core.runner.model = None  # the float model goes before the quantized one loads
+    weights = loader.iter_weights(core.model_dir)
+    core.model = core.runner.model = build_model(
+        core.hf_config, core.dtype, weights, 0, model_impl, plan
+    )
+    return core
+
+
+def engine_greedy(core, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = run_to_completion(core, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    return [outputs[f"r{i}"].token_ids for i in range(len(prompts))]
+
+
+PROMPTS = ["What is the capital of France?", "def fibonacci(n):", "Once upon a time, in a"]
+
+
+def prompt_ids(core) -> list[list[int]]:
+    return [core.tokenizer(text)["input_ids"] for text in PROMPTS]
+
+
+# ---------------------------------------------------------------------------------------------
+# One layer
+
+
+def _quantized_layer(method: str, dtype: torch.dtype, in_features=96, out_features=208):
+    """A random nn.Linear and its quantized form (208 outputs: torch's int4 packing stores 3
+    blocks of 64 and a tail of 16 differently)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features)
+    model = quantize_model(nn.Sequential(linear), method, dtype).to(dtype)
+    return linear, model[0]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantized_linear_is_the_hand_dequantized_matmul(method, dtype):
+    linear, layer = _quantized_layer(method, dtype)
+    assert isinstance(layer, Int8Linear if method == "int8" else Int4Linear)
+    weight = FAKE[method](linear.weight, dtype)
+    assert torch.equal(layer.dequantize(torch.float32), weight)
+    bias = linear.bias.detach().to(dtype).float()
+    eps = torch.finfo(dtype).eps
+    # 1 and 7 rows: the packed kernel (bf16/fp16); past dense_above: dequantize, dense matmul.
+    for rows in (1, 7, layer.dense_above + 1):
+        x = torch.randn(rows, linear.in_features).to(dtype)
+        y = layer(x)
+        assert y.dtype == dtype and y.shape == (rows, linear.out_features)
+        exact = x.float() @ weight.T + bias
+        # Rounding of the inputs to each product and of the output: a few units in the last
+        # place of the dtype; a wrong scale, zero or code would be off by far more.
+        bound = eps * (x.float().abs() @ weight.abs().T + bias.abs() + exact.abs())
+        assert ((y.float() - exact).abs() <= bound).all(), (rows, (y.float() - exact).abs().max())
+
+
+def test_quantized_linear_keeps_leading_dimensions():
+    linear, layer = _quantized_layer("int4", torch.bfloat16)
+    x = torch.randn(2, 3, linear.in_features, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), layer(x.view(6, -1)).view(2, 3, -1))
+
+
+def test_packed_weights_take_a_quarter_or_five_32nds_of_the_float32_bytes():
+    out_features, in_features = 512, 1024
+    float_bytes = out_features * in_features * 4
+    _, int8 = _quantized_layer("int8", torch.bfloat16, in_features, out_features)
+    _, int4 = _quantized_layer("int4", torch.bfloat16, in_features, out_features)
+    bias = out_features * 2
+    # int8: one byte a weight and a bfloat16 scale per output
+    assert packed_bytes(int8) == out_features * in_features + out_features * 2 + bias
+    # int4: half a byte a weight, and a bfloat16 scale and zero per 32 weights (one more bit)
+    groups = in_features // GROUP_SIZE
+    assert packed_bytes(int4) == out_features * in_features // 2 + groups * out_features * 4 + bias
+    assert (packed_bytes(int8) - bias) / float_bytes == pytest.approx(1 / 4, abs=1e-3)
+    assert (packed_bytes(int4) - bias) / float_bytes == pytest.approx(5 / 32)
+
+
+def test_q8_blocks_are_exact_as_two_int4_halves():
+    torch.manual_seed(0)
+    q = torch.randint(-128, 128, (80, 64), dtype=torch.int8)
+    d = (torch.rand(80, 2) * 0.01).half().float()  # GGUF's scales are float16
+    layer = Q8BlockLinear.from_blocks(q, d, None, torch.float32)
+    weight = q.float() * d.repeat_interleave(32, dim=1)
+    assert torch.equal(layer.dequantize(torch.float32), weight)
+    ids = torch.tensor([0, 79, 33, 64])
+    assert torch.equal(QuantizedEmbedding(layer)(ids), weight[ids])
+    bf16 = Q8BlockLinear.from_blocks(q, d, None, torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    exact = x.float() @ bf16.dequantize(torch.float32).T
+    eps = torch.finfo(torch.bfloat16).eps
+    bound = 4 * eps * (x.float().abs() @ weight.abs().T)  # each half rounded, then their sum
+    assert ((bf16(x).float() - exact).abs() <= bound).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models
+
+
+def _float_tensors(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    return [
+        (name, t.shape)
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if t.is_floating_point() and t.dim() == 2
+    ]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_every_linear_is_packed_and_the_tied_embedding_reads_lm_head(tiny_llama_dir, method):
+    config = loader.load_hf_config(tiny_llama_dir)
+    plan = plan_quantization(ModelConfig(model=str(tiny_llama_dir), quantization=method))
+    model = build_model(
+        config, torch.bfloat16, loader.iter_weights(tiny_llama_dir), quantization=plan
+    )
+    assert not [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert model.embed_tokens.source is model.lm_head
+    assert _float_tensors(model) == []  # no float weight matrix is left
+    ids = torch.tensor([[1, 5, 49151]])
+    rows = model.lm_head.dequantize(torch.bfloat16)[ids[0]]
+    assert torch.equal(model.embed_tokens(ids)[0], rows)
+
+
+FAMILIES = {
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-untied": ("llama", {"tie_word_embeddings": False}),
+    "qwen2-biases": ("qwen2", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory, smollm2_dir):
+    model_type, overrides = FAMILIES[request.param]
+    out_dir = tmp_path_factory.mktemp(request.param)
+    return save_tiny_model(
+        out_dir,
+        smollm2_dir,
+        model_type,
+        randomize_biases_and_norms=True,
+        **{**TINY_DECODER, **overrides},
+    )
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_float32_greedy_equals_transformers_with_the_same_quantization(family_dir, method):
+    check_quantized_greedy(family_dir, method)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_transformers_implementation_is_quantized_the_same_way(tiny_llama_dir, method):
+    check_quantized_greedy(tiny_llama_dir, method, model_impl="transformers")
+
+
+def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto") -> None:
+    core = quantized_core(model_dir, method, model_impl=model_impl)
+    prompts = prompt_ids(core)
+    ours = engine_greedy(core, prompts, 12)
+    reference = fake_quantized_transformers(model_dir, method, torch.float32)
+    assert ours == greedy(reference, prompts, 12)
+    assert not [m for m in core.runner.model.modules() if type(m) is nn.Linear]
+
+
+FIXED_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed the Iron Lady, it was constructed as the centrepiece "
+    "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution."
+)
+
+
+def _engine_perplexity(core, ids: list[int]) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    output = run_to_completion(core, {"text": (ids, params)})["text"]
+    logprobs = [entry.logprob for entry in output.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def _transformers_perplexity(model, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def test_bfloat16_packed_kernels_keep_perplexity_of_the_same_quantization(smollm2_dir):
+    """SmolLM2 int4 in bfloat16, the prompt fed 8 tokens a step so every layer runs its packed
+    kernel: perplexity within 0.5% of Transformers' float32 model carrying the same int4
+    weights (measured: 0.02%). Unquantized, the model's perplexity on this text is 2% lower,
+    so a quantization skipped or done otherwise fails."""
+    core = quantized_core(smollm2_dir, "int4", "bfloat16", max_num_batched_tokens=8)
+    assert core.runner.model.layers[0].mlp.down_proj.dense_above >= 8
+    ids = core.tokenizer(FIXED_TEXT)["input_ids"]
+    ours = _engine_perplexity(core, ids)
+    reference = fake_quantized_transformers(smollm2_dir, "int4", torch.bfloat16)
+    expected = _transformers_perplexity(reference, ids)
+    assert abs(math.log(ours / expected)) < math.log(1.005), (ours, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files
+
+
+def test_packaged_gguf_is_served_from_its_q4_1_and_q8_0_blocks(smollm2_dir):
+    """The packaged file's Q4_1 layers and its Q8_0 embedding (tied to lm_head), packed, with
+    none of them left in float: their dequantization is exactly the converted folder's float32
+    weights (Transformers' dequantization of the same file), so a float32 model computes what
+    the dequantized one does (greedy output is compared on the GGUF file written below)."""
+    config = loader.load_hf_config(smollm2_dir)
+    plan = plan_quantization(ModelConfig(quantization="gguf"))
+    model = build_model(config, torch.float32, loader.iter_weights(smollm2_dir), quantization=plan)
+    floats = dict(loader.iter_weights(smollm2_dir))
+    assert isinstance(model.lm_head, Q8BlockLinear)
+    assert model.embed_tokens.source is model.lm_head
+    assert torch.equal(model.lm_head.dequantize(torch.float32), floats["model.embed_tokens.weight"])
+    packed = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, QuantizedLinear) and m is not model.lm_head
+    }
+    assert len(packed) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down
+    for name, layer in packed.items():
+        assert isinstance(layer, Int4Linear), name
+        assert torch.equal(layer.dequantize(torch.float32), _fused_float(floats, name)), name
+    assert not [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
+    float_bytes = sum(t.numel() * 4 for t in floats.values())
+    assert packed_bytes(model) < 0.25 * float_bytes
+
+
+def _fused_float(floats: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    prefix = f"model.{name.rsplit('.', 1)[0]}"
+    parts = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }.get(name.rsplit(".", 1)[1], (name.rsplit(".", 1)[1],))
+    return torch.cat([floats[f"{prefix}.{part}.weight"] for part in parts])
+
+
+# Written here: the tiny Llama's weights as llama.cpp stores them (q and k rows permuted for
+# its rotary layout), in the three block types, mixed as quantized files mix them.
+GGUF_TYPES = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q4_1",
+    "attn_output": "Q8_0",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "Q8_0",  # with ffn_gate's Q4_1: gate_up_proj cannot be one packed layer
+    "ffn_down": "Q4_0",
+}
+HF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _llama_cpp_permutation(rows: int, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permute(): the source row of each stored row."""
+    return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+
+
+def _write_gguf(path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+    """Write the model's weights to ``path``; the dequantized weights each HF name should get."""
+    config = loader.load_hf_config(model_dir)
+    floats = dict(loader.iter_weights(model_dir))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    expected = {}
+    tensors = [("token_embd", "model.embed_tokens.weight")] + [
+        (f"blk.{i}.{short}", f"model.layers.{i}.{hf}.weight")
+        for i in range(config.num_hidden_layers)
+        for short, hf in HF_NAMES.items()
+    ]
+    for gguf_name, hf_name in tensors:
+        short = gguf_name.rsplit(".", 1)[-1]
+        qtype = gguf.GGMLQuantizationType[GGUF_TYPES[short]]
+        weight = floats[hf_name].numpy()
+        order = np.arange(weight.shape[0])
+        if short in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
+            order = _llama_cpp_permutation(weight.shape[0], heads)
+        blocks = gguf.quants.quantize(weight[order], qtype)
+        writer.add_tensor(f"{gguf_name}.weight", blocks, raw_dtype=qtype)
+        stored = gguf.quants.dequantize(blocks, qtype).reshape(weight.shape)
+        unpermuted = np.empty_like(stored)
+        unpermuted[order] = stored
+        expected[hf_name] = torch.from_numpy(unpermuted)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
+    """Q4_0, Q4_1 and Q8_0 tensors, q/k in llama.cpp's row order, fused where the types allow:
+    each packed layer dequantizes exactly to gguf's own dequantization of its parts, a fused
+    layer whose parts mix Q8_0 and Q4_x keeps the weights loaded, and float32 greedy output
+    equals Transformers' model holding the same weights."""
+    path = tmp_path / "tiny.gguf"
+    expected = _write_gguf(path, tiny_llama_dir)
+    config = loader.load_hf_config(tiny_llama_dir)
+    plan = QuantizationPlan("gguf", path)
+    weights = loader.iter_weights(tiny_llama_dir)
+    model = build_model(config, torch.float32, weights, quantization=plan)
+    floats = dict(loader.iter_weights(tiny_llama_dir))
+    embedding = expected["model.embed_tokens.weight"]
+    assert isinstance(model.lm_head, Q8BlockLinear) and model.embed_tokens.source is model.lm_head
+    assert torch.equal(model.lm_head.dequantize(torch.float32), embedding)
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}"
+        attention, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attention.qkv_proj, Int4Linear)  # Q4_0 and Q4_1 parts, both int4
+        assert isinstance(attention.o_proj, Q8BlockLinear)
+        assert isinstance(mlp.down_proj, Int4Linear)
+        assert type(mlp.gate_up_proj) is nn.Linear  # Q4_1 with Q8_0: kept as loaded
+        qkv = torch.cat([expected[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(attention.qkv_proj.dequantize(torch.float32), qkv)
+        for module, name in (
+            (attention.o_proj, "self_attn.o_proj"),
+            (mlp.down_proj, "mlp.down_proj"),
+        ):
+            assert torch.equal(
+                module.dequantize(torch.float32), expected[f"{prefix}.{name}.weight"]
+            )
+        gate_up = torch.cat([floats[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(mlp.gate_up_proj.weight, gate_up)
+
+    core = make_core(tiny_llama_dir, "float32")
+    core.model = core.runner.model = model
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    state = reference.state_dict()
+    with torch.no_grad():
+        for name, weight in expected.items():
+            if ".mlp.gate_proj." not in name and ".mlp.up_proj." not in name:
+                state[name].copy_(weight)
+    prompts = prompt_ids(core)
+    assert engine_greedy(core, prompts, 12) == greedy(reference, prompts, 12)
+
+
+def test_gguf_needs_a_gguf_model_and_its_weights(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"^--quantization gguf .* is not a \.gguf file"):
+        ModelConfig(model=str(tiny_llama_dir), quantization="gguf")
+    with pytest.raises(ValueError, match=r"^--quantization gguf .* --load-format dummy"):
+        ModelConfig(quantization="gguf", load_format="dummy")
+    with pytest.raises(ValueError, match=r"^--quantization must be one of int8, int4, gguf"):
+        ModelConfig(quantization="awq")
