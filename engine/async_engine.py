@@ -1,43 +1,51 @@
-"""``AsyncEngine``: the engine core's step loop on a thread of its own, outputs as async iterators.
+"""The engine as the server sees it: requests in, outputs out as async iterators, never blocking
+the event loop on the model.
 
-The event loop never blocks on the model. Requests and aborts reach the loop thread through a
-queue; outputs come back through ``call_soon_threadsafe`` into one collector per request, which
-merges deltas when its consumer lags. A consumer that stops listening (a cancelled or expired
-call) aborts its request, which frees its KV blocks at the next step.
+``EngineClient`` is the frontend's half, the same in both modes: one collector per request,
+which merges deltas when its consumer lags; utility calls answered by id; the engine's figures
+as of its latest message. A consumer that stops listening (a cancelled or expired call)
+aborts its request, which frees its KV blocks at the next step. The engine core's step loop
+(``core_process.EngineLoop``) runs either on a thread of this process (``AsyncEngine``, here:
+``--disable-frontend-multiprocessing``) or in a process of its own
+(``core_client.EngineProcessClient``); the two exchange the same typed messages
+(``messages``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
+import itertools
 import logging
 import queue
 import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core import EngineCore, EngineStateError, EngineStats, ModelInfo
-from llmrpc.engine.memory import release_free_memory
+from llmrpc.engine.core_process import EngineLoop
+from llmrpc.engine.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    EngineDeadError,
+    Figures,
+    Outputs,
+    Result,
+    Shutdown,
+    Snapshot,
+    rebuild_error,
+)
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from llmrpc.engine.tokenizer_workers import TokenizerWorkers
 
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStateError"]
-
-
-# How often an idle engine thread refreshes its published figures.
-STATS_REFRESH_S = 1.0
-# How often an idle engine thread gives the allocator's free memory back to the system.
-IDLE_TRIM_INTERVAL_S = 10.0
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop stopped on an error; no request can be served any more."""
+__all__ = ["AsyncEngine", "EngineClient", "EngineDeadError", "EngineStateError"]
 
 
 class _Collector:
@@ -70,37 +78,40 @@ class _Collector:
         return outputs
 
 
-class AsyncEngine:
-    """One thread owns everything torch does (model load and every step): PyTorch's CPU
-    kernels keep a team of worker threads per calling thread, and two teams contend for the
-    cores."""
+class EngineClient:
+    """What the server calls, whichever side of a process boundary the engine core is on.
+
+    A subclass carries messages: ``_send`` hands one to the core (at once, in order), and the
+    core's messages reach ``_handle`` on the event loop.
+    """
 
     def __init__(self) -> None:
-        self.core: EngineCore | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._collectors: dict[str, _Collector] = {}
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._collectors: dict[str, _Collector] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
         self.dead_error: BaseException | None = None
-        self.on_dead: list = []  # callbacks run on the event loop when the step loop dies
-        # The engine thread's tokenizer is its own; the event loop and the tokenizer workers
-        # have copies (fast tokenizers must not be shared between threads).
+        self.on_dead: list = []  # callbacks run on the event loop when the engine dies
+        # The event loop's own tokenizer and the tokenizer workers' copies (fast tokenizers
+        # must not be shared between threads); the engine core detokenizes with its own.
         self._tokenizer = None
         self._workers: TokenizerWorkers | None = None
-        self._stats: EngineStats | None = None  # published by the engine thread
+        self._model_info: ModelInfo | None = None
+        self._snapshot: Snapshot | None = None
 
-    @classmethod
-    async def create(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model on the engine's own thread, then run the step loop there."""
-        engine = cls()
-        loaded: concurrent.futures.Future = concurrent.futures.Future()
-        engine._loop = asyncio.get_running_loop()
-        engine._thread = threading.Thread(
-            target=engine._run, args=(config, loaded), name="llmrpc-engine", daemon=True
-        )
-        engine._thread.start()
-        await asyncio.wrap_future(loaded)  # raises what loading raised
-        return engine
+    # --- what a subclass provides -------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    # --- the surface ------------------------------------------------------------------------
 
     @property
     def tokenizer(self):
@@ -121,29 +132,21 @@ class AsyncEngine:
 
     @property
     def model_info(self) -> ModelInfo:
-        return self.core.model_info
+        return self._model_info
 
     @property
     def device(self) -> str:
         """Where the model's weights live, as torch names it: "cpu", "cuda:0"..."""
-        return str(self.core.runner.device)
+        return self._snapshot.device
 
     @property
     def stats(self) -> EngineStats:
-        """The engine's figures as of its latest step or command (a snapshot the engine thread
-        publishes whole, so readers on other threads never see it half-updated)."""
-        return self._stats
+        """The engine's figures as of its latest step or command (a snapshot it sends whole)."""
+        return self._snapshot.stats
 
     @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
-
-    async def shutdown(self) -> None:
-        if self._workers is not None:
-            self._workers.shutdown()
-        if self._thread is not None and self._thread.is_alive():
-            self._inbox.put(("stop",))
-            await asyncio.to_thread(self._thread.join)
+    def is_sleeping(self) -> bool:
+        return self._snapshot.stats.is_sleeping
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -160,7 +163,7 @@ class AsyncEngine:
         collector = self._collectors[request_id] = _Collector()
         num_finished = 0
         try:
-            await self._call("add_request", request_id, prompt_token_ids, params)
+            await self._call(lambda i: AddRequest(i, request_id, prompt_token_ids, params))
             while num_finished < params.n:
                 for output in await collector.get():
                     num_finished += output.finished
@@ -169,26 +172,31 @@ class AsyncEngine:
             finished = num_finished == params.n
             del self._collectors[request_id]
             if not finished and self.dead_error is None:
-                self._inbox.put(("abort", [request_id], None))
+                self._post(Abort(0, [request_id]))
 
     async def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Abort the live requests among ``request_ids``; returns those that were live."""
-        return await self._call("abort", list(request_ids))
+        return await self._call(lambda call_id: Abort(call_id, list(request_ids)))
 
     async def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes; False while requests hold KV blocks."""
-        return await self._call("reset_prefix_cache")
+        return await self._utility("reset_prefix_cache")
 
     async def sleep(self, level: int = 1) -> None:
         """Free memory while idle (``--enable-sleep-mode``); raises ``EngineStateError`` if busy."""
-        await self._call("sleep", level)
+        await self._utility("sleep", level)
 
     async def wake_up(self) -> None:
-        await self._call("wake_up")
+        await self._utility("wake_up")
 
-    @property
-    def is_sleeping(self) -> bool:
-        return self.core.sleep_level > 0
+    def call_in_core(self, function: Callable, *args) -> asyncio.Future:
+        """Run ``function(core, *args)`` where the engine core lives, between two steps, and
+        return a future of its result (sent at once: commands sent later run after it).
+
+        ``function`` must be a module-level function the engine's side can import by name;
+        only its name and ``args`` cross (plain data). For tests and diagnostics."""
+        reference = f"{function.__module__}:{function.__qualname__}"
+        return self._call(lambda call_id: Call(call_id, "call_function", [reference, *args]))
 
     async def warmup(self) -> None:
         """Run one short request end to end, so the first user request pays no start-up cost."""
@@ -198,12 +206,135 @@ class AsyncEngine:
         async for _ in self.generate(f"llmrpc-warmup-{uuid.uuid4().hex}", prompt, params):
             pass
 
-    async def _call(self, command: str, *args):
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((command, *args, future))
-        return await asyncio.wrap_future(future)
+    # --- messages ---------------------------------------------------------------------------
 
-    # --- the loop thread -------------------------------------------------------------------
+    async def _utility(self, method: str, *args):
+        return await self._call(lambda call_id: Call(call_id, method, list(args)))
+
+    def _call(self, make_message: Callable[[int], object]) -> asyncio.Future:
+        """Send the command ``make_message(call_id)`` now; a future of its result."""
+        future = asyncio.get_running_loop().create_future()
+        if self.dead_error is not None:
+            future.set_exception(EngineDeadError(f"the engine stopped: {self.dead_error}"))
+            return future
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(make_message(call_id))
+        except BaseException:
+            del self._calls[call_id]
+            raise
+        return future
+
+    def _post(self, message) -> None:
+        """Send a command no one waits on; dropped if the engine is gone."""
+        with contextlib.suppress(EngineDeadError):
+            self._send(message)
+
+    def _handle(self, message) -> None:
+        """A message from the engine core, on the event loop."""
+        if isinstance(message, Outputs):
+            self._snapshot = message.snapshot
+            for output in message.outputs:
+                collector = self._collectors.get(output.request_id)
+                if collector is not None:
+                    collector.put(output)
+        elif isinstance(message, Result):
+            self._snapshot = message.snapshot
+            future = self._calls.pop(message.call_id, None)
+            if future is None or future.done():  # the caller gave up (a cancelled call)
+                return
+            if message.error is None:
+                future.set_result(message.value)
+            else:
+                error = message.error
+                future.set_exception(
+                    error if isinstance(error, BaseException) else rebuild_error(error)
+                )
+        elif isinstance(message, Figures):
+            self._snapshot = message.snapshot
+
+    def _handle_all(self, batch: list) -> None:
+        for message in batch:
+            self._handle(message)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Fail every request and call waiting on the engine with ``error``."""
+        for collector in self._collectors.values():
+            collector.fail(error)
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine died of ``error``: fail everything waiting on it, then tell ``on_dead``."""
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        self._fail_pending(EngineDeadError(f"the engine stopped: {error}"))
+        for callback in self.on_dead:
+            callback(error)
+
+    def _call_soon(self, callback, *args) -> None:
+        """Run ``callback`` on the event loop from another thread, unless the loop has closed."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed (the process is exiting): no one is listening
+            logger.debug("event loop closed; %s dropped", getattr(callback, "__name__", callback))
+
+
+class AsyncEngine(EngineClient):
+    """The engine core's step loop on a thread of this process.
+
+    One thread owns everything torch does (model load and every step): PyTorch's CPU kernels
+    keep a team of worker threads per calling thread, and two teams contend for the cores.
+    Messages are handed over as objects: no encoding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core: EngineCore | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    async def create(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model on the engine's own thread, then run the step loop there."""
+        engine = cls()
+        loaded: concurrent.futures.Future = concurrent.futures.Future()
+        engine._loop = asyncio.get_running_loop()
+        engine._thread = threading.Thread(
+            target=engine._run, args=(config, loaded), name="llmrpc-engine", daemon=True
+        )
+        engine._thread.start()
+        await asyncio.wrap_future(loaded)  # raises what loading raised
+        return engine
+
+    @property
+    def device(self) -> str:
+        return str(self.core.runner.device)  # read from the model at each call
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    async def shutdown(self) -> None:
+        if self._workers is not None:
+            self._workers.shutdown()
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(Shutdown())
+            await asyncio.to_thread(self._thread.join)
+
+    def _send(self, message) -> None:
+        self._inbox.put(message)
+
+    def _receive(self, timeout: float):
+        try:
+            return self._inbox.get(block=timeout > 0, timeout=timeout or None)
+        except queue.Empty:
+            return None
+
+    # --- the engine thread ------------------------------------------------------------------
 
     def _run(self, config: EngineConfig, loaded: concurrent.futures.Future) -> None:
         try:
@@ -211,89 +342,18 @@ class AsyncEngine:
             if self.core.tokenizer is not None:
                 self._tokenizer = copy.deepcopy(self.core.tokenizer)
                 self._workers = TokenizerWorkers(self.core.tokenizer)
-            self._publish_stats()
+            loop = EngineLoop(self.core, self._deliver, wrap_error=lambda error: error)
+            self._model_info = self.core.model_info
+            self._snapshot = loop.snapshot()
         except BaseException as error:  # noqa: BLE001 - handed to create()
             loaded.set_exception(error)
             return
         loaded.set_result(None)
-        busy = False  # stepped since the engine last went idle
-        last_trim = time.monotonic()
         try:
-            while self._handle_commands(block=not self.core.has_unfinished_requests):
-                if self.core.has_unfinished_requests:
-                    outputs = self.core.step()
-                    self._publish_stats()  # before the outputs: a caller sees both agree
-                    self._deliver(outputs)
-                    busy = True
-                    continue
-                self._publish_stats()  # idle: throughput figures decay
-                # What a load took can go back: when the engine goes idle, and every so often
-                # while idle (large requests refused before reaching the engine use memory too).
-                if busy or time.monotonic() - last_trim >= IDLE_TRIM_INTERVAL_S:
-                    release_free_memory()
-                    busy, last_trim = False, time.monotonic()
+            loop.run(self._receive)
         except BaseException as error:  # noqa: BLE001 - any failure here kills the engine
             logger.exception("engine step loop died")
             self._call_soon(self._fail_all, error)
 
-    def _publish_stats(self) -> None:
-        self._stats = self.core.stats
-
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False once asked to stop. Waiting for one (``block``)
-        ends after ``STATS_REFRESH_S`` without one."""
-        while True:
-            try:
-                command = self._inbox.get(block=block, timeout=STATS_REFRESH_S if block else None)
-            except queue.Empty:
-                return True
-            block = False
-            if command[0] == "stop":
-                return False
-            future = command[-1]
-            # A caller that gave up (cancelled call, passed deadline) cancelled its future while
-            # the command waited here: skip the command; its abort, if any, follows it.
-            if future is not None and not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = self._apply(command[0], *command[1:-1])
-            except Exception as error:  # noqa: BLE001 - returned to the caller
-                if future is not None:
-                    future.set_exception(error)
-                continue
-            finally:
-                self._publish_stats()
-            if future is not None:
-                future.set_result(result)
-
-    def _apply(self, command: str, *args):
-        if command != "abort":  # add_request, reset_prefix_cache, sleep, wake_up
-            return getattr(self.core, command)(*args)
-        outputs = self.core.abort_requests(args[0])
-        self._publish_stats()
-        self._deliver(outputs)
-        return [output.request_id for output in outputs]
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
-            self._call_soon(self._dispatch, outputs)
-
-    def _call_soon(self, callback, *args) -> None:
-        """Run ``callback`` on the event loop, unless the loop has already closed."""
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop closed (the process is exiting): no one is listening
-            logger.debug("event loop closed; %s dropped", getattr(callback, "__name__", callback))
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            collector = self._collectors.get(output.request_id)
-            if collector is not None:
-                collector.put(output)
-
-    def _fail_all(self, error: BaseException) -> None:
-        self.dead_error = error
-        for collector in self._collectors.values():
-            collector.fail(EngineDeadError(f"the engine stopped: {error}"))
-        for callback in self.on_dead:
-            callback(error)
+    def _deliver(self, message) -> None:
+        self._call_soon(self._handle, message)

@@ -4,8 +4,10 @@ The port is bound first and health says NOT_SERVING while the model loads and wa
 probes and ``grpcurl list`` work at once; health turns SERVING once the engine has served a
 warm-up request. On SIGTERM health turns NOT_SERVING at once; calls are still served for the
 drain delay (load balancers stop routing here meanwhile), then the server stops: calls in
-flight get the shutdown grace to finish, new ones get UNAVAILABLE. If the engine dies, health
-turns NOT_SERVING and ``serve`` returns 1.
+flight get the shutdown grace to finish, new ones get UNAVAILABLE, and the engine stops (its
+process, unless --disable-frontend-multiprocessing keeps it on a thread here). If the engine
+dies (its step loop fails, or its process ends unasked), the calls waiting on it get
+UNAVAILABLE, health turns NOT_SERVING and ``serve`` returns 1 with the cause logged.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmrpc.common.chat_template import read_chat_template
-from llmrpc.engine.async_engine import AsyncEngine
+from llmrpc.engine.async_engine import AsyncEngine, EngineClient
 from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners
 from llmrpc.server.health import HEALTH_SERVICE_NAME, Health
@@ -86,7 +89,7 @@ class RunningServer:
         self._stopped = False
 
     @property
-    def engine(self) -> AsyncEngine | None:
+    def engine(self) -> EngineClient | None:
         return self.state.engine
 
     @property
@@ -96,8 +99,12 @@ class RunningServer:
         return f"{host}:{self.port}"
 
     async def load(self, engine_config: EngineConfig, frontend: FrontendConfig) -> None:
-        """Load the model, warm it up, then report SERVING."""
-        engine = await AsyncEngine.create(engine_config)
+        """Start the engine (in its own process unless --disable-frontend-multiprocessing) and
+        load the model, warm it up, then report SERVING."""
+        if frontend.disable_frontend_multiprocessing:
+            engine: EngineClient = await AsyncEngine.create(engine_config)
+        else:
+            engine = await EngineProcessClient.create(engine_config)
         self.state.engine = engine
         engine.on_dead.append(self._on_engine_dead)
         if frontend.chat_template is not None:

@@ -223,8 +223,13 @@ _FRONTEND = _group(
     works("--log-config-file", None, str, "logs.config_file",
           "JSON logging configuration (logging.config.dictConfig) for every logger; formats "
           "may use %%(request_id)s."),
-    inert("--disable-frontend-multiprocessing", False, None,
-          "is how llmrpc always runs: the engine steps on a thread of the server's process"),
+    works("--disable-frontend-multiprocessing", False, None,
+          "frontend.disable_frontend_multiprocessing",
+          "Run the engine core (model, scheduler, sampling, detokenization, stop matching) on a "
+          "thread of the server's process, sharing its GIL with gRPC, the REST gateway and the "
+          "tokenizer workers. Default: the engine core runs in a process of its own, exchanging "
+          "msgpack messages with the server over local ZeroMQ sockets; if it dies the server "
+          "reports NOT_SERVING and exits 1, and it exits when the server's process does."),
     refused("--api-server-count", 1, int,
             "runs several API server processes; this build serves gRPC and REST from the "
             "process that runs the engine"),

@@ -1,5 +1,6 @@
-"""GenerationService and TokenizationService: thin handlers over ``AsyncEngine``; conversion
-lives in ``convert``.
+"""GenerationService and TokenizationService: thin handlers over the engine client
+(``EngineClient``: the engine core on a thread or in a process of its own); conversion lives in
+``convert``.
 
 A call whose client cancels or whose deadline passes has its handler task cancelled by grpc.aio;
 ``aclosing`` then closes the engine's output stream, which aborts the request and frees its KV

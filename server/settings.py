@@ -137,6 +137,9 @@ class FrontendConfig:
     trust_request_chat_template: bool = False  # else requests may not bring their own
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 10.0
+    # Where the engine core runs: in a process of its own (False, the default, as vLLM's), or
+    # on a thread of the server's process (True: --disable-frontend-multiprocessing)
+    disable_frontend_multiprocessing: bool = False
     tls: TLSConfig = field(default_factory=TLSConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logs: LogConfig = field(default_factory=LogConfig)

@@ -1,25 +1,38 @@
-"""AsyncEngine: the step loop runs off the event loop; a consumer that leaves frees its blocks."""
+"""The engine client, in both modes (the core on a thread of this process, or in a process of its
+own): the step loop runs off the event loop; a consumer that leaves frees its blocks; errors keep
+their types across the boundary."""
 
 from __future__ import annotations
 
 import asyncio
 
+import engine_hooks
 import pytest
+import pytest_asyncio
 
 from llmrpc.engine.async_engine import AsyncEngine, EngineStateError
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
 LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+ENGINES = {"thread": AsyncEngine, "process": EngineProcessClient}
 
 
-@pytest.fixture
-async def engine(tiny_llama_dir):
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine_class(request):
+    return ENGINES[request.param]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama_dir, engine_class):
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=512),
         cache=CacheConfig(num_gpu_blocks_override=128),
     )
-    engine = await AsyncEngine.create(config)
+    engine = await engine_class.create(config)
     yield engine
     await engine.shutdown()
 
@@ -94,6 +107,22 @@ async def test_time_limit_ends_with_the_output_so_far(engine):
     assert 0 < outputs[-1].num_output_tokens < 400
 
 
+async def test_logprobs_and_stop_strings_cross_whole(engine):
+    prompt = engine.tokenizer.encode("Count with me")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    params.prompt_logprobs = 1
+    outputs = await collect(engine, "lp", prompt, params)
+    assert [len(o.logprobs) for o in outputs] == [len(o.token_ids) for o in outputs]
+    assert all(len(entry.top) == 2 for o in outputs for entry in o.logprobs)
+    assert outputs[0].prompt_logprobs[0] is None and len(outputs[0].prompt_logprobs) == len(prompt)
+    text = "".join(o.text for o in outputs)
+    stop = text[2:5]
+    stopped = await collect(engine, "stop", prompt, SamplingParams(temperature=0.0, stop=[stop]))
+    assert stopped[-1].finish_reason is FinishReason.STOP_STRING
+    assert stopped[-1].stop_reason == stop
+    assert "".join(o.text for o in stopped) == text[: text.index(stop)]
+
+
 async def test_load_figures_and_prefix_cache_reset(engine):
     prompt = engine.tokenizer.encode("A shared prefix that spans more than one block " * 3)
     await collect(engine, "first", prompt, SamplingParams(max_tokens=4))
@@ -113,20 +142,28 @@ async def test_sleep_needs_sleep_mode(engine):
         await engine.sleep(1)
 
 
+async def test_a_function_run_in_the_core_returns_its_result_and_raises_its_error(engine):
+    assert await engine.call_in_core(engine_hooks.weights_device) == engine.device == "cpu"
+    with pytest.raises(ValueError, match="no engine utility named 'step'"):
+        await engine._utility("step")
+    with pytest.raises(TypeError, match="positional argument"):
+        await engine.call_in_core(engine_hooks.weights_device, "an argument too many")
+
+
 @pytest.mark.parametrize("level", [1, 2])
-async def test_sleep_and_wake_up_keep_the_output(tiny_llama_dir, level):
+async def test_sleep_and_wake_up_keep_the_output(tiny_llama_dir, engine_class, level):
     config = EngineConfig(
         model=ModelConfig(str(tiny_llama_dir), dtype="float32", enable_sleep_mode=True),
         cache=CacheConfig(num_gpu_blocks_override=64),
     )
-    engine = await AsyncEngine.create(config)
+    engine = await engine_class.create(config)
     try:
         prompt = engine.tokenizer.encode("Sleep well")
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         before = await collect(engine, "before", prompt, params)
         await engine.sleep(level)
-        assert engine.is_sleeping and engine.core.runner.kv_caches == []
-        assert (engine.core.model is None) == (level == 2)
+        assert engine.is_sleeping
+        assert await engine.call_in_core(engine_hooks.sleep_state) == [0, level == 2]
         with pytest.raises(EngineStateError):
             await collect(engine, "asleep", prompt, params)
         await engine.wake_up()
@@ -135,3 +172,15 @@ async def test_sleep_and_wake_up_keep_the_output(tiny_llama_dir, level):
         assert tokens(after) == tokens(before) and len(tokens(before)) == 8
     finally:
         await engine.shutdown()
+
+
+async def test_a_bad_value_found_while_loading_is_a_value_error_naming_the_flag(
+    tiny_llama_dir, engine_class
+):
+    config = EngineConfig(
+        model=ModelConfig(str(tiny_llama_dir), dtype="float32", max_model_len=4096),
+        cache=CacheConfig(num_gpu_blocks_override=8),
+    )
+    with pytest.raises(ValueError, match="--max-model-len 4096") as error:
+        await engine_class.create(config)
+    assert type(error.value) is ValueError

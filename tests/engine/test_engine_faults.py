@@ -3,35 +3,63 @@
 Only a failed forward pass of the whole batch stops the engine. A fault in one request's
 sampling, logits processing, detokenization, stop matching or output making finishes that
 request with ``FinishReason.ERROR`` and the error text, while every other request in the batch
-produces exactly the tokens it would have produced without the faulty one.
+produces exactly the tokens it would have produced without the faulty one. Both modes: the
+engine core on a thread of this process, and in a process of its own (faults are injected
+where the core runs, with ``engine_hooks``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 
+import engine_hooks
 import pytest
-from engine_pace import restore_speed, slow_down
+import pytest_asyncio
 
-from llmrpc.engine import sampler as sampler_module
 from llmrpc.engine.async_engine import AsyncEngine, EngineDeadError
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.request import FinishReason, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
 PROMPTS = {"a": "One two three", "b": "The quick brown fox", "bad": "Trouble ahead", "c": "Hi"}
+ENGINES = {"thread": AsyncEngine, "process": EngineProcessClient}
 
 
-@pytest.fixture
-async def engine(tiny_llama_dir):
-    config = EngineConfig(
-        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
+def engine_config(model_dir) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256),
         cache=CacheConfig(num_gpu_blocks_override=64),
     )
-    engine = await AsyncEngine.create(config)
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine_class(request):
+    return ENGINES[request.param]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama_dir, engine_class):
+    engine = await engine_class.create(engine_config(tiny_llama_dir))
     yield engine
     await engine.shutdown()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def idle_engine(engine):
+    """The module's engine; after the test, faults removed and checked idle with all its
+    blocks free."""
+    yield engine
+    await engine.call_in_core(engine_hooks.remove_faults)
+    await engine.call_in_core(engine_hooks.pace, None)
+    assert engine.is_running
+    assert engine.stats.num_running == engine.stats.num_waiting == 0
+    assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
 
 
 async def run(engine, request_id: str, params: SamplingParams):
@@ -41,88 +69,68 @@ async def run(engine, request_id: str, params: SamplingParams):
 
 
 async def run_batch(engine, ids, params):
-    return dict(zip(ids, await asyncio.gather(*(run(engine, i, params) for i in ids)), strict=True))
+    """The requests of ``ids`` started in one step: the engine is held while they arrive (a
+    seeded request's tokens depend on the batch it starts in, in the last bits of its logits)."""
+    held = engine.call_in_core(engine_hooks.pause, 0.3)
+    results = await asyncio.gather(*(run(engine, i, params) for i in ids))
+    await held
+    return dict(zip(ids, results, strict=True))
 
 
-def fail_for(request_id: str, real):
-    """``real`` that raises while any of its requests is ``request_id``."""
-
-    def faulty(*args, **kwargs):
-        for arg in args:
-            requests = arg if isinstance(arg, list) else [arg]
-            if any(getattr(r, "request_id", None) == request_id for r in requests):
-                raise RuntimeError(f"injected fault for {request_id}")
-        return real(*args, **kwargs)
-
-    return faulty
-
-
-async def test_cancelled_call_while_queued_for_the_engine_thread_is_harmless(engine):
+async def test_cancelled_call_while_queued_for_the_engine_is_harmless(idle_engine):
     """A caller that gives up while its add_request waits behind a step must not kill the
-    step loop (the engine thread would set a result on a cancelled future)."""
-    slow_down(engine, 0.2)
+    step loop, nor leave its request behind."""
+    engine = idle_engine
+    await engine.call_in_core(engine_hooks.pace, 0.2)
     busy = asyncio.create_task(run(engine, "a", GREEDY))
-    await asyncio.sleep(0.3)  # the engine thread is inside a slow step now
+    await asyncio.sleep(0.3)  # the engine is inside a slow step now
     for _ in range(5):
         late = asyncio.create_task(run(engine, "b", GREEDY))
         await asyncio.sleep(0.01)  # its add_request is queued behind the step
         late.cancel()
         with pytest.raises(asyncio.CancelledError):
             await late
-        await asyncio.sleep(0.25)  # the engine thread applies (or skips) the queued command
-    restore_speed(engine)
+        await asyncio.sleep(0.25)  # the engine applies the queued command, then its abort
+    await engine.call_in_core(engine_hooks.pace, None)
     tokens, last = await busy
     assert engine.is_running and last.num_output_tokens == 12
     assert (await run(engine, "c", GREEDY))[1].finish_reason is FinishReason.LENGTH
-    assert engine.stats.num_running == engine.stats.num_waiting == 0
-    assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
+
+
+FAULTS = {
+    "logits_processors": "llmrpc.engine.sampler:apply_logits_processors",  # the batched sampler
+    "detokenizer": "output_processor.add_token",
+    "stop_check": "scheduler._check_token_stop",
+    "make_output": "output_processor.make_output",
+}
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize(
-    "where",
-    ["logits_processors", "detokenizer", "stop_check", "make_output"],
-)
-async def test_a_fault_in_one_request_ends_it_alone(engine, monkeypatch, where, params):
+@pytest.mark.parametrize("where", list(FAULTS))
+async def test_a_fault_in_one_request_ends_it_alone(idle_engine, where, params, caplog):
+    engine = idle_engine
     clean = await run_batch(engine, ["a", "b", "c"], params)
-    core = engine.core
-    if where == "logits_processors":  # inside the batched sampler call
-        real = sampler_module.apply_logits_processors
-        monkeypatch.setattr(sampler_module, "apply_logits_processors", fail_for("bad", real))
-    elif where == "detokenizer":
-        monkeypatch.setattr(
-            core.output_processor, "add_token", fail_for("bad", core.output_processor.add_token)
-        )
-    elif where == "stop_check":
-        monkeypatch.setattr(
-            core.scheduler, "_check_token_stop", fail_for("bad", core.scheduler._check_token_stop)
-        )
-    else:
-        monkeypatch.setattr(
-            core.output_processor, "make_output", fail_for("bad", core.output_processor.make_output)
-        )
-    results = await run_batch(engine, ["a", "b", "bad", "c"], params)
-    monkeypatch.undo()
+    await engine.call_in_core(engine_hooks.fail_requests, FAULTS[where], "bad")
+    with caplog.at_level(logging.ERROR):
+        results = await run_batch(engine, ["a", "b", "bad", "c"], params)
+    await engine.call_in_core(engine_hooks.remove_faults)
     _, last = results.pop("bad")
     assert last.finished and last.finish_reason is FinishReason.ERROR
     assert "injected fault for bad" in last.error
     assert {k: v[0] for k, v in results.items()} == {k: v[0] for k, v in clean.items()}
     assert engine.is_running
-    assert engine.stats.num_running == engine.stats.num_waiting == 0
-    assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
     assert (await run(engine, "c", params))[0] == clean["c"][0]
+    # The engine's log line about it reaches this process's logging, whichever mode.
+    assert any(
+        re.search(r"\bbad\b", r.getMessage()) and r.name.startswith("llmrpc.engine")
+        for r in caplog.records
+    )
 
 
-async def test_a_fault_in_prompt_logprobs_ends_that_request_alone(engine, monkeypatch):
-    core = engine.core
-    real = core.sampler.logprob_values
-
-    def faulty(logits):
-        if logits.shape[0] == len(engine.tokenizer.encode(PROMPTS["bad"])) - 1:
-            raise RuntimeError("injected fault for bad")
-        return real(logits)
-
-    monkeypatch.setattr(core.sampler, "logprob_values", faulty)
+async def test_a_fault_in_prompt_logprobs_ends_that_request_alone(idle_engine):
+    engine = idle_engine
+    num_logits = len(engine.tokenizer.encode(PROMPTS["bad"])) - 1
+    await engine.call_in_core(engine_hooks.fail_prompt_logprobs, num_logits)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     good = asyncio.create_task(run(engine, "b", GREEDY))
     _, last = await run(engine, "bad", params)
@@ -130,19 +138,27 @@ async def test_a_fault_in_prompt_logprobs_ends_that_request_alone(engine, monkey
     assert (await good)[1].num_output_tokens == 12
 
 
-async def test_a_failed_forward_pass_stops_the_engine(engine, monkeypatch):
-    def broken(*args, **kwargs):
-        raise RuntimeError("the device fell over")
+async def test_a_failed_forward_pass_stops_the_engine(tiny_llama_dir, engine_class, caplog):
+    engine = await engine_class.create(engine_config(tiny_llama_dir))
+    try:
+        causes = []
+        engine.on_dead.append(causes.append)
+        await engine.call_in_core(engine_hooks.break_forward_pass, "the device fell over")
+        with pytest.raises(EngineDeadError, match="the device fell over"):
+            await run(engine, "a", GREEDY)
+        assert not engine.is_running
+        assert [str(cause) for cause in causes] == ["the device fell over"]
+        with pytest.raises(EngineDeadError, match="the device fell over"):
+            await run(engine, "b", GREEDY)  # and every request after it
+        assert any(r.getMessage() == "engine step loop died" for r in caplog.records)
+    finally:
+        await engine.shutdown()
 
-    monkeypatch.setattr(engine.core.runner, "execute", broken)
-    with pytest.raises(EngineDeadError, match="the device fell over"):
-        await run(engine, "a", GREEDY)
-    assert not engine.is_running
 
-
-async def test_stats_and_tokenizers_are_safe_to_use_while_the_engine_runs(engine):
-    """The event loop reads the engine's figures and tokenizes while the engine thread steps
-    and detokenizes: each thread has its own tokenizer, and the figures are a snapshot."""
+async def test_stats_and_tokenizers_are_safe_to_use_while_the_engine_runs(idle_engine):
+    """The event loop reads the engine's figures and tokenizes while the engine steps and
+    detokenizes: each thread has its own tokenizer, and the figures are a snapshot."""
+    engine = idle_engine
     params = SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True)
     ids = [f"r{i}" for i in range(8)]
     PROMPTS.update({i: f"Request {i} says hello" for i in ids})

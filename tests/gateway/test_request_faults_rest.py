@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import json
 
+import engine_hooks
 import pytest
+from engine_pace import in_core
 from gateway_support import post, sse_data
 
 
 @pytest.fixture
-def faulty_detokenizer(replica, monkeypatch):
-    """The engine's detokenization raises for requests whose id starts with "bad"."""
-    processor = replica.running.engine.core.output_processor
-    real = processor.add_token
-    calls = {"bad": 0}
-
-    def add_token(req, *args):
-        if req.request_id.startswith("bad"):
-            calls["bad"] += 1
-            if calls["bad"] > 2:  # after two tokens: the stream has begun
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real(req, *args)
-
-    monkeypatch.setattr(processor, "add_token", add_token)
-    return calls
+def faulty_detokenizer(replica):
+    """The engine's detokenization raises for requests whose id starts with "bad", after their
+    first two tokens (the stream has begun)."""
+    engine = replica.running.engine
+    in_core(engine, engine_hooks.fail_requests, "output_processor.add_token", "bad", "unicode", 2)
+    yield
+    in_core(engine, engine_hooks.remove_faults)
 
 
 BODY = {"prompt": "A request among others", "max_tokens": 16, "ignore_eos": True}

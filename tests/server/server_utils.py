@@ -23,6 +23,17 @@ from llmrpc.server import app
 from llmrpc.server.settings import FrontendConfig
 
 NUM_KV_BLOCKS = 256
+# Where a test server's engine core runs: "thread" (a thread of the test's process,
+# --disable-frontend-multiprocessing) or "process" (a process of its own).
+ENGINE_MODES = ("thread", "process")
+
+
+def frontend_config(engine_mode: str, **fields) -> FrontendConfig:
+    """A loopback server (OS-chosen port) with its engine core in ``engine_mode``."""
+    if engine_mode not in ENGINE_MODES:
+        raise ValueError(f"engine mode {engine_mode!r} is not one of {ENGINE_MODES}")
+    fields = {"host": "127.0.0.1", "grpc_port": 0, **fields}
+    return FrontendConfig(disable_frontend_multiprocessing=engine_mode == "thread", **fields)
 
 
 def tiny_engine_config(model_dir: Path, **model_overrides) -> EngineConfig:

@@ -10,10 +10,9 @@ import grpc
 import pytest
 import pytest_asyncio
 from engine_pace import num_live_requests, restore_speed, slow_down
-from server_utils import tiny_engine_config, wait_until
+from server_utils import frontend_config, tiny_engine_config, wait_until
 
 from llmrpc.server.app import RunningServer, start_server
-from llmrpc.server.settings import FrontendConfig
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -26,10 +25,8 @@ def auth(key: str) -> tuple[tuple[str, str], ...]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tiny_llama_dir) -> AsyncIterator[RunningServer]:
-    frontend = FrontendConfig(
-        host="127.0.0.1", grpc_port=0, api_key=(ALICE, BOB), admin_api_key=(ADMIN,)
-    )
+async def server(tiny_llama_dir, engine_mode) -> AsyncIterator[RunningServer]:
+    frontend = frontend_config(engine_mode, api_key=(ALICE, BOB), admin_api_key=(ADMIN,))
     running = await start_server(tiny_engine_config(tiny_llama_dir), frontend=frontend)
     yield running
     await running.stop(grace=0)

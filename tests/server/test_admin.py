@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
-from engine_pace import num_live_requests
+from engine_pace import num_live_requests, restore_speed, slow_down
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_utils import field_violations, status_detail, tiny_engine_config, wait_until
+from server_utils import (
+    field_violations,
+    frontend_config,
+    status_detail,
+    tiny_engine_config,
+    wait_until,
+)
 
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2
@@ -28,9 +33,10 @@ V1_SERVICES = {
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tiny_llama_dir) -> AsyncIterator[RunningServer]:
+async def server(tiny_llama_dir, engine_mode) -> AsyncIterator[RunningServer]:
     """The module's server, with --enable-sleep-mode."""
-    running = await start_server(tiny_engine_config(tiny_llama_dir, enable_sleep_mode=True))
+    engine_config = tiny_engine_config(tiny_llama_dir, enable_sleep_mode=True)
+    running = await start_server(engine_config, frontend=frontend_config(engine_mode))
     yield running
     await running.stop(grace=0)
 
@@ -104,22 +110,15 @@ def greedy(text: str = "The quick brown fox", max_tokens: int = 8):
 @contextlib.asynccontextmanager
 async def live_stream(generation, server, monkeypatch):
     """A slow stream in flight (its first message read) for the duration of the block."""
-    monkeypatch.setattr(server.engine.core, "step", slowed(server.engine.core.step, 0.02))
+    slow_down(server.engine, 0.02)
     call = generation.GenerateStream(greedy(max_tokens=200))
     await call.read()
     try:
         yield call
     finally:
         call.cancel()
+        restore_speed(server.engine)
         await wait_until(lambda: num_live_requests(server.engine) == 0, what="the abort")
-
-
-def slowed(step, seconds: float):
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-
-    return slow_step
 
 
 async def test_load_reports_requests_kv_usage_and_throughput(

@@ -4,13 +4,13 @@ part 6: n=1000 used to pass --max-waiting-requests as one request)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import grpc
 import pytest
 import pytest_asyncio
+from engine_pace import restore_speed, slow_down
 from server_utils import field_violations, tiny_engine_config, wait_until
 
 from llmrpc.engine.config import SchedulerConfig
@@ -77,17 +77,19 @@ def request(max_tokens: int, n: int = 1) -> generation_pb2.GenerateRequest:
 
 @on_the_servers_loop
 async def test_a_request_for_n_samples_fills_n_places(generation, server, monkeypatch):
-    step = server.engine.core.step
-    monkeypatch.setattr(server.engine.core, "step", lambda: (time.sleep(0.02), step())[1])
-    running = generation.GenerateStream(request(max_tokens=200))
-    await running.read()
-    samples = generation.Generate(request(max_tokens=2, n=MAX_WAITING))
-    await wait_until(lambda: server.engine.stats.num_waiting == MAX_WAITING, what="4 samples")
-    with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await generation.Generate(request(max_tokens=2))
-    assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    running.cancel()
-    assert len((await samples).samples) == MAX_WAITING
+    slow_down(server.engine, 0.02)
+    try:
+        running = generation.GenerateStream(request(max_tokens=200))
+        await running.read()
+        samples = generation.Generate(request(max_tokens=2, n=MAX_WAITING))
+        await wait_until(lambda: server.engine.stats.num_waiting == MAX_WAITING, what="samples")
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await generation.Generate(request(max_tokens=2))
+        assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        running.cancel()
+        assert len((await samples).samples) == MAX_WAITING
+    finally:
+        restore_speed(server.engine)
 
 
 @on_the_servers_loop

@@ -10,12 +10,13 @@ import json
 import os
 import signal
 
+import engine_hooks
 import grpc
 import httpx
 import pytest
 from engine_pace import num_live_requests, slow_down
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_utils import read_rest, tiny_engine_config, wait_until
+from server_utils import frontend_config, read_rest, tiny_engine_config, wait_until
 
 from llmrpc.cli import rest as rest_cli
 from llmrpc.cli import serve as serve_cli
@@ -30,11 +31,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def break_engine(engine) -> None:
-    def broken_step():
-        raise RuntimeError("simulated device fault")
-
-    engine.core.step = broken_step
+async def break_engine(engine) -> None:
+    await engine.call_in_core(engine_hooks.break_steps, "simulated device fault")
 
 
 async def wait_for_health(channel, status: int, timeout: float = 30.0) -> None:
@@ -48,9 +46,9 @@ async def wait_for_health(channel, status: int, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_not_serving_while_loading_then_serving(tiny_llama_dir):
+async def test_not_serving_while_loading_then_serving(tiny_llama_dir, engine_mode):
     engine_config = tiny_engine_config(tiny_llama_dir)
-    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0)
+    frontend = frontend_config(engine_mode)
     running = await app.bind_server(engine_config, frontend)
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
@@ -64,8 +62,9 @@ async def test_not_serving_while_loading_then_serving(tiny_llama_dir):
         await running.stop(grace=0)
 
 
-async def test_stop_lets_an_in_flight_stream_finish(tiny_llama_dir):
-    running = await app.start_server(tiny_engine_config(tiny_llama_dir))
+async def test_stop_lets_an_in_flight_stream_finish(tiny_llama_dir, engine_mode):
+    frontend = frontend_config(engine_mode)
+    running = await app.start_server(tiny_engine_config(tiny_llama_dir), frontend=frontend)
     slow_down(running.engine, 0.02)
     async with grpc.aio.insecure_channel(running.address) as channel:
         request = generation_pb2.GenerateRequest()
@@ -81,12 +80,13 @@ async def test_stop_lets_an_in_flight_stream_finish(tiny_llama_dir):
     assert not running.engine.is_running
 
 
-async def test_dead_engine_gives_unavailable_and_not_serving(tiny_llama_dir):
-    running = await app.start_server(tiny_engine_config(tiny_llama_dir))
+async def test_dead_engine_gives_unavailable_and_not_serving(tiny_llama_dir, engine_mode):
+    frontend = frontend_config(engine_mode)
+    running = await app.start_server(tiny_engine_config(tiny_llama_dir), frontend=frontend)
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             await wait_for_health(channel, SERVING, timeout=0)
-            break_engine(running.engine)
+            await break_engine(running.engine)
             generation = generation_pb2_grpc.GenerationServiceStub(channel)
             for _ in range(2):  # the request that meets the fault, then one after it
                 with pytest.raises(grpc.aio.AioRpcError) as failure:
@@ -98,20 +98,22 @@ async def test_dead_engine_gives_unavailable_and_not_serving(tiny_llama_dir):
         await running.stop(grace=0)
 
 
-async def test_serve_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, monkeypatch):
-    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0)
+async def test_serve_exits_with_status_1_when_the_engine_dies(
+    tiny_llama_dir, monkeypatch, engine_mode
+):
+    frontend = frontend_config(engine_mode)
     serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
     async with grpc.aio.insecure_channel(running.address) as channel:
-        break_engine(running.engine)
+        await break_engine(running.engine)
         with pytest.raises(grpc.aio.AioRpcError):
             await generation_pb2_grpc.GenerationServiceStub(channel).Generate(REQUEST)
     assert await asyncio.wait_for(serving, timeout=30) == 1
 
 
 async def test_sigterm_drains_then_stops_and_the_stream_in_flight_finishes(
-    tiny_llama_dir, monkeypatch
+    tiny_llama_dir, monkeypatch, engine_mode
 ):
-    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=0.5, shutdown_grace_s=30)
+    frontend = frontend_config(engine_mode, drain_delay_s=0.5, shutdown_grace_s=30)
     serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
     async with grpc.aio.insecure_channel(running.address) as channel:
         statuses = []
@@ -134,7 +136,7 @@ async def test_sigterm_drains_then_stops_and_the_stream_in_flight_finishes(
 
 
 async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes(
-    tiny_llama_dir, monkeypatch
+    tiny_llama_dir, monkeypatch, engine_mode
 ):
     gateways = []
     real_gateway = rest_cli.in_process_gateway
@@ -144,7 +146,7 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
         return gateways[-1]
 
     monkeypatch.setattr(rest_cli, "in_process_gateway", build_and_record)
-    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=0.5, shutdown_grace_s=30)
+    frontend = frontend_config(engine_mode, drain_delay_s=0.5, shutdown_grace_s=30)
     serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch, with_rest=True)
     url = f"http://127.0.0.1:{gateways[0].port}"
     body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
@@ -201,9 +203,9 @@ async def refused_on_a_new_connection(address: str, timeout: float = 5.0) -> grp
 
 
 async def test_a_second_sigterm_ends_the_calls_in_flight_with_unavailable(
-    tiny_llama_dir, monkeypatch
+    tiny_llama_dir, monkeypatch, engine_mode
 ):
-    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, drain_delay_s=30, shutdown_grace_s=30)
+    frontend = frontend_config(engine_mode, drain_delay_s=30, shutdown_grace_s=30)
     serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch)
     async with grpc.aio.insecure_channel(running.address) as channel:
         slow_down(running.engine, 0.02)

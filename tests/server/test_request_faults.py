@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import engine_hooks
 import grpc
 import pytest
+import pytest_asyncio
 
 from llmrpc.v1 import common_pb2, generation_pb2
 
@@ -21,18 +23,14 @@ def request(request_id: str, max_tokens: int = 16) -> generation_pb2.GenerateReq
     )
 
 
-@pytest.fixture
-def faulty_detokenizer(server, monkeypatch):
+@pytest_asyncio.fixture(loop_scope="module")
+async def faulty_detokenizer(server):
     """The engine's detokenization raises for requests whose id starts with "bad"."""
-    processor = server.engine.core.output_processor
-    real = processor.add_token
-
-    def add_token(req, *args):
-        if req.request_id.startswith("bad"):
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real(req, *args)
-
-    monkeypatch.setattr(processor, "add_token", add_token)
+    engine = server.engine
+    target = "output_processor.add_token"
+    await engine.call_in_core(engine_hooks.fail_requests, target, "bad", "unicode")
+    yield
+    await engine.call_in_core(engine_hooks.remove_faults)
 
 
 @pytest.mark.parametrize("streaming", [False, True])

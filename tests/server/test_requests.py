@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
+from engine_pace import restore_speed, slow_down
 from google.rpc import error_details_pb2
 from server_utils import field_violations, status_detail, tiny_engine_config, wait_until
 
@@ -61,29 +61,22 @@ def request(max_tokens: int = 4, **fields) -> generation_pb2.GenerateRequest:
     )
 
 
-def slow_engine(server, monkeypatch, seconds_per_step: float = 0.02) -> None:
-    step = server.engine.core.step
-
-    def slow_step():
-        time.sleep(seconds_per_step)
-        return step()
-
-    monkeypatch.setattr(server.engine.core, "step", slow_step)
-
-
-async def test_a_full_waiting_queue_refuses_with_retry_info(generation, server, monkeypatch):
-    slow_engine(server, monkeypatch)
-    running = generation.GenerateStream(request(max_tokens=200))
-    await running.read()
-    waiting = generation.GenerateStream(request(max_tokens=2))
-    await wait_until(lambda: server.engine.stats.num_waiting == 1, what="a waiting request")
-    with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await generation.Generate(request())
-    assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    retry = status_detail(failure.value, error_details_pb2.RetryInfo)
-    assert retry.retry_delay.ToTimedelta().total_seconds() > 0
-    running.cancel()
-    assert [m async for m in waiting][-1].usage.completion_tokens == 2  # its place came
+async def test_a_full_waiting_queue_refuses_with_retry_info(generation, server):
+    slow_down(server.engine, 0.02)
+    try:
+        running = generation.GenerateStream(request(max_tokens=200))
+        await running.read()
+        waiting = generation.GenerateStream(request(max_tokens=2))
+        await wait_until(lambda: server.engine.stats.num_waiting == 1, what="a waiting request")
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await generation.Generate(request())
+        assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        retry = status_detail(failure.value, error_details_pb2.RetryInfo)
+        assert retry.retry_delay.ToTimedelta().total_seconds() > 0
+        running.cancel()
+        assert [m async for m in waiting][-1].usage.completion_tokens == 2  # its place came
+    finally:
+        restore_speed(server.engine)
     assert (await generation.Generate(request())).usage.completion_tokens == 4
 
 

@@ -1,0 +1,172 @@
+"""The engine core in a process of its own (``llmrpc serve``'s default): if that process dies, the
+calls in flight get UNAVAILABLE, health turns NOT_SERVING and the server exits 1 with the cause
+in its log; stopped by SIGTERM, the server stops its engine process and leaves none behind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_utils import frontend_config, tiny_engine_config, wait_until
+
+from llmrpc.server import app
+from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+LONG = generation_pb2.GenerateRequest(
+    text="Hello", stopping=common_pb2.StoppingCriteria(max_tokens=400, ignore_eos=True)
+)
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie no one has reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                children.append(int(entry.name))
+    return children
+
+
+async def health_status(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+
+async def test_a_killed_engine_process_fails_calls_turns_not_serving_and_serve_exits_1(
+    tiny_llama_dir, monkeypatch, caplog
+):
+    servers: list[app.RunningServer] = []
+    real_build = app.build_server
+
+    def build_and_record(*args):
+        servers.append(real_build(*args))
+        return servers[-1]
+
+    monkeypatch.setattr(app, "build_server", build_and_record)
+    frontend = frontend_config("process", drain_delay_s=5)  # not waited: the engine is dead
+    serving = asyncio.ensure_future(app.serve(tiny_engine_config(tiny_llama_dir), frontend))
+    await wait_until(lambda: servers and servers[0].port, what="the server to bind")
+    running = servers[0]
+    await wait_until(
+        lambda: _is(health_status(running.address), SERVING), timeout=120, what="SERVING"
+    )
+    pid = running.engine.pid
+    statuses = []
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        statuses.append((await watch.read()).status)
+        stream = generation_pb2_grpc.GenerationServiceStub(channel).GenerateStream(LONG)
+        await stream.read()
+        started = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"(pid {pid}) was killed by SIGKILL" in failure.value.details()
+        status = await watch.read()
+        statuses.append(status.status if status is not grpc.aio.EOF else None)
+        assert await asyncio.wait_for(serving, timeout=30) == 1
+    assert time.monotonic() - started < 10  # no drain delay for a dead engine
+    assert statuses == [SERVING, NOT_SERVING]
+    died = [r for r in caplog.records if r.getMessage().startswith("the engine died")]
+    assert died and died[0].levelno == logging.ERROR
+    assert f"the engine process (pid {pid}) was killed by SIGKILL" in died[0].getMessage()
+
+
+async def _is(awaitable, expected) -> bool:
+    return await awaitable == expected
+
+
+# --- the llmrpc command ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def start_llmrpc_serve(model_dir: Path) -> tuple[subprocess.Popen, int, str]:
+    """``llmrpc serve`` of the tiny model with the default engine mode, once it serves; the
+    process, its engine process's id, and its gRPC address."""
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "llmrpc.cli", "serve", str(model_dir)),
+        *("--dtype", "float32", "--num-gpu-blocks-override", "64", "--max-model-len", "256"),
+        *("--host", "127.0.0.1", "--grpc-port", str(port), "--no-rest-gateway"),
+    ]
+    server = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    address = f"127.0.0.1:{port}"
+
+    async def serving() -> bool:
+        assert server.poll() is None, server.stderr.read()
+        try:
+            return await health_status(address) == SERVING
+        except grpc.aio.AioRpcError:
+            return False
+
+    await wait_until(serving, timeout=180, what="llmrpc serve to serve")
+    children = children_of(server.pid)
+    assert len(children) == 1, children
+    return server, children[0], address
+
+
+async def test_llmrpc_serve_exits_1_naming_the_cause_when_its_engine_process_is_killed(
+    tiny_llama_dir,
+):
+    server, engine_pid, _ = await start_llmrpc_serve(tiny_llama_dir)
+    try:
+        os.kill(engine_pid, signal.SIGKILL)
+        assert await asyncio.to_thread(server.wait, 60) == 1
+        log = server.stderr.read()
+    finally:
+        server.kill()
+    assert f"the engine process (pid {engine_pid}) was killed by SIGKILL" in log
+    assert "the engine died; the server stops" in log
+
+
+async def test_llmrpc_serve_stopped_by_sigterm_stops_its_engine_process(tiny_llama_dir):
+    server, engine_pid, _ = await start_llmrpc_serve(tiny_llama_dir)
+    try:
+        server.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(server.wait, 60) == 0
+        log = server.stderr.read()
+    finally:
+        server.kill()
+    assert process_ended(engine_pid), log
+    assert "engine died" not in log
