@@ -197,12 +197,20 @@ class EngineProcessClient(EngineClient):
         decoder = msgspec.msgpack.Decoder(FromCore)
         socket, process = self._from_core, self._process
         while True:
-            if socket.poll(LIVENESS_POLL_MS):
-                self._take(socket, decoder)
-            elif process.poll() is not None:
-                self._take(socket, decoder)  # what it sent before it ended
-                self._call_soon(self._on_exit, process.returncode)
-                return
+            try:
+                if socket.poll(LIVENESS_POLL_MS):
+                    self._take(socket, decoder)
+                elif process.poll() is not None:
+                    self._take(socket, decoder)  # what it sent before it ended
+                    self._call_soon(self._on_exit, process.returncode)
+                    return
+            except Exception as error:  # noqa: BLE001 - a message we cannot read: a bug
+                logger.exception("reading the engine process's messages failed; stopping it")
+                cause = EngineDeadError(
+                    f"a message from the engine process was unreadable: {error!r}"
+                )
+                self._call_soon(self._fail_all, cause)
+                process.kill()
 
     def _take(self, socket: zmq.Socket, decoder: msgspec.msgpack.Decoder) -> None:
         batch = []

@@ -121,7 +121,11 @@ class EngineLoop:
                 logger.warning("a command without a caller failed: %r", error)
             return
         if message.call_id:
-            self._send(Result(message.call_id, self.snapshot(), value))
+            try:
+                self._send(Result(message.call_id, self.snapshot(), value))
+            except TypeError as error:  # msgpack has no form for it (call_function's result)
+                error = TypeError(f"the result cannot be sent back: {error}")
+                self._send(Result(message.call_id, self.snapshot(), error=self._wrap_error(error)))
 
     def _run_command(self, message):
         core = self.core

@@ -114,6 +114,11 @@ def sleep_state(core) -> list:
     return [len(core.runner.kv_caches), core.model is None]
 
 
+def the_runner(core):
+    """The model runner itself: an object no message can carry."""
+    return core.runner
+
+
 def weights_device(core) -> str:
     return str(next(core.runner.model.parameters()).device)
 

@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import engine_hooks
 import pytest
 
 from llmrpc.engine.async_engine import EngineDeadError
@@ -69,6 +70,17 @@ async def test_a_killed_engine_process_fails_every_request_with_the_cause(tiny_l
             await anext(aiter(engine.generate("after", prompt, LONG)))
         with pytest.raises(EngineDeadError, match="SIGKILL"):
             await engine.abort(["victim"])
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_result_that_cannot_cross_is_a_type_error_and_the_engine_goes_on(tiny_llama_dir):
+    engine = await EngineProcessClient.create(engine_config(tiny_llama_dir))
+    try:
+        with pytest.raises(TypeError, match="the result cannot be sent back"):
+            await engine.call_in_core(engine_hooks.the_runner)
+        assert await engine.call_in_core(engine_hooks.weights_device) == "cpu"
+        assert engine.is_running
     finally:
         await engine.shutdown()
 
