@@ -22,6 +22,7 @@ from llmrpc.engine.models import build_model
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output_processor import OutputProcessor
+from llmrpc.engine.quantization import plan_quantization
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -217,7 +218,14 @@ class EngineCore:
         weights = None if dummy else loader.iter_weights(self.model_dir)
         logger.info("loading %s (%s)", self.model_dir, self.dtype)
         config = self.model_config
-        model = build_model(self.hf_config, self.dtype, weights, config.seed, config.model_impl)
+        model = build_model(
+            self.hf_config,
+            self.dtype,
+            weights,
+            config.seed,
+            config.model_impl,
+            quantization=plan_quantization(config),
+        )
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
             logger.info("%d linear layers packed for oneDNN", pack_linear_layers(model))
         return model
