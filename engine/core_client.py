@@ -156,9 +156,12 @@ class EngineProcessClient(EngineClient):
         if self._workers is not None:
             self._workers.shutdown()
         process = self._process
-        if process is None or self._stopping:
+        if self._stopping:
             return
         self._stopping = True
+        if process is None:  # it never started
+            self._close_sockets()
+            return
         if process.poll() is None and not kill:
             with contextlib.suppress(zmq.ZMQError):
                 self._to_core.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
@@ -174,12 +177,18 @@ class EngineProcessClient(EngineClient):
         with contextlib.suppress(OSError):
             process.stdin.close()
         self._returncode = process.returncode
-        self._to_core.close()
-        self._from_core.close()
-        self._context.term()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._close_sockets()
         if self.dead_error is None:
             self._fail_pending(EngineDeadError("the engine has shut down"))
+
+    def _close_sockets(self) -> None:
+        for socket in (self._to_core, self._from_core):
+            if socket is not None:
+                socket.close()
+        if self._context is not None:
+            self._context.term()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
     # --- messages -------------------------------------------------------------------------
 
