@@ -14,13 +14,14 @@ Every ``nn.Linear`` of the model is swapped after loading, ``lm_head`` included;
 tied to ``lm_head`` reads its rows from the same packed weight, so the float weight is freed.
 Scales (and zeros) are held in the model's dtype, as the kernels require.
 
-The packed kernels are fast only with bfloat16 or float16 activations, and only for few rows:
-their cost grows with every row, where a dense matmul reuses each weight across rows. So a layer
-uses its packed kernel for at most ``dense_above`` rows (decode steps of small batches) in
-bfloat16/float16, and otherwise dequantizes its weight for that call and runs the dense matmul:
-a prefill chunk, a large batch, and every call under ``--dtype float32`` (where the packed
-kernels are 10-50x slower than a float32 matmul; dequantizing is exact in float32, so a
-quantized float32 model computes what the same model with dequantized weights computes).
+The packed kernels are fast only with bfloat16 activations, and only for few rows: their cost
+grows with every row, where a dense matmul reuses each weight across rows, and in float16 or
+float32 they are 10-50x slower than a dense matmul of the same dtype. So a layer uses its packed
+kernel in bfloat16 for at most ``dense_above`` rows (decode steps of small batches), and
+otherwise dequantizes its weight for that call and runs the dense matmul: a prefill chunk, a
+large batch, and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact in
+float32, so a quantized float32 model computes what the same model holding the dequantized
+weights computes (slowly: measured 3-15x slower than the unquantized float32 model).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and 
 # rows 439 vs 284 us; int4 at 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
 INT8_DENSE_ABOVE = 32
 INT4_DENSE_ABOVE = 128
-_FAST_DTYPES = (torch.bfloat16, torch.float16)
+_FAST_DTYPES = (torch.bfloat16,)  # float16's packed kernels are as slow as float32's
 
 
 class QuantizedLinear(nn.Module):

@@ -153,16 +153,24 @@ def test_quantized_linear_is_the_hand_dequantized_matmul(method, dtype):
     assert torch.equal(layer.dequantize(torch.float32), weight)
     bias = linear.bias.detach().to(dtype).float()
     eps = torch.finfo(dtype).eps
-    # 1 and 7 rows: the packed kernel (bf16/fp16); past dense_above: dequantize, dense matmul.
+    # Rounding of each product's terms and of the output: a unit in the last place of the
+    # dtype. An int4 weight is rounded against its terms, (u - 8) * scale and zero, each below
+    # 3 times its group's largest |w|; a wrong scale, zero or code is off by far more.
+    magnitude = weight.abs()
+    if method == "int4":
+        groups = magnitude.view(weight.shape[0], -1, GROUP_SIZE)
+        magnitude = (3 * groups.amax(dim=-1, keepdim=True)).expand_as(groups).reshape_as(weight)
     for rows in (1, 7, layer.dense_above + 1):
         x = torch.randn(rows, linear.in_features).to(dtype)
-        y = layer(x)
-        assert y.dtype == dtype and y.shape == (rows, linear.out_features)
         exact = x.float() @ weight.T + bias
-        # Rounding of the inputs to each product and of the output: a few units in the last
-        # place of the dtype; a wrong scale, zero or code would be off by far more.
-        bound = eps * (x.float().abs() @ weight.abs().T + bias.abs() + exact.abs())
-        assert ((y.float() - exact).abs() <= bound).all(), (rows, (y.float() - exact).abs().max())
+        bound = eps * (x.float().abs() @ magnitude.T + bias.abs() + exact.abs())
+        packed = layer.packed_matmul(x) + layer.bias  # torch's kernel, in any dtype
+        y = layer(x)  # the kernel (bfloat16, up to dense_above rows) or the dense matmul
+        assert y.dtype == packed.dtype == dtype and y.shape == (rows, linear.out_features)
+        for result in (packed, y):
+            assert ((result.float() - exact).abs() <= bound).all(), (rows, dtype)
+        if dtype == torch.bfloat16 and rows <= layer.dense_above:
+            assert torch.equal(y, packed)
 
 
 def test_quantized_linear_keeps_leading_dimensions():
