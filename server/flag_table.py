@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmrpc.engine.config import DTYPES, LOAD_FORMATS
+from llmrpc.engine.config import DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS
 from llmrpc.server.flags import (
     Flag,
     compilation_config,
@@ -34,10 +34,6 @@ NO_HUB = "needs the model hub; this build loads local folders and .gguf files on
 POOLING = "needs pooling (embedding) models; this build serves text generation only"
 TRACING = "needs OpenTelemetry tracing, which this build does not support"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
-QUANTIZATION = (
-    "computes with quantized weights, which this build does not do (a .gguf file is "
-    "dequantized when it is loaded)"
-)
 NOT_SUPPORTED = "is not supported by this build"
 # The engine runs on the CPU: the model, the KV cache and every step tensor are made there.
 EAGER = "the engine runs eager PyTorch on the CPU, with no CUDA graphs and no torch.compile"
@@ -275,7 +271,17 @@ _MODEL = _group(
           "Context window in tokens (prompt plus output); takes 1k/1K/25.6k/2m: lower case "
           "is powers of 1000, upper case powers of 1024. Default: the model's own (its "
           "attention window, if shorter)."),
-    refused(("--quantization", "-q"), None, str, QUANTIZATION),
+    works(("--quantization", "-q"), None, str, "model.quantization",
+          "Weight-only quantization when the model loads: int8 (per output channel, "
+          "symmetric), int4 (asymmetric, in groups of 32 inputs) or gguf (a .gguf --model "
+          "served from its own Q4_0, Q4_1 and Q8_0 blocks, its other tensors dequantized). "
+          "Linear layers are packed, lm_head and an embedding tied to it included (int4: those "
+          "with inputs a multiple of 32 and outputs of 16). torch's packed kernels compute in "
+          "bfloat16 when a layer takes at most 32 (int8) or 128 (int4, gguf) tokens at once; "
+          "more tokens, and --dtype float16 or float32, dequantize the layer's weight for the "
+          "step (float32: exact, and 3-15x slower than unquantized). Default: none (a .gguf "
+          "--model is dequantized to --dtype).",
+          choices=QUANTIZATION_METHODS),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),
     works("--rope-theta", None, float, "model.rope_theta", "Rope base frequency override."),

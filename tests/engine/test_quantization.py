@@ -25,12 +25,15 @@ from tiny_models import TINY_DECODER, save_tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from llmrpc.common.args import OneLineErrorParser
 from llmrpc.engine import loader
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.models import build_model
 from llmrpc.engine.quantization import (
     GROUP_SIZE,
+    INT4_DENSE_ABOVE,
+    INT8_DENSE_ABOVE,
     Int4Linear,
     Int8Linear,
     Q8BlockLinear,
@@ -42,6 +45,8 @@ from llmrpc.engine.quantization import (
     quantize_model,
 )
 from llmrpc.engine.request import SamplingParams
+from llmrpc.server import options
+from llmrpc.server.flag_table import FLAGS
 
 # ---------------------------------------------------------------------------------------------
 # Reference quantizers: the dequantized weight, in float32. Scales and zeros are rounded to the
@@ -97,25 +102,24 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[in
 
 
 def quantized_core(
-    model_dir: Path, method: str, dtype: str = "float32", model_impl: str = "auto", **scheduler
-):
-    """An engine core serving ``model_dir`` with its model built under ``--quantization``."""
-    core = EngineCore(
+    model_dir: Path, method: str, dtype: str = "float32", model_impl: str = "auto", **more
+) -> EngineCore:
+    """An engine core serving ``model_dir`` under ``--quantization method``."""
+    model_config = ModelConfig(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=512,
+        model_impl=model_impl,
+        quantization=method,
+        enable_sleep_mode=more.pop("enable_sleep_mode", False),
+    )
+    return EngineCore(
         EngineConfig(
-            model=ModelConfig(
-                model=str(model_dir), dtype=dtype, max_model_len=512, model_impl=model_impl
-            ),
+            model=model_config,
             cache=CacheConfig(num_gpu_blocks_override=256),
-            scheduler=SchedulerConfig(**scheduler),
+            scheduler=SchedulerConfig(**more),
         )
     )
-    plan = plan_quantization(ModelConfig(model=str(model_dir), quantization=method))
-    core.model = core.runner.model = None  # the float model goes before the quantized one loads
-    weights = loader.iter_weights(core.model_dir)
-    core.model = core.runner.model = build_model(
-        core.hf_config, core.dtype, weights, 0, model_impl, plan
-    )
-    return core
 
 
 def engine_greedy(core, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -447,6 +451,8 @@ def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
         gate_up = torch.cat([floats[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
         assert torch.equal(mlp.gate_up_proj.weight, gate_up)
 
+    # The file holds tensors only (no config, no tokenizer), so it cannot be --model: the core
+    # serves the tiny folder with the model just built from the file's blocks.
     core = make_core(tiny_llama_dir, "float32")
     core.model = core.runner.model = model
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -466,3 +472,67 @@ def test_gguf_needs_a_gguf_model_and_its_weights(tiny_llama_dir):
         ModelConfig(quantization="gguf", load_format="dummy")
     with pytest.raises(ValueError, match=r"^--quantization must be one of int8, int4, gguf"):
         ModelConfig(quantization="awq")
+
+
+def test_weights_reloaded_after_sleep_are_quantized_again(tiny_llama_dir):
+    core = quantized_core(tiny_llama_dir, "int4", enable_sleep_mode=True)
+    prompts = prompt_ids(core)
+    before = engine_greedy(core, prompts, 8)
+    core.sleep(2)
+    core.wake_up()
+    assert isinstance(core.runner.model.layers[0].mlp.gate_up_proj, Int4Linear)
+    assert engine_greedy(core, prompts, 8) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The flag
+
+SERVE_PARSER = OneLineErrorParser(prog="llmrpc serve", add_help=False)
+options.add_serve_arguments(SERVE_PARSER)
+
+
+def serve_configs(*argv: str):
+    return options.configs_or_exit(SERVE_PARSER, options.parse_serve_values(SERVE_PARSER, argv))
+
+
+def serve_error(capsys, *argv: str) -> str:
+    """The one line ``llmrpc serve ARGV`` stops with (exit status 2) before serving."""
+    with pytest.raises(SystemExit) as exit_info:
+        serve_configs(*argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llmrpc serve: error: "), err
+    return err.removeprefix("llmrpc serve: error: ").removesuffix("\n")
+
+
+@pytest.mark.parametrize("argv", [["-q", "int8"], ["--quantization", "int4"], ["-q", "gguf"]])
+def test_quantization_flag_reaches_the_model_config(argv):
+    engine_config, _ = serve_configs(*argv)
+    assert engine_config.model.quantization == argv[1]
+    assert serve_configs()[0].model.quantization is None
+
+
+@pytest.mark.parametrize("value", ["awq", "gptq", "fp8", "bitsandbytes", "INT8"])
+def test_other_quantizations_are_one_line_naming_the_flag_and_the_values(capsys, value):
+    assert serve_error(capsys, "-q", value) == (
+        f"argument --quantization/-q: invalid choice: {value!r} "
+        "(choose from 'int8', 'int4', 'gguf')"
+    )
+
+
+def test_gguf_quantization_of_a_folder_is_one_line(capsys, tiny_llama_dir):
+    assert serve_error(capsys, str(tiny_llama_dir), "-q", "gguf") == (
+        f"--quantization gguf serves a .gguf file's own quantized blocks; --model "
+        f"{str(tiny_llama_dir)!r} is not a .gguf file (use int8 or int4 to quantize a folder)"
+    )
+
+
+def test_help_states_what_the_code_does():
+    flag = next(flag for flag in FLAGS if flag.name == "--quantization")
+    assert flag.names == ("--quantization", "-q") and flag.choices == ("int8", "int4", "gguf")
+    assert f"groups of {GROUP_SIZE} inputs" in flag.help
+    assert (
+        f"at most {INT8_DENSE_ABOVE} (int8) or {INT4_DENSE_ABOVE} (int4, gguf) tokens" in flag.help
+    )
+    for block_type in ("Q4_0", "Q4_1", "Q8_0"):
+        assert block_type in flag.help
