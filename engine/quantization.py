@@ -21,7 +21,8 @@ kernel in bfloat16 for at most ``dense_above`` rows (decode steps of small batch
 otherwise dequantizes its weight for that call and runs the dense matmul: a prefill chunk, a
 large batch, and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact in
 float32, so a quantized float32 model computes what the same model holding the dequantized
-weights computes (slowly: measured 3-15x slower than the unquantized float32 model).
+weights computes (slowly: measured 5-30x slower than the unquantized float32 model, whose
+linear layers are packed for oneDNN).
 """
 
 from __future__ import annotations

@@ -279,7 +279,7 @@ _MODEL = _group(
           "with inputs a multiple of 32 and outputs of 16). torch's packed kernels compute in "
           "bfloat16 when a layer takes at most 32 (int8) or 128 (int4, gguf) tokens at once; "
           "more tokens, and --dtype float16 or float32, dequantize the layer's weight for the "
-          "step (float32: exact, and 3-15x slower than unquantized). Default: none (a .gguf "
+          "step (float32: exact, and 5-30x slower than unquantized). Default: none (a .gguf "
           "--model is dequantized to --dtype).",
           choices=QUANTIZATION_METHODS),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
