@@ -81,6 +81,7 @@ class EngineProcessClient(EngineClient):
         self._encoder = msgspec.msgpack.Encoder()
         self._ready: asyncio.Future | None = None
         self._stopping = False
+        self._loaded = False  # the engine process has said Ready
         self._returncode: int | None = None
         self._busy = False  # requests since this process last trimmed its memory
         self._last_trim = time.monotonic()
@@ -102,7 +103,7 @@ class EngineProcessClient(EngineClient):
                 client._tokenizer = await asyncio.to_thread(loader.load_tokenizer, path)
                 client._workers = TokenizerWorkers(client._tokenizer)
         except BaseException:
-            await client._stop(kill=True)
+            await client._stop()
             raise
         return client
 
@@ -116,7 +117,7 @@ class EngineProcessClient(EngineClient):
         return self._process is not None and self._returncode is None and self.dead_error is None
 
     async def shutdown(self) -> None:
-        await self._stop(kill=False)
+        await self._stop()
 
     # --- starting and stopping ------------------------------------------------------------------
 
@@ -152,7 +153,10 @@ class EngineProcessClient(EngineClient):
         )
         self._receiver.start()
 
-    async def _stop(self, kill: bool) -> None:
+    async def _stop(self) -> None:
+        """Stop the engine process: told to once it serves; while it loads, by SIGTERM (its
+        at-exit clean-up runs: a conversion under way removes its folder). Killed if it has
+        not ended after ``SHUTDOWN_TIMEOUT_S``."""
         if self._workers is not None:
             self._workers.shutdown()
         process = self._process
@@ -162,9 +166,11 @@ class EngineProcessClient(EngineClient):
         if process is None:  # it never started
             self._close_sockets()
             return
-        if process.poll() is None and not kill:
+        if process.poll() is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._to_core.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+            if not self._loaded:
+                process.terminate()
             try:
                 await asyncio.to_thread(process.wait, SHUTDOWN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -254,6 +260,7 @@ class EngineProcessClient(EngineClient):
 
     def _handle(self, message) -> None:
         if isinstance(message, Ready):
+            self._loaded = True
             if not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, Fatal):

@@ -8,9 +8,11 @@ as a process of its own, which talks to the frontend over two ZeroMQ IPC sockets
 
 The engine process reads a ``Startup`` message from its standard input and keeps that pipe
 open: when the frontend's process ends, however it ends, the pipe closes and the engine
-process exits at once, so it never outlives the server. It ignores SIGINT and SIGTERM (a
-terminal's Ctrl-C or a service manager signals the whole process group): the frontend drains
-its calls, then tells the engine to stop.
+process exits, so it never outlives the server. It ignores SIGINT (a terminal's Ctrl-C
+signals the whole process group; the frontend decides). While it loads the model, SIGTERM
+stops it the way an exception would, so a conversion under way removes its folder; once it
+serves, it ignores SIGTERM too (a service manager may signal the whole group): the frontend
+drains its calls, then tells the engine to stop.
 """
 
 from __future__ import annotations
@@ -231,16 +233,28 @@ def _read_exactly(stream, size: int) -> bytes:
     return data
 
 
+# Once the frontend is gone, how long a load under way gets to stop cleanly (SIGTERM).
+STOP_LOADING_GRACE_S = 10.0
+
+
 def _exit_when_the_frontend_exits(stream) -> None:
-    """Block on the pipe from the frontend; its end is the end of the frontend's process."""
+    """Block on the pipe from the frontend; its end is the end of the frontend's process.
+    Loading, stop as SIGTERM would (clean-up included), for a while; serving, at once."""
     while stream.read(65536):
         pass
+    if signal.getsignal(signal.SIGTERM) is _stop_loading:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(STOP_LOADING_GRACE_S)
     os._exit(0)
+
+
+def _stop_loading(signum, frame) -> None:
+    raise SystemExit(f"stopped by {signal.Signals(signum).name} while loading the model")
 
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_loading)
     stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
     startup = _read_startup(stdin)
     threading.Thread(
@@ -255,6 +269,7 @@ def main() -> int:
     root.setLevel(startup.log_level)
     try:
         core = EngineCore(startup.config)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the frontend stops it
     except BaseException as error:  # noqa: BLE001 - reported to the frontend
         channel.send(Fatal(messages.error_info(error, with_traceback=True), while_loading=True))
         channel.close()

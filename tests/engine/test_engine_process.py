@@ -154,6 +154,34 @@ async def test_the_engine_process_exits_when_the_frontend_process_dies(tiny_llam
     await wait_until_ended(engine_pid)
 
 
+async def test_the_engine_process_exits_when_the_frontend_dies_while_it_loads(tiny_llama_dir):
+    script = textwrap.dedent(
+        f"""
+        import asyncio, logging
+        from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+        from llmrpc.engine.core_client import EngineProcessClient
+
+        logging.basicConfig(level=logging.INFO)
+        config = EngineConfig(
+            model=ModelConfig(model={str(tiny_llama_dir)!r}, dtype="float32"),
+            cache=CacheConfig(num_gpu_blocks_override=64),
+        )
+        asyncio.run(EngineProcessClient.create(config))
+        """
+    )
+    frontend = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stderr=subprocess.PIPE
+    )
+    try:
+        while b"engine process started" not in (line := await frontend.stderr.readline()):
+            assert line, "the frontend ended before it started its engine process"
+        engine_pid = int(line.split(b"(pid ")[1].split(b")")[0])
+    finally:
+        frontend.kill()  # while its engine process imports and loads
+        await frontend.wait()
+    await wait_until_ended(engine_pid)
+
+
 async def test_a_death_while_loading_is_reported_as_such(tiny_llama_dir, monkeypatch):
     """An engine process killed before its model is loaded: create() raises EngineDeadError
     with the cause, and nothing is left running."""
