@@ -230,8 +230,8 @@ _FRONTEND = _group(
           "second Python process). If the engine process dies, the server reports NOT_SERVING "
           "and exits 1; the engine process exits when the server's process does."),
     refused("--api-server-count", 1, int,
-            "runs several API server processes; this build serves gRPC and REST from the "
-            "process that runs the engine"),
+            "runs several API server processes; this build serves gRPC and REST from one "
+            "process"),
     refused("--headless", False, None, "would serve no frontend; this build always serves gRPC"),
 )  # fmt: skip
 
