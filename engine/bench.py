@@ -10,15 +10,24 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
-from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.config import (
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from llmrpc.engine.core import EngineCore
+from llmrpc.engine.quantization import QuantizedLinear
 from llmrpc.engine.request import SamplingParams
+from llmrpc.kernels.linear import PackedLinear
 
 _WARMUP_OUTPUT_LEN = 4
 
@@ -58,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Model folder or .gguf (default: the packaged SmolLM2).")
     parser.add_argument("--dtype", default="auto", help="As in `llmrpc serve` (default auto).")
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_METHODS,
+        help="As in `llmrpc serve`, for the engine (a Transformers baseline runs unquantized).",
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -85,7 +100,9 @@ class EngineSide:
     def __init__(self, args: argparse.Namespace) -> None:
         self.core = EngineCore(
             EngineConfig(
-                model=ModelConfig(model=args.model, dtype=args.dtype),
+                model=ModelConfig(
+                    model=args.model, dtype=args.dtype, quantization=args.quantization
+                ),
                 cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory),
                 scheduler=SchedulerConfig(
                     max_num_seqs=args.max_num_seqs,
@@ -146,6 +163,11 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
         [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(input_len)]
         for _ in range(num_prompts)
     ]
+
+
+def _linear(module) -> bool:
+    """A linear layer as the engine computes it: plain, packed for oneDNN, or quantized."""
+    return isinstance(module, (torch.nn.Linear, PackedLinear, QuantizedLinear))
 
 
 def _figures(num_requests: int, input_tokens: int, output_tokens: int, elapsed: float) -> dict:
@@ -234,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     results["config"] = {
         **{k: v for k, v in vars(args).items() if k != "output_json"},
         "dtype": str(core.dtype).removeprefix("torch."),
+        "layers": dict(Counter(type(m).__name__ for m in core.model.modules() if _linear(m))),
         "model_dir": str(core.model_dir),
     }
     print(format_table(results))

@@ -16,6 +16,7 @@ from llmrpc.engine.config import EngineConfig, ModelConfig
 from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
+from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.metrics import RateMeter
 from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.models import build_model
@@ -228,6 +229,7 @@ class EngineCore:
         )
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
             logger.info("%d linear layers packed for oneDNN", pack_linear_layers(model))
+        release_free_memory()  # the float weights that loading, quantizing or packing replaced
         return model
 
     @property

@@ -81,6 +81,8 @@ def row_max(values: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch
     holding the row's maximum, then the first position in it (0.37 ms). A row with NaN has a NaN
     maximum and an index out of range, as a row the caller must repair anyway."""
     rows, width = values.shape
+    if rows == 0:  # a step whose logits are all prompt logprobs: nothing samples
+        return values.new_empty(0), torch.empty(0, dtype=torch.long)
     pad = -width % chunk
     if pad:
         values = torch.nn.functional.pad(values, (0, pad), value=NEG_INF)

@@ -261,6 +261,19 @@ def test_throughput_against_the_transformers_baseline(tiny_llama_dir, tmp_path):
     assert results["config"]["dtype"] == "float32"
 
 
+def test_throughput_of_a_quantized_engine(tiny_llama_dir, tmp_path):
+    out = tmp_path / "result.json"
+    result = bench(
+        "throughput", "--model", str(tiny_llama_dir), "--dtype", "bfloat16", "-q", "int8",
+        "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+        "--kv-cache-memory", "0.05", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    assert results["config"]["quantization"] == "int8"
+    assert results["config"]["layers"] == {"Int8Linear": 9}  # 2 layers x 4 + lm_head
+
+
 def test_throughput_usage_errors_are_one_line():
     result = bench("throughput", "--num-prompts", "many")
     assert result.returncode == common.EXIT_USAGE

@@ -37,3 +37,8 @@ def test_nan_row_has_a_nan_maximum_and_others_are_untouched():
     values = torch.tensor([[1.0, float("nan"), 3.0], [5.0, 2.0, 5.0]])
     best, index = row_max(values, chunk=2)
     assert math.isnan(best[0]) and best[1] == 5.0 and index[1] == 0
+
+
+def test_no_rows():
+    best, index = row_max(torch.empty(0, 49152))
+    assert best.shape == index.shape == (0,) and index.dtype == torch.long
