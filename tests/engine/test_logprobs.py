@@ -37,7 +37,7 @@ def _check(entry, expected_row: torch.Tensor, token_id: int) -> None:
     assert torch.allclose(torch.tensor([v for _, v in entry.top]), top_values, atol=1e-4)
 
 
-def test_output_and_prompt_logprobs_match_transformers(core, reference):
+def test_output_and_prompt_logprobs_match_transformers(core, reference, caplog):
     text = "The logprobs of a prompt long enough to be computed in two or more chunks of sixteen."
     prompt = core.tokenizer.encode(text)
     assert len(prompt) > 16
@@ -50,6 +50,8 @@ def test_output_and_prompt_logprobs_match_transformers(core, reference):
     for i, (entry, token_id) in enumerate(zip(out.logprobs, out.token_ids, strict=True)):
         _check(entry, expected[len(prompt) - 1 + i], token_id)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    # chunks whose logits are all prompt positions sample nothing, and fail nothing
+    assert not [r for r in caplog.records if "sampling the batch failed" in r.getMessage()]
     for position in range(1, len(prompt)):
         _check(out.prompt_logprobs[position], expected[position - 1], prompt[position])
 
