@@ -34,6 +34,7 @@ from llmrpc.gateway.envoy import GATEWAY_CLUSTER, GRPC_CLUSTER
 
 ORIGIN = "https://app.example"
 MAX_TOKENS = 4
+STREAM_TOKENS = 64
 
 
 class GatewayStandIn(BaseHTTPRequestHandler):
@@ -147,14 +148,18 @@ def test_generate_as_json_through_the_transcoder(http):
 
 
 def test_generate_stream_as_server_sent_events(http):
-    with http.stream("POST", "/v1/generate:stream", json=_generate_body()) as response:
+    # Enough tokens to span several events: tokens that arrive faster than the stream is read
+    # are sent together (a few steps of the tiny model take less than a read).
+    body = _generate_body()
+    body["stopping"]["max_tokens"] = STREAM_TOKENS
+    with http.stream("POST", "/v1/generate:stream", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response.read().decode())
     assert len(events) >= 2, events
-    assert sum(len(e.get("token_ids", [])) for e in events) == MAX_TOKENS
+    assert sum(len(e.get("token_ids", [])) for e in events) == STREAM_TOKENS
     assert events[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
-    assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
 
 
 def test_grpc_errors_become_http_statuses_with_details(http):
