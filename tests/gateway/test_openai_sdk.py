@@ -165,7 +165,9 @@ async def test_async_completion(gateway, sdk):
 
 
 def test_sse_bytes_are_exactly_openais(gateway):
-    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True}
+    # enough tokens to span several events (tokens that come faster than they are read are
+    # sent together)
+    body = {"prompt": PROMPT, "max_tokens": 32, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
         assert reply.headers["content-type"] == "text/event-stream; charset=utf-8"
