@@ -48,7 +48,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    return greedy_generate(model.eval(), prompts, max_new_tokens)
+
+
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A Transformers model's greedy ``generate``, one prompt at a time."""
     results = []
     for prompt in prompts:
         with torch.no_grad():

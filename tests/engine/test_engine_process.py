@@ -13,10 +13,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import engine_hooks
 import pytest
+from process_state import process_ended
 
 from llmrpc.engine.async_engine import EngineDeadError
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -31,15 +31,6 @@ def engine_config(model_dir) -> EngineConfig:
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
         cache=CacheConfig(num_gpu_blocks_override=64),
     )
-
-
-def process_ended(pid: int) -> bool:
-    """Whether process ``pid`` has ended (gone, or a zombie no one has reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
 
 
 async def wait_until_ended(pid: int, timeout: float = 20.0) -> None:

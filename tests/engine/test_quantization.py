@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from engine_utils import make_core, run_to_completion
+from engine_utils import greedy_generate, make_core, run_to_completion
 from tiny_models import TINY_DECODER, save_tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -85,20 +85,6 @@ def fake_quantized_transformers(model_dir: Path, method: str, dtype: torch.dtype
             if type(module) is nn.Linear:
                 module.weight.copy_(FAKE[method](module.weight, dtype))
     return model
-
-
-def greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    results = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-            )
-        results.append(out[0, len(prompt) :].tolist())
-    return results
 
 
 def quantized_core(
@@ -278,7 +264,7 @@ def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto
     prompts = prompt_ids(core)
     ours = engine_greedy(core, prompts, 12)
     reference = fake_quantized_transformers(model_dir, method, torch.float32)
-    assert ours == greedy(reference, prompts, 12)
+    assert ours == greedy_generate(reference, prompts, 12)
     assert not [m for m in core.runner.model.modules() if type(m) is nn.Linear]
 
 
@@ -462,7 +448,7 @@ def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
             if ".mlp.gate_proj." not in name and ".mlp.up_proj." not in name:
                 state[name].copy_(weight)
     prompts = prompt_ids(core)
-    assert engine_greedy(core, prompts, 12) == greedy(reference, prompts, 12)
+    assert engine_greedy(core, prompts, 12) == greedy_generate(reference, prompts, 12)
 
 
 def test_gguf_needs_a_gguf_model_and_its_weights(tiny_llama_dir):

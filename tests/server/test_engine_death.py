@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from process_state import process_ended
 from server_utils import frontend_config, tiny_engine_config, wait_until
 
 from llmrpc.server import app
@@ -29,15 +30,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 LONG = generation_pb2.GenerateRequest(
     text="Hello", stopping=common_pb2.StoppingCriteria(max_tokens=400, ignore_eos=True)
 )
-
-
-def process_ended(pid: int) -> bool:
-    """Whether process ``pid`` has ended (gone, or a zombie no one has reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
 
 
 def children_of(pid: int) -> list[int]:

@@ -1,0 +1,14 @@
+"""Whether a process has ended, read from /proc (tests of the engine process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie no one has reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
