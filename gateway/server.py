@@ -109,7 +109,10 @@ def _bind_tcp(host: str | None, port: int) -> socket.socket:
     if not host:  # all addresses: IPv6 and IPv4 on one socket where the machine has IPv6
         host = _all_addresses()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # connections whose socket says TCP, and with it on a chunk written after a small unacknowledged
+    # one (an SSE event after the headers) waits for the client's delayed ACK, about 40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)

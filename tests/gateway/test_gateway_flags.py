@@ -3,6 +3,7 @@ front of one replica of the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
@@ -309,3 +310,26 @@ def test_uds_in_use_by_a_live_server_is_refused_and_kept(tmp_path):
     dead.bind(stale)
     dead.close()  # the file stays, nobody listens
     bind_socket(HttpSettings(uds=stale)).close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", None])
+async def test_accepted_connections_send_without_nagle_delay(host):
+    """asyncio turns Nagle's algorithm off only on sockets made with proto IPPROTO_TCP; with it on,
+    an SSE chunk written after the headers waited for the client's delayed ACK (about 40 ms were
+    added to the first token over REST)."""
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    listener = bind_socket(HttpSettings(host=host, port=0))
+    seen = asyncio.get_running_loop().create_future()
+
+    async def accepted(reader, writer):
+        sock = writer.get_extra_info("socket")
+        seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(accepted, sock=listener)
+    async with server:
+        port = listener.getsockname()[1]
+        _, writer = await asyncio.open_connection("::1" if host == "::1" else "127.0.0.1", port)
+        assert await asyncio.wait_for(seen, 10) != 0
+        writer.close()
