@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import shutil
 import sys
@@ -16,11 +17,13 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from llmrpc.cli import serve as serve_cli
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.server import app
-from llmrpc.server.settings import FrontendConfig
+from llmrpc.server.settings import FrontendConfig, RestConfig
 
 NUM_KV_BLOCKS = 256
 # Where a test server's engine core runs: "thread" (a thread of the test's process,
@@ -122,3 +125,39 @@ async def read_rest(call) -> list:
     while (message := await call.read()) is not grpc.aio.EOF:
         messages.append(message)
     return messages
+
+
+async def wait_for_health(channel, status: int, timeout: float = 30.0) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await stub.Check(health_pb2.HealthCheckRequest())).status != status:
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(
+                f"health never became {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            )
+        await asyncio.sleep(0.01)
+
+
+async def serve_in_process(
+    model_dir, frontend: FrontendConfig, monkeypatch, with_rest=False, timeout: float = 30.0
+):
+    """``app.serve`` (``llmrpc serve``'s composition with the REST gateway if ``with_rest``) as a
+    task, once its model serves; returns the task and its server."""
+    servers: list[app.RunningServer] = []
+    real_build = app.build_server
+
+    def build_and_record(*args):
+        servers.append(real_build(*args))
+        return servers[-1]
+
+    monkeypatch.setattr(app, "build_server", build_and_record)
+    engine_config = tiny_engine_config(model_dir)
+    if with_rest:
+        frontend = dataclasses.replace(frontend, rest=RestConfig(port=0))  # REST on a free port
+        serving = asyncio.ensure_future(serve_cli.serve(engine_config, frontend))
+    else:
+        serving = asyncio.ensure_future(app.serve(engine_config, frontend))
+    await wait_until(lambda: servers and servers[0].port, what="the server to bind")
+    async with grpc.aio.insecure_channel(servers[0].address) as channel:
+        await wait_for_health(channel, health_pb2.HealthCheckResponse.SERVING, timeout)
+    return serving, servers[0]

@@ -18,9 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_state import process_ended
-from server_utils import frontend_config, tiny_engine_config, wait_until
+from server_utils import frontend_config, serve_in_process, wait_until
 
-from llmrpc.server import app
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -54,21 +53,8 @@ async def health_status(address: str) -> int:
 async def test_a_killed_engine_process_fails_calls_turns_not_serving_and_serve_exits_1(
     tiny_llama_dir, monkeypatch, caplog
 ):
-    servers: list[app.RunningServer] = []
-    real_build = app.build_server
-
-    def build_and_record(*args):
-        servers.append(real_build(*args))
-        return servers[-1]
-
-    monkeypatch.setattr(app, "build_server", build_and_record)
     frontend = frontend_config("process", drain_delay_s=5)  # not waited: the engine is dead
-    serving = asyncio.ensure_future(app.serve(tiny_engine_config(tiny_llama_dir), frontend))
-    await wait_until(lambda: servers and servers[0].port, what="the server to bind")
-    running = servers[0]
-    await wait_until(
-        lambda: _is(health_status(running.address), SERVING), timeout=120, what="SERVING"
-    )
+    serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch, timeout=120)
     pid = running.engine.pid
     statuses = []
     async with grpc.aio.insecure_channel(running.address) as channel:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -16,12 +15,17 @@ import httpx
 import pytest
 from engine_pace import num_live_requests, slow_down
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_utils import frontend_config, read_rest, tiny_engine_config, wait_until
+from server_utils import (
+    frontend_config,
+    read_rest,
+    serve_in_process,
+    tiny_engine_config,
+    wait_for_health,
+    wait_until,
+)
 
 from llmrpc.cli import rest as rest_cli
-from llmrpc.cli import serve as serve_cli
 from llmrpc.server import app
-from llmrpc.server.settings import FrontendConfig, RestConfig
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 REQUEST = generation_pb2.GenerateRequest(
@@ -33,17 +37,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 async def break_engine(engine) -> None:
     await engine.call_in_core(engine_hooks.break_steps, "simulated device fault")
-
-
-async def wait_for_health(channel, status: int, timeout: float = 30.0) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (await stub.Check(health_pb2.HealthCheckRequest())).status != status:
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(
-                f"health never became {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
-            )
-        await asyncio.sleep(0.01)
 
 
 async def test_not_serving_while_loading_then_serving(tiny_llama_dir, engine_mode):
@@ -221,26 +214,3 @@ async def test_a_second_sigterm_ends_the_calls_in_flight_with_unavailable(
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
         assert await asyncio.wait_for(serving, timeout=10) == 0  # neither delay waited out
     assert num_live_requests(running.engine) == 0
-
-
-async def serve_in_process(model_dir, frontend: FrontendConfig, monkeypatch, with_rest=False):
-    """``app.serve`` (``llmrpc serve``'s composition with the REST gateway if ``with_rest``) as a
-    task, once its model serves; returns the task and its server."""
-    servers: list[app.RunningServer] = []
-    real_build = app.build_server
-
-    def build_and_record(*args):
-        servers.append(real_build(*args))
-        return servers[-1]
-
-    monkeypatch.setattr(app, "build_server", build_and_record)
-    engine_config = tiny_engine_config(model_dir)
-    if with_rest:
-        frontend = dataclasses.replace(frontend, rest=RestConfig(port=0))  # REST on a free port
-        serving = asyncio.ensure_future(serve_cli.serve(engine_config, frontend))
-    else:
-        serving = asyncio.ensure_future(app.serve(engine_config, frontend))
-    await wait_until(lambda: servers and servers[0].port, what="the server to bind")
-    async with grpc.aio.insecure_channel(servers[0].address) as channel:
-        await wait_for_health(channel, SERVING)
-    return serving, servers[0]
