@@ -5,7 +5,7 @@ it on the fly, and at small batches (decode) that doubles the time of a step's m
 the weight once, with ``torch.ops.mkldnn._reorder_linear_weight``, and computing with
 ``torch.ops.mkldnn._linear_pointwise`` gives the same products (bfloat16: bit for bit; float32:
 to rounding) in half the time at batch 1 (bfloat16 and float32 alike) and faster or level up to
-long prefills (measured with 1 thread on 30 SmolLM2-sized layers: bfloat16 batch 1 1.7 vs 3.6 ms,
+long prefills (measured with 1 thread on 8 SmolLM2-sized layers: bfloat16 batch 1 1.7 vs 3.6 ms,
 batch 32 5.2 vs 7.0 ms, batch 2048 level; float32 batch 1 3.1 vs 6.5 ms, batch 256 62 vs 139 ms).
 """
 
