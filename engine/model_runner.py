@@ -140,6 +140,7 @@ class ModelRunner:
             decode_indices=torch.tensor(decode_rows, dtype=torch.long),
             decode_block_tables=_pad_tables(decode_tables),
             decode_mask=_decode_mask(decode_lens, size),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
             prefills=prefills,
         )
         return ModelInput(

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmrpc.kernels import cpu_ops
+
 
 @dataclass
 class PrefillSeq:
@@ -30,6 +32,7 @@ class AttentionMetadata:
     decode_indices: torch.Tensor  # [num_decodes] rows of the flat batch
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length after this step
     prefills: list[PrefillSeq]
 
 
@@ -61,6 +64,18 @@ def paged_attention(
 
 
 def _decode_attention(query, key_cache, value_cache, metadata, scale, output) -> None:
+    rows = metadata.decode_indices
+    if _kernel_fits(query, key_cache, value_cache):
+        output[rows] = torch.ops.llmrpc_cpu.decode_attention(
+            query[rows].contiguous(), key_cache, value_cache, metadata.decode_block_tables,
+            metadata.decode_seq_lens, scale,
+        )  # fmt: skip
+    else:
+        output[rows] = decode_attention_torch(query[rows], key_cache, value_cache, metadata, scale)
+
+
+def decode_attention_torch(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+    """The pure-torch decode path: ``query`` is ``[num_decodes, num_heads, head_dim]``."""
     tables = metadata.decode_block_tables
     num_decodes, max_blocks = tables.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -72,11 +87,24 @@ def _decode_attention(query, key_cache, value_cache, metadata, scale, output) ->
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # Query heads sharing a KV head become rows of one attention problem (grouped-query
     # attention without repeating keys): [num_decodes, num_kv_heads, group, head_dim].
-    q = query[metadata.decode_indices].view(num_decodes, num_kv_heads, -1, head_dim)
+    q = query.view(num_decodes, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=metadata.decode_mask, scale=scale
     )
-    output[metadata.decode_indices] = out.reshape(num_decodes, -1, head_dim)
+    return out.reshape(num_decodes, -1, head_dim)
+
+
+def _kernel_fits(query, key_cache, value_cache) -> bool:
+    """Whether the C++ decode kernel (kernels/csrc, loaded at model load) takes these shapes."""
+    if not cpu_ops.loaded() or query.device.type != "cpu":
+        return False
+    head_dim = query.shape[2]
+    return (
+        head_dim % cpu_ops.vector_width() == 0
+        and head_dim <= 256
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    )
 
 
 def _prefill_attention(query, key_cache, value_cache, seq: PrefillSeq, scale, output) -> None:

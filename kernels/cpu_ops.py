@@ -1,0 +1,104 @@
+"""The engine's C++ CPU kernels (``kernels/csrc``), built for this machine on first use.
+
+``torch.utils.cpp_extension`` compiles them with the system C++ compiler against the installed
+torch, for the widest vector unit torch itself dispatches to here (AVX-512, AVX2, or plain C++),
+and caches the library under torch's extension folder (``TORCH_EXTENSIONS_DIR``), so only the first
+start on a machine pays the build (about 8 s on 2 cores). The name of the build carries a hash of
+the sources and flags: an edited kernel or another machine's vector unit gets a build of its own.
+
+Where the build fails (no compiler, no Python headers), the engine logs why once and runs the
+pure-torch path in ``kernels/attention.py``, which the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+# torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>
+_CAPABILITY_FLAGS = {
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+    ],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "error": str
+
+
+def vector_width() -> int:
+    """Float lanes of the vector unit the kernels are built for (head sizes must be multiples)."""
+    return 16 if _capability() == "AVX512" else 8
+
+
+def loaded() -> bool:
+    """Whether ``load()`` has loaded the kernels (it never builds them)."""
+    return bool(_state.get("loaded"))
+
+
+def _capability() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
+
+
+def load() -> bool:
+    """Build (once per machine and source) and load the kernels; False where they cannot be."""
+    with _lock:
+        if "loaded" in _state:
+            return bool(_state["loaded"])
+        try:
+            _build()
+            _state["loaded"] = True
+            logger.info("CPU kernels loaded (%s)", _capability())
+        except Exception as error:  # the compiler's own message says what is missing
+            _state["loaded"] = False
+            _state["error"] = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            logger.warning(
+                "CPU kernels could not be built, the engine runs the pure-torch attention path "
+                "(slower at large batches): %s",
+                _state["error"] or type(error).__name__,
+            )
+        return bool(_state["loaded"])
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    _put_ninja_on_path()
+    flags = ["-O3", *_CAPABILITY_FLAGS.get(_capability(), [])]
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    load_extension(
+        name=f"llmrpc_cpu_{_capability().lower()}_{digest.hexdigest()[:12]}",
+        sources=[str(source) for source in _SOURCES],
+        extra_cflags=flags,
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _put_ninja_on_path() -> None:
+    """torch builds with ``ninja`` from PATH; the one the ``ninja`` package installed is in the
+    environment's bin folder, which is not on PATH when a venv's ``llmrpc`` is run directly."""
+    if shutil.which("ninja"):
+        return
+    import ninja
+
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])

@@ -1,0 +1,199 @@
+// Paged decode attention on the CPU: one new query token per sequence; its keys and values are
+// read in place from the block-structured KV cache (no gathered copy), and the scores, softmax and
+// weighted sum are computed in float32 whatever the cache dtype.
+//
+// Registered as torch.ops.llmrpc_cpu.decode_attention. kernels/cpu_ops.py builds it for this
+// machine's vector width (AVX-512, AVX2 or plain C++) and loads it; kernels/attention.py keeps the
+// pure-torch path the tests hold it to.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxHeadDim = 256;
+
+template <typename T>
+inline Vec load_float(const T* data) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(data);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(data, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline void store_from_float(T* dst, const float* src, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Asks for a cache block before it is read: blocks lie anywhere in the cache, so the hardware
+// prefetcher cannot follow a sequence from one block to the next.
+template <typename T>
+inline void prefetch_block(const T* block, int64_t bytes) {
+  const char* start = reinterpret_cast<const char*>(block);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+}
+
+// One sequence: query head h * group + g attends with KV head h over positions [0, len), found
+// through the sequence's row of the block table. A block holds [block_size, num_kv_heads,
+// head_dim] contiguously, and is read whole, once for keys and once for values.
+template <typename T>
+void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+            const T* k_base, const T* v_base, const int64_t* table, int64_t len,
+            int64_t block_size, int64_t block_stride, float scale, std::vector<float>& scores,
+            std::vector<Vec>& q, std::vector<Vec>& acc, T* out) {
+  constexpr int64_t kV = Vec::size();
+  const int64_t chunks = head_dim / kV;
+  const int64_t num_heads = num_kv_heads * group;
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < num_heads; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      q[i * chunks + c] = load_float(query + i * head_dim + c * kV) * Vec(scale);
+    }
+  }
+  const int64_t padded = (len + kV - 1) / kV * kV;  // rows padded to whole vectors for the softmax
+  scores.resize(num_heads * padded);
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  Vec kv[kMaxHeadDim / Vec::size()];
+  // Keys two blocks ahead, and this block's values for the second pass (a sequence's values fit
+  // in L2 for any context the engine serves on a CPU).
+  for (int64_t b = 0; b < std::min<int64_t>(2, num_blocks); ++b) {
+    prefetch_block(k_base + table[b] * block_stride, block_bytes);
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 2 < num_blocks) prefetch_block(k_base + table[b + 2] * block_stride, block_bytes);
+    prefetch_block(v_base + table[b] * block_stride, block_bytes);
+    const T* block = k_base + table[b] * block_stride;
+    const int64_t first = b * block_size, last = std::min(len, first + block_size);
+    for (int64_t pos = first; pos < last; ++pos) {
+      const T* row = block + (pos - first) * num_kv_heads * head_dim;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = load_float(row + h * head_dim + c * kV);
+        for (int64_t g = 0; g < group; ++g) {
+          const Vec* qi = q.data() + (h * group + g) * chunks;
+          Vec dot = qi[0] * kv[0];
+          for (int64_t c = 1; c < chunks; ++c) dot = at::vec::fmadd(qi[c], kv[c], dot);
+          scores[(h * group + g) * padded + pos] = dot.reduce_add();
+        }
+      }
+    }
+  }
+  const float lowest = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < num_heads; ++i) {
+    float* s = scores.data() + i * padded;
+    for (int64_t pos = len; pos < padded; ++pos) s[pos] = lowest;
+    Vec top(lowest);
+    for (int64_t j = 0; j < padded; j += kV) top = at::vec::maximum(top, Vec::loadu(s + j));
+    const Vec peak(top.reduce_max());
+    Vec total(0.f);
+    for (int64_t j = 0; j < padded; j += kV) {
+      const Vec e = (Vec::loadu(s + j) - peak).exp_u20();
+      e.store(s + j);
+      total = total + e;
+    }
+    const Vec inv(1.f / total.reduce_add());
+    for (int64_t j = 0; j < padded; j += kV) (Vec::loadu(s + j) * inv).store(s + j);
+  }
+  std::fill(acc.begin(), acc.end(), Vec(0.f));
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* block = v_base + table[b] * block_stride;
+    const int64_t first = b * block_size, last = std::min(len, first + block_size);
+    for (int64_t pos = first; pos < last; ++pos) {
+      const T* row = block + (pos - first) * num_kv_heads * head_dim;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = load_float(row + h * head_dim + c * kV);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = h * group + g;
+          const Vec p(scores[i * padded + pos]);
+          for (int64_t c = 0; c < chunks; ++c) {
+            acc[i * chunks + c] = at::vec::fmadd(p, kv[c], acc[i * chunks + c]);
+          }
+        }
+      }
+    }
+  }
+  float row[kMaxHeadDim];
+  for (int64_t i = 0; i < num_heads; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c].store(row + c * kV);
+    store_from_float(out + i * head_dim, row, head_dim);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_tables, const int64_t* lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(2), group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q = query.data_ptr<T>();
+  const T* k = key_cache.data_ptr<T>();
+  const T* v = value_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<Vec> q_vecs(num_heads * head_dim / Vec::size()), acc(q_vecs.size());
+    for (int64_t n = begin; n < end; ++n) {
+      attend<T>(q + n * query.stride(0), num_kv_heads, group, head_dim, k, v,
+                tables + n * max_blocks, lens[n], key_cache.size(1), key_cache.stride(0),
+                static_cast<float>(scale), scores, q_vecs, acc, o + n * num_heads * head_dim);
+    }
+  });
+}
+
+// query [num_seqs, num_heads, head_dim]; key_cache/value_cache [num_blocks, block_size,
+// num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "decode_attention: query must be 3-D and the cache 4-D");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
+              "decode_attention: key and value caches differ in shape or layout");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "decode_attention: query and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "decode_attention: block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: block_tables and seq_lens must be contiguous");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "decode_attention: query and cache head sizes differ");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(head_dim % Vec::size() == 0 && head_dim <= kMaxHeadDim,
+              "decode_attention: head_dim must be a multiple of ", Vec::size(), " and at most ", kMaxHeadDim);
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == head_dim && key_cache.is_contiguous() &&
+              value_cache.is_contiguous(), "decode_attention: query heads and cache blocks must be dense");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
+              "decode_attention: one block-table row and one length per sequence");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < num_seqs; ++n) {
+    TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * block_size, "decode_attention: sequence length out of range");
+  }
+  auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
+  switch (query.scalar_type()) {
+    case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
+    case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
+    case at::kHalf: run<at::Half>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
+    default: TORCH_CHECK(false, "decode_attention: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmrpc_cpu, m) {
+  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
