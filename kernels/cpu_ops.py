@@ -23,7 +23,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "elementwise.cpp"]
+_HEADERS = [_CSRC / "vec_utils.h"]
 # torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>
 _CAPABILITY_FLAGS = {
     "AVX512": [
@@ -68,7 +70,7 @@ def load() -> bool:
             logger.info("CPU kernels loaded (%s)", _capability())
         except Exception as error:  # the compiler's own message says what is missing
             _state["loaded"] = False
-            _state["error"] = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            _state["error"] = _first_error(str(error))
             logger.warning(
                 "CPU kernels could not be built, the engine runs the pure-torch attention path "
                 "(slower at large batches): %s",
@@ -83,7 +85,7 @@ def _build() -> None:
     _put_ninja_on_path()
     flags = ["-O3", *_CAPABILITY_FLAGS.get(_capability(), [])]
     digest = hashlib.sha256(" ".join(flags).encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     load_extension(
         name=f"llmrpc_cpu_{_capability().lower()}_{digest.hexdigest()[:12]}",
@@ -102,3 +104,11 @@ def _put_ninja_on_path() -> None:
     import ninja
 
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _first_error(message: str) -> str:
+    """The compiler's first error line (the exception ends with ninja's summary)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    compiler = [line for line in lines if "error:" in line]
+    errors = compiler or [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [""])[0][:300]

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmrpc.engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from llmrpc.engine.models.rotary import RotaryEmbedding, rope_parameters
 from llmrpc.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from llmrpc.kernels.elementwise import add_rms_norm, rms_norm, silu_and_mul
+from llmrpc.kernels.elementwise import rotary as apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def head_dim_of(config) -> int:
@@ -89,8 +91,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,9 +102,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rotary, hidden, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rotary, hidden, residual, kv_cache, metadata):
+        """``(mlp output, residual stream before it)``: the next layer's norm adds the two, so
+        each residual add is fused with the norm after it. The first layer gets ``residual``
+        None and starts the stream."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 # checkpoint name fragment -> (our parameter, index of the shard in a fused weight)
@@ -139,9 +148,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rotary, hidden, kv_cache, metadata)
-        return self.norm(hidden)  # [num_tokens, hidden_size]
+            hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
+        return self.norm(hidden, residual)[0]  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_selected_tokens, vocab_size]

@@ -43,12 +43,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a ramp between."""
     factor = params["factor"]

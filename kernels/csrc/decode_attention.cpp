@@ -6,35 +6,21 @@
 // machine's vector width (AVX-512, AVX2 or plain C++) and loads it; kernels/attention.py keeps the
 // pure-torch path the tests hold it to.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
+#include "vec_utils.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using llmrpc_cpu::load_float;
+using llmrpc_cpu::store_float;
+using llmrpc_cpu::Vec;
 constexpr int64_t kMaxHeadDim = 256;
-
-template <typename T>
-inline Vec load_float(const T* data) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(data);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(data, out);
-    return out;
-  }
-}
-
-template <typename T>
-inline void store_from_float(T* dst, const float* src, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<T>(src[i]);
-}
 
 // Asks for a cache block before it is read: blocks lie anywhere in the cache, so the hardware
 // prefetcher cannot follow a sequence from one block to the next.
@@ -97,7 +83,7 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
     const Vec peak(top.reduce_max());
     Vec total(0.f);
     for (int64_t j = 0; j < padded; j += kV) {
-      const Vec e = (Vec::loadu(s + j) - peak).exp_u20();
+      const Vec e = (Vec::loadu(s + j) - peak).exp();
       e.store(s + j);
       total = total + e;
     }
@@ -122,10 +108,8 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
       }
     }
   }
-  float row[kMaxHeadDim];
   for (int64_t i = 0; i < num_heads; ++i) {
-    for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c].store(row + c * kV);
-    store_from_float(out + i * head_dim, row, head_dim);
+    for (int64_t c = 0; c < chunks; ++c) store_float(out + i * head_dim + c * kV, acc[i * chunks + c]);
   }
 }
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmrpc.engine.model_runner import _decode_mask, _pad_tables
-from llmrpc.kernels import cpu_ops
+from llmrpc.kernels import cpu_ops, elementwise
 from llmrpc.kernels.attention import AttentionMetadata, decode_attention_torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -92,3 +92,76 @@ def test_decode_kernel_names_a_bad_layout():
         _kernel(query.double(), key_cache, value_cache, metadata, 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
         _kernel(query[:, :3], key_cache, value_cache, metadata, 0.125)  # 3 heads over 2 KV heads
+
+
+# The fused elementwise kernels (kernels/csrc/elementwise.cpp) against their torch operations.
+# In float32 they agree to float rounding; in bfloat16/float16 both round at the same places, so
+# all but a few elements (where a last float bit decides the rounding) are equal.
+ELEMENTWISE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _assert_fused_close(got, expected):
+    dtype = expected.dtype
+    tolerance = ELEMENTWISE_TOLERANCE[dtype] * expected.abs().max().item()
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=0)
+    if dtype != torch.float32:  # rounding at the same places: nearly every element is identical
+        assert (got == expected).float().mean() > 0.99
+
+
+def _random(*shape, dtype, seed=0):
+    return (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 64, 100])  # 100: not a whole number of vectors
+def test_rms_norm_kernels_match_torch(dtype, hidden):
+    x, weight = _random(33, hidden, dtype=dtype), _random(hidden, dtype=dtype, seed=1)
+    residual = _random(33, hidden, dtype=dtype, seed=2)
+    _assert_fused_close(
+        elementwise.rms_norm(x, weight, 1e-5), elementwise.rms_norm_torch(x, weight, 1e-5)
+    )
+    expected_sum = x + residual
+    expected = elementwise.rms_norm_torch(expected_sum, weight, 1e-6)
+    normed, summed = elementwise.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    assert torch.equal(summed, expected_sum)  # one rounding of the sum, as torch's add
+    _assert_fused_close(normed, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_and_mul_kernel_matches_torch(dtype, width):
+    x = _random(17, 2 * width, dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    _assert_fused_close(elementwise.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 36])  # 36: halves not a whole number of vectors
+def test_rotary_kernel_matches_torch_in_place_on_a_strided_view(dtype, head_dim):
+    tokens, heads = 9, 5
+    # the query and key heads of a fused qkv row: heads dense, tokens strided by the row
+    qkv = _random(tokens, (heads + 2) * head_dim, dtype=dtype)
+    x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    angles = _random(tokens, 1, head_dim // 2, dtype=torch.float32, seed=3)
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+    expected = elementwise.rotary_torch(x, cos, sin)
+    untouched = qkv[:, heads * head_dim :].clone()
+    got = elementwise.rotary(x, cos, sin)
+    assert got.data_ptr() == x.data_ptr()  # rotated in place
+    _assert_fused_close(got, expected)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)  # the value heads are left alone
+
+
+def test_elementwise_kernels_name_a_bad_input():
+    x = _random(4, 64, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="one value per element"):
+        torch.ops.llmrpc_cpu.rms_norm(x, x[0, :32].contiguous(), 1e-6)
+    with pytest.raises(RuntimeError, match="even last dimension"):
+        torch.ops.llmrpc_cpu.silu_and_mul(x[:, :63].contiguous())
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.llmrpc_cpu.rotary(x.view(4, 1, 64), x.double(), x.double())

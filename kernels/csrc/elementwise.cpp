@@ -1,0 +1,215 @@
+// Fused elementwise operations of a decoder layer on the CPU, each one pass over its rows where
+// the torch path takes 3 to 8 operations. Each rounds where the torch path rounds (after every
+// operation torch runs in the model's dtype), so in float32 they agree to float rounding and in
+// bfloat16/float16 to the last bit in almost every element.
+//
+// Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "vec_utils.h"
+
+namespace llmrpc_cpu {
+namespace {
+
+constexpr int64_t kV = Vec::size();
+
+template <typename T>
+inline int64_t rows_of(const at::Tensor& x) {
+  return x.numel() / x.size(-1);
+}
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)), the mean in float32 (as the torch path).
+template <typename T>
+inline void norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps) {
+  Vec sum(0.f);
+  int64_t i = 0;
+  for (; i + kV <= hidden; i += kV) {
+    const Vec v = load_float(x + i);
+    sum = at::vec::fmadd(v, v, sum);
+  }
+  float total = sum.reduce_add();
+  for (; i < hidden; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float factor = 1.f / std::sqrt(total / static_cast<float>(hidden) + eps);
+  const Vec scale(factor);
+  for (i = 0; i + kV <= hidden; i += kV) {
+    const Vec normed = round_to<T>(load_float(x + i) * scale);
+    store_float(out + i, load_float(weight + i) * normed);
+  }
+  for (; i < hidden; ++i) {
+    const float normed = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * factor));
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t hidden = x.size(-1);
+  const T* src = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, rows_of<T>(x), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(src + r * hidden, w, dst + r * hidden, hidden, static_cast<float>(eps));
+    }
+  });
+}
+
+// residual = round(x + residual); x = rms_norm(residual) (in place, as the decoder layer needs).
+template <typename T>
+void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                             double eps) {
+  const int64_t hidden = x.size(-1);
+  T* xs = x.data_ptr<T>();
+  T* res = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, rows_of<T>(x), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xs + r * hidden;
+      T* rr = res + r * hidden;
+      int64_t i = 0;
+      for (; i + kV <= hidden; i += kV) store_float(rr + i, load_float(xr + i) + load_float(rr + i));
+      for (; i < hidden; ++i) rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+      norm_row(rr, w, xr, hidden, static_cast<float>(eps));
+    }
+  });
+}
+
+// out = round(silu(gate)) * up for x = [gate | up] along the last dimension.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t width = out.size(-1);
+  const T* src = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const Vec one(1.f);
+  at::parallel_for(0, rows_of<T>(out), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = src + r * 2 * width;
+      const T* up = gate + width;
+      T* o = dst + r * width;
+      int64_t i = 0;
+      for (; i + kV <= width; i += kV) {
+        const Vec g = load_float(gate + i);
+        const Vec silu = round_to<T>(g / (one + g.neg().exp()));
+        store_float(o + i, silu * load_float(up + i));
+      }
+      for (; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float silu = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(silu * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// In place, x[t, h] = round(round(x * cos) + round(rotate_half(x) * sin)) for x [tokens, heads,
+// head_dim] (rows of heads dense, tokens at any stride) and cos/sin [tokens, head_dim] dense.
+template <typename T>
+void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const int64_t token_stride = x.stride(0);
+  T* base = x.data_ptr<T>();
+  const T* cos_base = cos.data_ptr<T>();
+  const T* sin_base = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos_base + t * head_dim;
+      const T* s = sin_base + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = base + t * token_stride + h * head_dim;
+        int64_t i = 0;
+        if (half % kV == 0) {
+          for (; i < half; i += kV) {
+            const Vec lo = load_float(row + i), hi = load_float(row + half + i);
+            // first half: x*cos - x_hi*sin; second half: x_hi*cos + x_lo*sin
+            const Vec new_lo = round_to<T>(lo * load_float(c + i)) +
+                               round_to<T>(hi.neg() * load_float(s + i));
+            const Vec new_hi = round_to<T>(hi * load_float(c + half + i)) +
+                               round_to<T>(lo * load_float(s + half + i));
+            store_float(row + i, new_lo);
+            store_float(row + half + i, new_hi);
+          }
+        }
+        for (; i < half; ++i) {
+          const float lo = static_cast<float>(row[i]), hi = static_cast<float>(row[half + i]);
+          const auto rnd = [](float v) { return static_cast<float>(static_cast<T>(v)); };
+          const float new_lo = rnd(lo * static_cast<float>(c[i])) + rnd(-hi * static_cast<float>(s[i]));
+          const float new_hi = rnd(hi * static_cast<float>(c[half + i])) + rnd(lo * static_cast<float>(s[half + i]));
+          row[i] = static_cast<T>(new_lo);
+          row[half + i] = static_cast<T>(new_hi);
+        }
+      }
+    }
+  });
+}
+
+#define LLMRPC_DISPATCH(dtype, name, ...)                                                   \
+  switch (dtype) {                                                                          \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                        \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }              \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }                      \
+    default: TORCH_CHECK(false, name ": dtype must be float32, bfloat16 or float16");      \
+  }
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), name, ": tensors must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), name,
+              ": weight must have one value per element of the last dimension");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), name, ": weight and input must share a dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  auto out = at::empty_like(x);
+  LLMRPC_DISPATCH(x.scalar_type(), "rms_norm", rms_norm_impl<scalar_t>(x, weight, eps, out));
+  return out;
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "fused_add_rms_norm");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+              residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual must be contiguous and match the input");
+  LLMRPC_DISPATCH(x.scalar_type(), "fused_add_rms_norm",
+                  fused_add_rms_norm_impl<scalar_t>(x, residual, weight, eps));
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0,
+              "silu_and_mul: input must be contiguous with an even last dimension");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  auto out = at::empty(sizes, x.options());
+  LLMRPC_DISPATCH(x.scalar_type(), "silu_and_mul", silu_and_mul_impl<scalar_t>(x, out));
+  return out;
+}
+
+void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "rotary: x must be [tokens, heads, head_dim] with dense rows of heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+              sin.sizes() == cos.sizes(), "rotary: cos and sin must be dense [tokens, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: cos, sin and x must share a dtype");
+  LLMRPC_DISPATCH(x.scalar_type(), "rotary", rotary_impl<scalar_t>(x, cos, sin));
+}
+
+}  // namespace
+}  // namespace llmrpc_cpu
+
+TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {
+  m.impl("rms_norm", &llmrpc_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &llmrpc_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &llmrpc_cpu::silu_and_mul);
+  m.impl("rotary", &llmrpc_cpu::rotary);
+}

@@ -1,0 +1,46 @@
+// Float32 vector loads and stores of float32, bfloat16 and float16 data for the engine's CPU
+// kernels, on ATen's Vectorized<float> (AVX-512, AVX2 or plain C++, as the build selects).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <type_traits>
+
+namespace llmrpc_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T>
+inline Vec load_float(const T* data) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(data);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(data, out);
+    return out;
+  }
+}
+
+// Stores Vec::size() values (fewer with count), rounded to T.
+template <typename T>
+inline void store_float(T* data, const Vec& values, int64_t count = Vec::size()) {
+  if constexpr (std::is_same_v<T, float>) {
+    values.store(data, count);
+  } else {
+    at::vec::convert_from_float<T>(values, values).store(data, count);
+  }
+}
+
+// The value T holds for each lane (the rounding an operation in T applies).
+template <typename T>
+inline Vec round_to(const Vec& values) {
+  if constexpr (std::is_same_v<T, float>) {
+    return values;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(values, values)));
+  }
+}
+
+}  // namespace llmrpc_cpu
