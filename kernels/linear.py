@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# The batch size oneDNN tunes the packed layout for; measured flat from 1 to 128.
-_PACKING_BATCH_HINT = 16
+# The batch size oneDNN tunes the packed layout for: decode steps (1-32 rows) took the same time
+# with 16 and 1024, and prefill steps of 1024 rows up to 1.16x less with 1024.
+_PACKING_BATCH_HINT = 1024
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -18,6 +18,7 @@
 namespace {
 
 using llmrpc_cpu::load_float;
+using llmrpc_cpu::round_to;
 using llmrpc_cpu::store_float;
 using llmrpc_cpu::Vec;
 constexpr int64_t kMaxHeadDim = 256;
@@ -81,14 +82,14 @@ inline void block_scores(const T* rows, int64_t num_kv_heads, int64_t group, int
 }
 #endif
 
-// out[t] = sum over positions of probs[t * padded + pos] * v_pos, for the `tiles` query heads
+// out[t] = sum over positions of probs[t * padded + pos] * v_pos / totals[t], for the `tiles` query heads
 // (consecutive, sharing one KV head) whose probabilities start at `probs`. CHUNKS and TILES known
 // at compile time keep the accumulators in registers; 0 means "given at run time".
 template <typename T, int CHUNKS, int TILES>
 void weighted_values_fixed(int64_t chunks, int64_t tiles, const T* v_head, const int64_t* table,
                            int64_t len, int64_t block_size, int64_t block_stride,
-                           int64_t row_stride, const float* probs, int64_t padded, Vec* scratch,
-                           T* out, int64_t head_dim) {
+                           int64_t row_stride, const float* probs, int64_t padded,
+                           const float* totals, Vec* scratch, T* out, int64_t head_dim) {
   constexpr int64_t kV = Vec::size();
   if constexpr (CHUNKS > 0) chunks = CHUNKS;
   if constexpr (TILES > 0) tiles = TILES;
@@ -110,19 +111,20 @@ void weighted_values_fixed(int64_t chunks, int64_t tiles, const T* v_head, const
     }
   }
   for (int64_t t = 0; t < tiles; ++t) {
-    for (int64_t c = 0; c < chunks; ++c) store_float(out + t * head_dim + c * kV, acc[t * chunks + c]);
+    const Vec total(totals[t]);
+    for (int64_t c = 0; c < chunks; ++c) store_float(out + t * head_dim + c * kV, acc[t * chunks + c] / total);
   }
 }
 
 template <typename T, int CHUNKS>
 void weighted_values_tiles(int64_t chunks, int64_t tiles, const T* v_head, const int64_t* table,
                            int64_t len, int64_t block_size, int64_t block_stride,
-                           int64_t row_stride, const float* probs, int64_t padded, Vec* scratch,
-                           T* out, int64_t head_dim) {
+                           int64_t row_stride, const float* probs, int64_t padded,
+                           const float* totals, Vec* scratch, T* out, int64_t head_dim) {
 #define LLMRPC_VALUES(TILES)                                                                    \
   weighted_values_fixed<T, CHUNKS, TILES>(chunks, tiles, v_head, table, len, block_size,        \
-                                          block_stride, row_stride, probs, padded, scratch, out, \
-                                          head_dim)
+                                          block_stride, row_stride, probs, padded, totals, scratch, \
+                                          out, head_dim)
   switch (tiles) {
     case 1: LLMRPC_VALUES(1); break;
     case 2: LLMRPC_VALUES(2); break;
@@ -135,16 +137,17 @@ void weighted_values_tiles(int64_t chunks, int64_t tiles, const T* v_head, const
 template <typename T>
 void weighted_values(int64_t chunks, int64_t tiles, const T* v_head, const int64_t* table,
                      int64_t len, int64_t block_size, int64_t block_stride, int64_t row_stride,
-                     const float* probs, int64_t padded, Vec* scratch, T* out, int64_t head_dim) {
+                     const float* probs, int64_t padded, const float* totals, Vec* scratch, T* out,
+                     int64_t head_dim) {
   if (chunks == 4) {
     weighted_values_tiles<T, 4>(chunks, tiles, v_head, table, len, block_size, block_stride,
-                                row_stride, probs, padded, scratch, out, head_dim);
+                                row_stride, probs, padded, totals, scratch, out, head_dim);
   } else if (chunks == 8) {
     weighted_values_tiles<T, 8>(chunks, tiles, v_head, table, len, block_size, block_stride,
-                                row_stride, probs, padded, scratch, out, head_dim);
+                                row_stride, probs, padded, totals, scratch, out, head_dim);
   } else {
     weighted_values_fixed<T, 0, 0>(chunks, tiles, v_head, table, len, block_size, block_stride,
-                                   row_stride, probs, padded, scratch, out, head_dim);
+                                   row_stride, probs, padded, totals, scratch, out, head_dim);
   }
 }
 
@@ -162,11 +165,11 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < num_heads; ++i) {
     for (int64_t c = 0; c < chunks; ++c) {
-      q[i * chunks + c] = load_float(query + i * head_dim + c * kV) * Vec(scale);
+      q[i * chunks + c] = load_float(query + i * head_dim + c * kV);
     }
   }
   const int64_t padded = (len + kV - 1) / kV * kV;  // rows padded to whole vectors for the softmax
-  scores.resize(num_heads * padded);
+  scores.resize(num_heads * padded + num_heads);  // the softmax totals after the rows
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   Vec kv[kMaxHeadDim / Vec::size()];
   // Keys two blocks ahead, and this block's values for the second pass (a sequence's values fit
@@ -201,21 +204,29 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
       }
     }
   }
+  // Softmax as torch's CPU attention computes it (HF models' default): scores scaled after the
+  // dot product, the exponentials rounded to T for the weighted sum (their float32 total divides
+  // it at the end). In bfloat16 this rounding changes outputs by about as much as it keeps them
+  // level with the torch path; the 135M default model's greedy answers depended on it.
   const float lowest = -std::numeric_limits<float>::infinity();
+  float* totals = scores.data() + num_heads * padded;
   for (int64_t i = 0; i < num_heads; ++i) {
     float* s = scores.data() + i * padded;
     for (int64_t pos = len; pos < padded; ++pos) s[pos] = lowest;
     Vec top(lowest);
-    for (int64_t j = 0; j < padded; j += kV) top = at::vec::maximum(top, Vec::loadu(s + j));
+    for (int64_t j = 0; j < padded; j += kV) {
+      const Vec scaled = Vec::loadu(s + j) * Vec(scale);
+      scaled.store(s + j);
+      top = at::vec::maximum(top, scaled);
+    }
     const Vec peak(top.reduce_max());
     Vec total(0.f);
     for (int64_t j = 0; j < padded; j += kV) {
       const Vec e = (Vec::loadu(s + j) - peak).exp();
-      e.store(s + j);
+      round_to<T>(e).store(s + j);
       total = total + e;
     }
-    const Vec inv(1.f / total.reduce_add());
-    for (int64_t j = 0; j < padded; j += kV) (Vec::loadu(s + j) * inv).store(s + j);
+    totals[i] = total.reduce_add();
   }
   if (next_table != nullptr) {  // the next sequence's first keys, while this one's values are summed
     prefetch_block(k_base + next_table[0] * block_stride, block_bytes);
@@ -225,7 +236,7 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
       const int64_t i = h * group + g;
       weighted_values<T>(chunks, std::min<int64_t>(4, group - g), v_base + h * head_dim, table, len,
                          block_size, block_stride, num_kv_heads * head_dim, scores.data() + i * padded,
-                         padded, acc.data(), out + i * head_dim, head_dim);
+                         padded, totals + i, acc.data(), out + i * head_dim, head_dim);
     }
   }
 }

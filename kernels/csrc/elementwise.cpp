@@ -35,7 +35,12 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t hidden, float 
   for (; i < hidden; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float factor = 1.f / std::sqrt(total / static_cast<float>(hidden) + eps);
   const Vec scale(factor);
-  for (i = 0; i + kV <= hidden; i += kV) {
+  for (i = 0; i + 2 * kV <= hidden; i += 2 * kV) {
+    const Vec first = load_float(weight + i) * round_to<T>(load_float(x + i) * scale);
+    const Vec second = load_float(weight + i + kV) * round_to<T>(load_float(x + i + kV) * scale);
+    store_float2(out + i, first, second);
+  }
+  for (; i + kV <= hidden; i += kV) {
     const Vec normed = round_to<T>(load_float(x + i) * scale);
     store_float(out + i, load_float(weight + i) * normed);
   }
@@ -71,6 +76,10 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
       T* xr = xs + r * hidden;
       T* rr = res + r * hidden;
       int64_t i = 0;
+      for (; i + 2 * kV <= hidden; i += 2 * kV) {
+        store_float2(rr + i, load_float(xr + i) + load_float(rr + i),
+                     load_float(xr + i + kV) + load_float(rr + i + kV));
+      }
       for (; i + kV <= hidden; i += kV) store_float(rr + i, load_float(xr + i) + load_float(rr + i));
       for (; i < hidden; ++i) rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
       norm_row(rr, w, xr, hidden, static_cast<float>(eps));
@@ -90,12 +99,15 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const T* gate = src + r * 2 * width;
       const T* up = gate + width;
       T* o = dst + r * width;
+      const auto silu_times_up = [&](int64_t at) {
+        const Vec g = load_float(gate + at);
+        // exp to 1 ulp in float32; a 16-bit result rounds the 20-ulp polynomial's error away
+        const Vec e = std::is_same_v<T, float> ? g.neg().exp() : g.neg().exp_u20();
+        return round_to<T>(g / (one + e)) * load_float(up + at);
+      };
       int64_t i = 0;
-      for (; i + kV <= width; i += kV) {
-        const Vec g = load_float(gate + i);
-        const Vec silu = round_to<T>(g / (one + g.neg().exp()));
-        store_float(o + i, silu * load_float(up + i));
-      }
+      for (; i + 2 * kV <= width; i += 2 * kV) store_float2(o + i, silu_times_up(i), silu_times_up(i + kV));
+      for (; i + kV <= width; i += kV) store_float(o + i, silu_times_up(i));
       for (; i < width; ++i) {
         const float g = static_cast<float>(gate[i]);
         const float silu = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
@@ -120,17 +132,28 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
       const T* s = sin_base + t * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = base + t * token_stride + h * head_dim;
+        // first half: x*cos - x_hi*sin; second half: x_hi*cos + x_lo*sin
+        const auto rotated_lo = [&](int64_t at) {
+          return round_to<T>(load_float(row + at) * load_float(c + at)) +
+                 round_to<T>(load_float(row + half + at).neg() * load_float(s + at));
+        };
+        const auto rotated_hi = [&](int64_t at) {
+          return round_to<T>(load_float(row + half + at) * load_float(c + half + at)) +
+                 round_to<T>(load_float(row + at) * load_float(s + half + at));
+        };
         int64_t i = 0;
-        if (half % kV == 0) {
+        if (half % (2 * kV) == 0) {
+          for (; i < half; i += 2 * kV) {
+            const Vec lo0 = rotated_lo(i), lo1 = rotated_lo(i + kV);
+            const Vec hi0 = rotated_hi(i), hi1 = rotated_hi(i + kV);
+            store_float2(row + i, lo0, lo1);
+            store_float2(row + half + i, hi0, hi1);
+          }
+        } else if (half % kV == 0) {
           for (; i < half; i += kV) {
-            const Vec lo = load_float(row + i), hi = load_float(row + half + i);
-            // first half: x*cos - x_hi*sin; second half: x_hi*cos + x_lo*sin
-            const Vec new_lo = round_to<T>(lo * load_float(c + i)) +
-                               round_to<T>(hi.neg() * load_float(s + i));
-            const Vec new_hi = round_to<T>(hi * load_float(c + half + i)) +
-                               round_to<T>(lo * load_float(s + half + i));
-            store_float(row + i, new_lo);
-            store_float(row + half + i, new_hi);
+            const Vec lo = rotated_lo(i), hi = rotated_hi(i);
+            store_float(row + i, lo);
+            store_float(row + half + i, hi);
           }
         }
         for (; i < half; ++i) {

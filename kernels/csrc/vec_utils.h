@@ -33,6 +33,18 @@ inline void store_float(T* data, const Vec& values, int64_t count = Vec::size())
   }
 }
 
+// Stores 2 * Vec::size() values, rounded to T: a whole vector of T where T is 16 bits wide (a
+// partial store of one goes through a temporary buffer, several times slower).
+template <typename T>
+inline void store_float2(T* data, const Vec& first, const Vec& second) {
+  if constexpr (std::is_same_v<T, float>) {
+    first.store(data);
+    second.store(data + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(first, second).store(data);
+  }
+}
+
 // The value T holds for each lane (the rounding an operation in T applies).
 template <typename T>
 inline Vec round_to(const Vec& values) {

@@ -101,23 +101,24 @@ def _core(
 
 
 def _record_batches(core: EngineCore) -> list:
-    """The attention metadata of every step the runner prepares."""
+    """(tokens computed before, new tokens) of each request in every step the runner prepares."""
     seen = []
     prepare = core.runner.prepare_input
 
-    def spy(*args, **kwargs):
-        model_input = prepare(*args, **kwargs)
-        seen.append(model_input.metadata)
-        return model_input
+    def spy(output, *args, **kwargs):
+        seen.append(
+            [(request.num_computed_tokens, num_new) for request, num_new in output.scheduled]
+        )
+        return prepare(output, *args, **kwargs)
 
     core.runner.prepare_input = spy
     return seen
 
 
-def _mixes_chunks_and_decodes(metadata) -> bool:
+def _mixes_chunks_and_decodes(step) -> bool:
     """A step with decodes beside a prompt chunk that continues an earlier chunk."""
-    continued = any(p.seq_len > p.query_end - p.query_start for p in metadata.prefills)
-    return bool(metadata.decode_indices.numel()) and continued
+    continued = any(computed > 0 and num_new > 1 for computed, num_new in step)
+    return continued and any(num_new == 1 for _, num_new in step)
 
 
 @pytest.mark.parametrize(
