@@ -150,6 +150,7 @@ class ModelRunner:
             decode_mask=_decode_mask(decode_lens, size),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
             prefills=prefills,
+            decodes_only=len(decode_rows) == len(input_ids),  # rows are added in order
         )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long),

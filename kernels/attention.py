@@ -34,6 +34,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length after this step
     prefills: list[PrefillSeq]
+    decodes_only: bool = False  # every row of the batch is a decode row, in order
 
 
 def write_kv(
@@ -55,6 +56,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if metadata.decodes_only and _kernel_fits(query, key_cache, value_cache):
+        dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
+        return torch.ops.llmrpc_cpu.decode_attention(
+            query if dense_heads else query.contiguous(), key_cache, value_cache,
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens, scale,
+        )  # fmt: skip
     output = torch.empty_like(query)
     if metadata.decode_indices.numel():
         _decode_attention(query, key_cache, value_cache, metadata, scale, output)
