@@ -193,7 +193,9 @@ def test_ctrl_c_at_a_terminal_stops_the_reply_and_the_chat_goes_on(greedy_server
             screen.read_until("> ")
             os.write(terminal, b"Hello\n")
             screen.read_until("Hello\n")  # the terminal's echo; the reply follows
-            screen.wait_for_output()
+            # well into the reply (its first characters are newlines): the stream is open, so
+            # Ctrl-C lands in it, not in the call that counts the prompt's tokens before it
+            screen.wait_for_output(at_least=80)
             os.kill(pid, signal.SIGINT)
             interrupted = screen.read_until("\n> ")
             assert len(interrupted) < len(full_reply) and full_reply.startswith(interrupted)
@@ -215,10 +217,10 @@ class Screen:
         self.terminal = terminal
         self.pending = ""
 
-    def wait_for_output(self, timeout: float = 30.0) -> None:
+    def wait_for_output(self, timeout: float = 30.0, at_least: int = 1) -> None:
         deadline = time.monotonic() + timeout
-        while not self.pending:
-            self._read(deadline, "any output")
+        while len(self.pending) < at_least:
+            self._read(deadline, f"{at_least} characters of output")
 
     def read_until(self, marker: str, timeout: float = 30.0) -> str:
         """The output before ``marker`` (consumed with it)."""
