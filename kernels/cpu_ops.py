@@ -3,11 +3,12 @@
 ``torch.utils.cpp_extension`` compiles them with the system C++ compiler against the installed
 torch, for the widest vector unit torch itself dispatches to here (AVX-512, AVX2, or plain C++),
 and caches the library under torch's extension folder (``TORCH_EXTENSIONS_DIR``), so only the first
-start on a machine pays the build (about 8 s on 2 cores). The name of the build carries a hash of
+start on a machine pays the build (about 10 s on 2 cores). The name of the build carries a hash of
 the sources and flags: an edited kernel or another machine's vector unit gets a build of its own.
 
 Where the build fails (no compiler, no Python headers), the engine logs why once and runs the
-pure-torch path in ``kernels/attention.py``, which the kernels are tested against.
+torch operations of ``kernels/attention.py`` and ``kernels/elementwise.py``, which the kernels are
+tested against.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def load() -> bool:
             _state["loaded"] = False
             _state["error"] = _first_error(str(error))
             logger.warning(
-                "CPU kernels could not be built, the engine runs the pure-torch attention path "
-                "(slower at large batches): %s",
+                "CPU kernels could not be built, the engine runs torch operations in their place "
+                "(slower): %s",
                 _state["error"] or type(error).__name__,
             )
         return bool(_state["loaded"])
