@@ -215,3 +215,24 @@ def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(
             assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) < 1e-4, (
                 name
             )
+
+
+def test_a_failed_build_is_logged_with_the_compiler_error_and_leaves_the_torch_path(
+    monkeypatch, caplog
+):
+    def failing_build():
+        raise RuntimeError(
+            "Error building extension 'llmrpc_cpu_x': [1/2] c++ -c decode_attention.cpp\n"
+            "decode_attention.cpp:3:10: error: ATen/ATen.h: No such file or directory\n"
+            "ninja: build stopped: subcommand failed."
+        )
+
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setattr(cpu_ops, "_build", failing_build)
+    with caplog.at_level("WARNING", logger="llmrpc.kernels.cpu_ops"):
+        assert cpu_ops.load() is False
+    assert not cpu_ops.loaded()
+    assert "decode_attention.cpp:3:10: error: ATen/ATen.h: No such file" in caplog.text
+    x = _random(3, 64, dtype=torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)  # the torch operations answer in the kernels' place
+    assert torch.equal(elementwise.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
