@@ -289,8 +289,14 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
               "decode_attention: one block-table row and one length per sequence");
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t n = 0; n < num_seqs; ++n) {
     TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * block_size, "decode_attention: sequence length out of range");
+    for (int64_t b = 0; b < (lens[n] + block_size - 1) / block_size; ++b) {  // the blocks it reads
+      const int64_t block = tables[n * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: block id ", block, " out of range");
+    }
   }
   auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
   switch (query.scalar_type()) {

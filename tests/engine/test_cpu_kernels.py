@@ -90,6 +90,11 @@ def test_decode_kernel_names_a_bad_layout():
     bad_lens = AttentionMetadata(**{**metadata.__dict__, "decode_seq_lens": torch.tensor([33])})
     with pytest.raises(RuntimeError, match="sequence length out of range"):
         _kernel(query, key_cache, value_cache, bad_lens, 0.125)
+    bad_table = metadata.decode_block_tables.clone()
+    bad_table[0, 1] = key_cache.shape[0]  # one past the cache, in the blocks length 20 reads
+    bad_blocks = AttentionMetadata(**{**metadata.__dict__, "decode_block_tables": bad_table})
+    with pytest.raises(RuntimeError, match="block id .* out of range"):
+        _kernel(query, key_cache, value_cache, bad_blocks, 0.125)
     with pytest.raises(RuntimeError, match="share a dtype"):
         _kernel(query.double(), key_cache, value_cache, metadata, 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
