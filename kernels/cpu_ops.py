@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,8 @@ _CAPABILITY_FLAGS = {
     ],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
+
+STALE_LOCK_AGE_S = 600.0  # a build takes about 10 s on 2 cores
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "error": str
@@ -88,13 +91,32 @@ def _build() -> None:
     digest = hashlib.sha256(" ".join(flags).encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
+    name = f"llmrpc_cpu_{_capability().lower()}_{digest.hexdigest()[:12]}"
+    _clear_stale_lock(name)
     load_extension(
-        name=f"llmrpc_cpu_{_capability().lower()}_{digest.hexdigest()[:12]}",
+        name=name,
         sources=[str(source) for source in _SOURCES],
         extra_cflags=flags,
         is_python_module=False,
         verbose=False,
     )
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch takes a lock file in the build folder for every load and waits, without end, while
+    another holds it: a process killed while building (SIGKILL, out of memory) leaves it behind,
+    and every later start would hang. A build takes seconds; a lock older than
+    ``STALE_LOCK_AGE_S`` is such a leftover and is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_AGE_S:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from engine_utils import make_core, run_to_completion
@@ -241,3 +246,35 @@ def test_a_failed_build_is_logged_with_the_compiler_error_and_leaves_the_torch_p
     x = _random(3, 64, dtype=torch.bfloat16)
     gate, up = x.chunk(2, dim=-1)  # the torch operations answer in the kernels' place
     assert torch.equal(elementwise.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
+    """torch waits, without end, while a build's lock file exists; a build killed midway leaves
+    it behind. In a process of its own: a process loads the kernels' library once."""
+    script = textwrap.dedent(
+        """
+        import logging, os, sys, time
+        from pathlib import Path
+        from torch.utils.cpp_extension import _get_build_directory
+        from llmrpc.kernels import cpu_ops
+
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+        real_clear = cpu_ops._clear_stale_lock
+
+        def leave_a_stale_lock(name):  # as a build killed 20 minutes ago would have
+            lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            lock.touch()
+            os.utime(lock, (time.time() - 1200, time.time() - 1200))
+            real_clear(name)
+
+        cpu_ops._clear_stale_lock = leave_a_stale_lock
+        print("loaded:", cpu_ops.load())
+        """
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "did not finish" in done.stdout and "loaded: True" in done.stdout
