@@ -17,7 +17,6 @@ namespace {
 
 constexpr int64_t kV = Vec::size();
 
-template <typename T>
 inline int64_t rows_of(const at::Tensor& x) {
   return x.numel() / x.size(-1);
 }
@@ -56,7 +55,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
   const T* src = x.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  at::parallel_for(0, rows_of<T>(x), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows_of(x), 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       norm_row(src + r * hidden, w, dst + r * hidden, hidden, static_cast<float>(eps));
     }
@@ -71,7 +70,7 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
   T* xs = x.data_ptr<T>();
   T* res = residual.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, rows_of<T>(x), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows_of(x), 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = xs + r * hidden;
       T* rr = res + r * hidden;
@@ -94,7 +93,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   const Vec one(1.f);
-  at::parallel_for(0, rows_of<T>(out), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows_of(out), 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = src + r * 2 * width;
       const T* up = gate + width;
