@@ -199,7 +199,7 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
           const Vec* qi = q.data() + (h * group + g) * chunks;
           Vec dot = qi[0] * kv[0];
           for (int64_t c = 1; c < chunks; ++c) dot = at::vec::fmadd(qi[c], kv[c], dot);
-          scores[(h * group + g) * padded + pos] = dot.reduce_add();
+          scores[(h * group + g) * padded + pos] = llmrpc_cpu::sum_lanes(dot);
         }
       }
     }
@@ -219,14 +219,14 @@ void attend(const T* query, int64_t num_kv_heads, int64_t group, int64_t head_di
       scaled.store(s + j);
       top = at::vec::maximum(top, scaled);
     }
-    const Vec peak(top.reduce_max());
+    const Vec peak(llmrpc_cpu::max_lanes(top));
     Vec total(0.f);
     for (int64_t j = 0; j < padded; j += kV) {
       const Vec e = (Vec::loadu(s + j) - peak).exp();
       round_to<T>(e).store(s + j);
       total = total + e;
     }
-    totals[i] = total.reduce_add();
+    totals[i] = llmrpc_cpu::sum_lanes(total);
   }
   if (next_table != nullptr) {  // the next sequence's first keys, while this one's values are summed
     prefetch_block(k_base + next_table[0] * block_stride, block_bytes);

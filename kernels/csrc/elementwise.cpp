@@ -30,7 +30,7 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t hidden, float 
     const Vec v = load_float(x + i);
     sum = at::vec::fmadd(v, v, sum);
   }
-  float total = sum.reduce_add();
+  float total = sum_lanes(sum);
   for (; i < hidden; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float factor = 1.f / std::sqrt(total / static_cast<float>(hidden) + eps);
   const Vec scale(factor);

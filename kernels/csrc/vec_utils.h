@@ -45,6 +45,32 @@ inline void store_float2(T* data, const Vec& first, const Vec& second) {
   }
 }
 
+// The sum and the largest of a vector's lanes (the plain C++ Vectorized's own reduce_add and
+// reduce_max do not compile in torch 2.13's headers).
+inline float sum_lanes(const Vec& values) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return values.reduce_add();
+#else
+  float lanes[Vec::size()];
+  values.store(lanes);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  return total;
+#endif
+}
+
+inline float max_lanes(const Vec& values) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return values.reduce_max();
+#else
+  float lanes[Vec::size()];
+  values.store(lanes);
+  float top = lanes[0];
+  for (float lane : lanes) top = lane > top ? lane : top;
+  return top;
+#endif
+}
+
 // The value T holds for each lane (the rounding an operation in T applies).
 template <typename T>
 inline Vec round_to(const Vec& values) {

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +279,19 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "did not finish" in done.stdout and "loaded: True" in done.stdout
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_kernels_built_for_narrower_vector_units_match_torch(capability):
+    """This machine's build is AVX-512; the AVX2 and plain C++ builds (other code paths, vectors
+    of 8) are built and checked by the tests above in a process told to dispatch so."""
+    if capability == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "(match or own_blocks) and not narrower"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
