@@ -10,7 +10,7 @@ Every method returns its result; ``stream`` and ``chat_stream`` return iterators
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -56,7 +56,10 @@ class Client(ClientBase):
             time.sleep(delay)
             attempt += 1
 
-    def _stream(self, request, timeout, request_id) -> Iterator[Delta]:
+    def _stream(self, request, timeout, request_id) -> DeltaStream:
+        return DeltaStream(lambda stream: self._deltas(request, timeout, request_id, stream))
+
+    def _deltas(self, request, timeout, request_id, stream: DeltaStream) -> Iterator[Delta]:
         deadline = deadline_of(self.options.timeout if timeout is None else timeout)
         metadata = self.options.metadata(request_id)
         attempt = 1
@@ -64,6 +67,9 @@ class Client(ClientBase):
             call = self._generation.GenerateStream(
                 request, timeout=remaining(deadline), metadata=metadata
             )
+            stream.call = call
+            if stream.cancelled:
+                call.cancel()
             received = False
             try:
                 for response in call:
@@ -79,3 +85,29 @@ class Client(ClientBase):
                 raise error
             time.sleep(delay)
             attempt += 1
+
+
+class DeltaStream:
+    """The deltas of one streamed generation, as an iterator. ``cancel()`` ends the call from any
+    thread or from a signal handler (where ``close()``, a generator's, cannot run while the loop
+    over the deltas is waiting): the loop then raises ``LlmrpcError`` (CANCELLED)."""
+
+    def __init__(self, start: Callable[[DeltaStream], Iterator[Delta]]) -> None:
+        self.call = None  # the gRPC call of the attempt under way
+        self.cancelled = False
+        self._deltas = start(self)
+
+    def __iter__(self) -> DeltaStream:
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        """Stop early: cancels the call if it is still open."""
+        self._deltas.close()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.call is not None:
+            self.call.cancel()

@@ -8,9 +8,11 @@ input) ends the session.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from llmrpc.clients.cli import common
+from llmrpc.clients.errors import LlmrpcError
 
 RESET_COMMAND = "/reset"
 EXIT_COMMAND = "/exit"
@@ -79,14 +81,27 @@ def reply(
         params = {**params, "max_tokens": max_tokens}
     parts = []
     stream = client.chat_stream(messages, **params)
+    interrupted = False
+
+    def stop(signum, frame) -> None:
+        # Ctrl-C cancels the call rather than raising KeyboardInterrupt wherever the loop is:
+        # raised inside gRPC's wait for the next message, it can leave gRPC's lock released
+        # twice ("cannot release un-acquired lock") and the chat ends with a traceback.
+        nonlocal interrupted
+        interrupted = True
+        stream.cancel()
+
+    previous = signal.signal(signal.SIGINT, stop) if interactive else None
     try:
         for delta in stream:
             print(delta.text, end="", flush=True)
             parts.append(delta.text)
-    except KeyboardInterrupt:
-        if not interactive:
+    except LlmrpcError:
+        if not interrupted:  # a cancellation we asked for ends the reply; anything else is news
             raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         stream.close()  # cancels the call if it is still open: the server aborts the request
     print(flush=True)
     conversation.messages = [*messages, {"role": "assistant", "content": "".join(parts)}]
