@@ -147,7 +147,6 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_indices=torch.tensor(decode_rows, dtype=torch.long),
             decode_block_tables=_pad_tables(decode_tables),
-            decode_mask=_decode_mask(decode_lens, size),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
             prefills=prefills,
             decodes_only=len(decode_rows) == len(input_ids),  # rows are added in order
@@ -182,11 +181,3 @@ def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(
         len(tables), width
     )
-
-
-def _decode_mask(seq_lens: list[int], block_size: int) -> torch.Tensor:
-    if not seq_lens:
-        return torch.empty(0, 1, 1, 0, dtype=torch.bool)
-    width = -(-max(seq_lens) // block_size) * block_size
-    lens = torch.tensor(seq_lens).view(-1, 1, 1, 1)
-    return torch.arange(width).view(1, 1, 1, -1) < lens  # [num_decodes, 1, 1, width]

@@ -31,7 +31,6 @@ class AttentionMetadata:
     # Requests with exactly one new token are batched together:
     decode_indices: torch.Tensor  # [num_decodes] rows of the flat batch
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length after this step
     prefills: list[PrefillSeq]
     decodes_only: bool = False  # every row of the batch is a decode row, in order
@@ -96,9 +95,9 @@ def decode_attention_torch(query, key_cache, value_cache, metadata, scale) -> to
     # Query heads sharing a KV head become rows of one attention problem (grouped-query
     # attention without repeating keys): [num_decodes, num_kv_heads, group, head_dim].
     q = query.view(num_decodes, num_kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=metadata.decode_mask, scale=scale
-    )
+    # True = attend: each row's positions up to its length (padding blocks point at block 0)
+    mask = torch.arange(max_blocks * block_size) < metadata.decode_seq_lens.view(-1, 1, 1, 1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, -1, head_dim)
 
 

@@ -13,6 +13,7 @@ tested against.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -58,6 +59,7 @@ def loaded() -> bool:
     return bool(_state.get("loaded"))
 
 
+@functools.cache
 def _capability() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_utils import make_core, run_to_completion
 
-from llmrpc.engine.model_runner import _decode_mask, _pad_tables
+from llmrpc.engine.model_runner import _pad_tables
 from llmrpc.engine.request import SamplingParams
 from llmrpc.kernels import cpu_ops, elementwise
 from llmrpc.kernels.attention import AttentionMetadata, decode_attention_torch
@@ -45,7 +45,6 @@ def _case(dtype, num_kv_heads, group, head_dim, block_size, seq_lens, seed=0):
         slot_mapping=torch.empty(0, dtype=torch.long),
         decode_indices=torch.arange(len(seq_lens)),
         decode_block_tables=_pad_tables(tables),
-        decode_mask=_decode_mask(seq_lens, block_size),
         decode_seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         prefills=[],
     )
