@@ -4,9 +4,11 @@
   and ``scale[n] = max|w[n, :]| / 127``; computed by ``torch.ops.aten._weight_int8pack_mm``.
 - ``int4``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
   ``w = (u - 8) * scale + zero`` with ``u`` in [0, 15], ``scale = (max - min) / 15`` and
-  ``zero = min + 8 * scale`` per group; computed by ``torch.ops.aten._weight_int4pack_mm_for_cpu``
-  on weights packed by ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly
-  that formula, with ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
+  ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX512-BF16, computed by our
+  kernel (``kernels/csrc/int4_linear.cpp``) on weights in its blocked layout; elsewhere by
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on weights packed by
+  ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly that formula, with
+  ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
 - ``gguf``: a .gguf model's Q4_0, Q4_1 and Q8_0 tensors served from their own blocks (see
   ``quantize_model_from_gguf``); its other tensors stay as dequantized at load.
 
@@ -14,15 +16,16 @@ Every ``nn.Linear`` of the model is swapped after loading, ``lm_head`` included;
 tied to ``lm_head`` reads its rows from the same packed weight, so the float weight is freed.
 Scales (and zeros) are held in the model's dtype, as the kernels require.
 
-The packed kernels are fast only with bfloat16 activations, and only for few rows: their cost
-grows with every row, where a dense matmul reuses each weight across rows, and in float16 or
-float32 they are 10-50x slower than a dense matmul of the same dtype. So a layer uses its packed
-kernel in bfloat16 for at most ``dense_above`` rows (decode steps of small batches), and
-otherwise dequantizes its weight for that call and runs the dense matmul: a prefill chunk, a
-large batch, and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact in
-float32, so a quantized float32 model computes what the same model holding the dequantized
-weights computes (slowly: measured 5-30x slower than the unquantized float32 model, whose
-linear layers are packed for oneDNN).
+torch's packed kernels are fast only with bfloat16 activations, and only for few rows: their
+cost grows with every row, where a dense matmul reuses each weight across rows, and in float16
+or float32 they are 10-50x slower than a dense matmul of the same dtype. So a layer uses its
+packed kernel in bfloat16 for at most ``dense_above`` rows (decode steps of small batches; our
+int4 kernel, which reuses each unpacked weight across 8 rows, up to long prefills), and
+otherwise dequantizes its weight for that call and runs the dense matmul: a long prefill chunk,
+and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact in float32, so a
+quantized float32 model computes what the same model holding the dequantized weights computes
+(slowly: measured 5-30x slower than the unquantized float32 model, whose linear layers are
+packed for oneDNN).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch.nn import functional as F
 
 from llmrpc.engine.config import ModelConfig
 from llmrpc.engine.model_source import locate_model
+from llmrpc.kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,9 @@ GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and 
 # rows 439 vs 284 us; int4 at 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
 INT8_DENSE_ABOVE = 32
 INT4_DENSE_ABOVE = 128
+# Rows up to which our blocked int4 kernel beats dequantize-then-dense (one thread, 30 layers of
+# SmolLM2-135M's shapes): 156 vs 474 ms at 256 rows, 643 vs 990 at 1024, 1274 vs 1061 at 2048.
+BLOCKED_DENSE_ABOVE = 1024
 _FAST_DTYPES = (torch.bfloat16,)  # float16's packed kernels are as slow as float32's
 
 
@@ -136,32 +143,44 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    """Group-wise int4 in torch's CPU packing: ``W[n, k] = (u - 8) * scale + zero``, with one
-    ``(scale, zero)`` per ``GROUP_SIZE`` inputs, held in ``scales_and_zeros[k // 32, n]``."""
+    """Group-wise int4: ``W[n, k] = (u - 8) * scale + zero``, with one ``(scale, zero)`` per
+    ``GROUP_SIZE`` inputs, packed one of two ways:
 
-    dense_above = INT4_DENSE_ABOVE
+    - blocked, in bfloat16 where our AVX512-BF16 kernel is built (``kernels/csrc/int4_linear.cpp``
+      describes the layout): ``qweight`` ``[out / 16, in / 32, 8, 32]`` and ``scales_and_zeros``
+      ``[out / 16, in / 32, 2, 16]``, computed by ``torch.ops.llmrpc_cpu.int4_linear``;
+    - torch's CPU packing otherwise: ``qweight`` from ``_convert_weight_to_int4pack_for_cpu`` and
+      ``scales_and_zeros`` ``[in / 32, out, 2]``, computed by ``_weight_int4pack_mm_for_cpu``.
+    """
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias=None) -> None:
-        num_groups, out_features, _ = scales_and_zeros.shape
+    def __init__(self, packed, scales_and_zeros, bias=None, blocked: bool = False) -> None:
+        if blocked:
+            blocks, num_groups, _, lanes = scales_and_zeros.shape
+            out_features = blocks * lanes
+        else:
+            num_groups, out_features, _ = scales_and_zeros.shape
         super().__init__(num_groups * GROUP_SIZE, out_features, bias)
-        self.register_buffer("qweight", packed)  # uint8 [out, in / 2], torch's layout
+        self.blocked = blocked
+        self.dense_above = BLOCKED_DENSE_ABOVE if blocked else INT4_DENSE_ABOVE
+        self.register_buffer("qweight", packed)  # uint8
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
 
     @staticmethod
     def supports(out_features: int, in_features: int) -> bool:
-        """torch's int4 packing takes ``out % 16 == 0`` and whole groups of inputs."""
+        """Both packings take ``out % 16 == 0`` and whole groups of inputs."""
         return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
 
     @property
     def packed_rows(self) -> int:
+        if self.blocked:
+            return self.qweight.shape[0] * 16
         return self.scales_and_zeros.shape[1]
 
     @classmethod
     def from_codes(cls, codes, scales, zeros, bias=None, dtype=torch.bfloat16) -> Int4Linear:
         """``codes`` ``[out, in]`` in [0, 15]; ``scales`` and ``zeros`` ``[out, in / 32]``."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype)
-        return cls(packed, scales_and_zeros, bias)
+        packed, scales_and_zeros, blocked = _pack_int4(codes, scales, zeros, dtype)
+        return cls(packed, scales_and_zeros, bias, blocked)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias=None, dtype=torch.bfloat16) -> Int4Linear:
@@ -183,14 +202,21 @@ class Int4Linear(QuantizedLinear):
         return self.scales_and_zeros.dtype
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked:
+            return torch.ops.llmrpc_cpu.int4_linear(
+                x.contiguous(), self.qweight, self.scales_and_zeros
+            )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.qweight, GROUP_SIZE, self.scales_and_zeros
         )
 
     def codes(self) -> torch.Tensor:
-        """The 4-bit codes ``[packed_rows, in]`` (uint8), unpacked from torch's CPU layout:
-        blocks of 64 rows as ``[in, 32]`` bytes (low nibble: row j, high: row j + 32), then a
-        tail of ``rows % 64`` as ``[in, tail / 2]`` bytes (low: even rows, high: odd)."""
+        """The 4-bit codes ``[packed_rows, in]`` (uint8), unpacked from the layout."""
+        if self.blocked:
+            return self._blocked_codes(self.qweight)
+        # torch's CPU layout: blocks of 64 rows as ``[in, 32]`` bytes (low nibble: row j, high:
+        # row j + 32), then a tail of ``rows % 64`` as ``[in, tail / 2]`` bytes (low: even
+        # rows, high: odd)
         in_features = self.in_features
         flat = self.qweight.view(-1)
         num_blocks, tail = divmod(self.packed_rows, 64)
@@ -205,22 +231,47 @@ class Int4Linear(QuantizedLinear):
             parts.append(codes.t())
         return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
+    def _blocked_codes(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The codes ``[16 * len(blocks), in]`` of blocked ``qweight`` rows ``blocks``."""
+        num_blocks, groups = blocks.shape[:2]
+        nibbles = torch.stack([blocks & 15, blocks >> 4], dim=3)  # [.., group, chunk, 2, 32]
+        nibbles = nibbles.view(num_blocks, groups, 8, 2, 16, 2).permute(0, 4, 1, 2, 3, 5)
+        return nibbles.reshape(num_blocks * 16, self.in_features)
+
     def dequantize(self, dtype=None) -> torch.Tensor:
         return self._dequantize_codes(self.codes(), slice(None)).to(dtype or self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self._dequantize_codes(self._row_codes(ids), ids).to(self.dtype)
 
+    def _scales_zeros(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros ``[rows, in / 32]`` in float32."""
+        if self.blocked:
+            both = self.scales_and_zeros.permute(0, 3, 1, 2).reshape(self.packed_rows, -1, 2)
+            both = both[rows]
+            return both[..., 0].float(), both[..., 1].float()
+        return (
+            self.scales_and_zeros[:, rows, 0].t().float(),
+            self.scales_and_zeros[:, rows, 1].t().float(),
+        )
+
     def _dequantize_codes(self, codes: torch.Tensor, rows) -> torch.Tensor:
         # (u - 8) * scale is exact in float32 (4 bits times at most 24); + zero rounds once.
         num_rows = codes.shape[0]
-        scales = self.scales_and_zeros[:, rows, 0].t().float()[..., None]  # [rows, groups, 1]
-        zeros = self.scales_and_zeros[:, rows, 1].t().float()[..., None]
+        scales, zeros = self._scales_zeros(rows)
         grouped = codes.view(num_rows, -1, GROUP_SIZE).float()
-        return ((grouped - 8) * scales + zeros).view(num_rows, self.in_features)
+        return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(
+            num_rows, self.in_features
+        )
 
     def _row_codes(self, ids: torch.Tensor) -> torch.Tensor:
-        """The codes of rows ``ids`` only, read where ``codes`` says they are packed."""
+        """The codes of rows ``ids`` only, read where the layout packs them."""
+        if self.blocked:
+            lanes = (ids % 16)[:, None, None, None] * 2 + torch.arange(2, device=ids.device)
+            blocks = self.qweight[ids // 16]  # [ids, group, chunk, 32]
+            pairs = blocks.gather(3, lanes.expand(-1, *blocks.shape[1:3], 2))  # row's 2 bytes
+            # [ids, group, chunk, low/high nibble, input of the pair] is input order
+            return torch.stack([pairs & 15, pairs >> 4], dim=3).view(len(ids), self.in_features)
         in_features = self.in_features
         num_blocks, tail = divmod(self.packed_rows, 64)
         in_block = ids < num_blocks * 64
@@ -238,14 +289,36 @@ class Int4Linear(QuantizedLinear):
         return (packed >> shift[:, None].to(torch.uint8)) & 15
 
 
+def blocked_kernel_available() -> bool:
+    """Whether our int4 kernel runs here (the CPU kernels built, with AVX512-BF16)."""
+    return cpu_ops.load() and torch.ops.llmrpc_cpu.int4_linear_supported()
+
+
+def _pack_int4(codes, scales, zeros, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(qweight, scales_and_zeros, blocked)`` for codes ``[out, in]`` in [0, 15] and
+    ``scales``/``zeros`` ``[out, in / 32]``: blocked where our kernel computes ``dtype``."""
+    out_features, in_features = codes.shape
+    groups = in_features // GROUP_SIZE
+    if dtype == torch.bfloat16 and blocked_kernel_available():
+        # [block, output, group, chunk, low/high nibble, input of the pair]
+        parts = codes.to(torch.uint8).reshape(out_features // 16, 16, groups, 8, 2, 2)
+        parts = parts.permute(0, 2, 3, 4, 1, 5)  # block, group, chunk, nibble, output, input
+        packed = parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)
+        both = torch.stack([scales, zeros], dim=-1).to(dtype)  # [out, groups, 2]
+        both = both.view(out_features // 16, 16, groups, 2).permute(0, 2, 3, 1)
+        return packed.reshape(-1, groups, 8, 32).contiguous(), both.contiguous(), True
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    return packed, torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype), False
+
+
 class Q8BlockLinear(Int4Linear):
     """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) exactly, as two int4
     halves of one packed weight: ``q = 16 * hi + lo`` with ``hi`` in [-8, 7] and ``lo`` in
     [0, 15]; rows ``[0, out)`` hold ``hi`` (scale ``16 d``, zero 0) and rows ``[out, 2 out)``
     hold ``lo`` (scale ``d``, zero ``8 d``); ``y`` is the sum of the two halves' outputs."""
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias=None) -> None:
-        super().__init__(packed, scales_and_zeros, bias)
+    def __init__(self, packed, scales_and_zeros, bias=None, blocked: bool = False) -> None:
+        super().__init__(packed, scales_and_zeros, bias, blocked)
         self.out_features //= 2  # the halves are one output each
 
     @classmethod
@@ -257,9 +330,8 @@ class Q8BlockLinear(Int4Linear):
         codes = torch.cat([hi + 8, lo])
         scales = torch.cat([16 * d, d])
         zeros = torch.cat([torch.zeros_like(d), 8 * d])
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype)
-        return cls(packed, scales_and_zeros, bias)
+        packed, scales_and_zeros, blocked = _pack_int4(codes, scales, zeros, dtype)
+        return cls(packed, scales_and_zeros, bias, blocked)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         both = super().packed_matmul(x)

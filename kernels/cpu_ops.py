@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "elementwise.cpp"]
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "elementwise.cpp", _CSRC / "int4_linear.cpp"]
 _HEADERS = [_CSRC / "vec_utils.h"]
 # torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>
 _CAPABILITY_FLAGS = {
@@ -90,6 +90,8 @@ def _build() -> None:
 
     _put_ninja_on_path()
     flags = ["-O3", *_CAPABILITY_FLAGS.get(_capability(), [])]
+    if _capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        flags.append("-mavx512bf16")  # the int4 kernel's dot products
     digest = hashlib.sha256(" ".join(flags).encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())

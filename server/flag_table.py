@@ -276,11 +276,12 @@ _MODEL = _group(
           "symmetric), int4 (asymmetric, in groups of 32 inputs) or gguf (a .gguf --model "
           "served from its own Q4_0, Q4_1 and Q8_0 blocks, its other tensors dequantized). "
           "Linear layers are packed, lm_head and an embedding tied to it included (int4: those "
-          "with inputs a multiple of 32 and outputs of 16). torch's packed kernels compute in "
-          "bfloat16 when a layer takes at most 32 (int8) or 128 (int4, gguf) tokens at once; "
-          "more tokens, and --dtype float16 or float32, dequantize the layer's weight for the "
-          "step (float32: exact, and 5-30x slower than unquantized). Default: none (a .gguf "
-          "--model is dequantized to --dtype).",
+          "with inputs a multiple of 32 and outputs of 16). The packed kernels compute in "
+          "bfloat16 when a layer takes at most 32 (int8) or 128 (int4, gguf) tokens at once, "
+          "or 1024 where our int4 kernel runs (a CPU with AVX512-BF16); more tokens, and "
+          "--dtype float16 or float32, dequantize the layer's weight for the step (float32: "
+          "exact, and 5-30x slower than unquantized). Default: none (a .gguf --model is "
+          "dequantized to --dtype).",
           choices=QUANTIZATION_METHODS),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),

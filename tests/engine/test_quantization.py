@@ -31,6 +31,7 @@ from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedul
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.models import build_model
 from llmrpc.engine.quantization import (
+    BLOCKED_DENSE_ABOVE,
     GROUP_SIZE,
     INT4_DENSE_ABOVE,
     INT8_DENSE_ABOVE,
@@ -519,6 +520,9 @@ def test_help_states_what_the_code_does():
     assert f"groups of {GROUP_SIZE} inputs" in flag.help
     assert (
         f"at most {INT8_DENSE_ABOVE} (int8) or {INT4_DENSE_ABOVE} (int4, gguf) tokens" in flag.help
+    )
+    assert f"or {BLOCKED_DENSE_ABOVE} where our int4 kernel runs (a CPU with AVX512-BF16)" in (
+        flag.help
     )
     for block_type in ("Q4_0", "Q4_1", "Q8_0"):
         assert block_type in flag.help

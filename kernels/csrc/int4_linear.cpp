@@ -1,0 +1,167 @@
+// Group-wise int4 weights times bfloat16 activations on the CPU: y = x W^T, with
+// W[n, k] = (u[n, k] - 8) * scale[n, g] + zero[n, g] for the group g = k / 32 of 32 inputs.
+//
+// Weight layout (packed by engine/quantization.py, `Int4Linear`): outputs in blocks of 16, each
+// block's inputs in groups of 32, each group 256 bytes: 8 chunks of 32 bytes, chunk c covering
+// inputs 4c..4c+3 of the group. Byte j of a chunk holds output j / 2 of the block: its low nibble
+// the code for input 4c + j % 2, its high nibble the code for input 4c + 2 + j % 2. So the low
+// (and the high) nibbles of a chunk, widened to 16 bits, are 16 outputs x 2 inputs in the order
+// AVX512-BF16's dot product takes them. Scales and zeros: [blocks, groups, 2, 16] (scale, zero
+// of the block's 16 outputs), in bfloat16.
+//
+// Per group the kernel sums x * (128 + u) in float32 (a code widened to 16 bits and or-ed with
+// 0x4300 is the bfloat16 of 128 + u; its products with bfloat16 inputs are exact in float32),
+// then adds scale * that sum + (zero - 136 * scale) * (sum of the group's inputs): the same
+// float32 terms in the same order whatever the number of rows, so a row's output does not
+// depend on the rows beside it.
+//
+// Registered as torch.ops.llmrpc_cpu.int4_linear; int4_linear_supported() says whether this
+// build has the AVX512-BF16 kernel (elsewhere the engine keeps torch's int4 kernel).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockOutputs = 16;
+constexpr int64_t kGroup = 32;
+constexpr int64_t kGroupBytes = kBlockOutputs * kGroup / 2;
+constexpr int kMaxRows = 8;  // rows computed together: each unpacked weight serves all of them
+
+#if defined(__AVX512BF16__)
+inline __m512 load_bf16x16(const at::BFloat16* values) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512bh broadcast_pair(const at::BFloat16* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
+// Outputs of one block of 16 for R rows (x: R rows of `ldx`; sums: R rows of `groups`).
+template <int R>
+void block_rows(const uint8_t* weight, const at::BFloat16* scales_zeros, const at::BFloat16* x,
+                int64_t ldx, const float* sums, int64_t groups, at::BFloat16* y, int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  const __m512 offset = _mm512_set1_ps(136.f);
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* chunks = weight + g * kGroupBytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
+      const __m512i low = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low4)), bias);
+      const __m512i high = _mm512_or_si512(
+          _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4)), bias);
+      for (int r = 0; r < R; ++r) {
+        const at::BFloat16* inputs = x + r * ldx + g * kGroup + 4 * c;
+        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(low), broadcast_pair(inputs));
+        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(high),
+                                  broadcast_pair(inputs + 2));
+      }
+    }
+    const __m512 scale = load_bf16x16(scales_zeros + g * 2 * kBlockOutputs);
+    const __m512 zero = load_bf16x16(scales_zeros + g * 2 * kBlockOutputs + kBlockOutputs);
+    const __m512 shift = _mm512_fnmadd_ps(offset, scale, zero);  // zero - 136 * scale
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_fmadd_ps(acc[r], scale, total[r]);
+      total[r] = _mm512_fmadd_ps(shift, _mm512_set1_ps(sums[r * groups + g]), total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total[r])));
+  }
+}
+
+template <int R>
+void rows_of_block(const uint8_t* weight, const at::BFloat16* scales_zeros,
+                   const at::BFloat16* x, int64_t ldx, const float* sums, int64_t groups,
+                   at::BFloat16* y, int64_t ldy, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      rows_of_block<R - 1>(weight, scales_zeros, x, ldx, sums, groups, y, ldy, rows);
+      return;
+    }
+  }
+  block_rows<R>(weight, scales_zeros, x, ldx, sums, groups, y, ldy);
+}
+#endif
+
+bool supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& scales_zeros) {
+  TORCH_CHECK(supported(), "int4_linear: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "int4_linear: x must be a contiguous [rows, in_features] bfloat16 tensor");
+  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
+              weight.size(2) == 8 && weight.size(3) == 32,
+              "int4_linear: weight must be contiguous uint8 [out / 16, in / 32, 8, 32]");
+  const int64_t blocks = weight.size(0), groups = weight.size(1);
+  TORCH_CHECK(x.size(1) == groups * kGroup, "int4_linear: x has ", x.size(1),
+              " features, the weight takes ", groups * kGroup);
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == at::kBFloat16 &&
+              scales_zeros.sizes() == at::IntArrayRef({blocks, groups, 2, kBlockOutputs}),
+              "int4_linear: scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
+  const int64_t rows = x.size(0);
+  auto y = at::empty({rows, blocks * kBlockOutputs}, x.options());
+#if defined(__AVX512BF16__)
+  // The sum of each row's inputs over each group, in float32 and input order.
+  auto sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
+  float* group_sums = sums.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.f;
+      for (int64_t k = 0; k < kGroup; ++k) total += static_cast<float>(xs[r * groups * kGroup + g * kGroup + k]);
+      group_sums[r * groups + g] = total;
+    }
+  }
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const at::BFloat16* sz = scales_zeros.data_ptr<at::BFloat16>();
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  const int64_t ldx = groups * kGroup, ldy = blocks * kBlockOutputs;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block_weight = w + b * groups * kGroupBytes;
+      const at::BFloat16* block_sz = sz + b * groups * 2 * kBlockOutputs;
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        rows_of_block<kMaxRows>(block_weight, block_sz, xs + r * ldx, ldx,
+                                group_sums + r * groups, groups,
+                                out + r * ldy + b * kBlockOutputs, ldy,
+                                std::min<int64_t>(kMaxRows, rows - r));
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros) -> Tensor");
+  m.def("int4_linear_supported() -> bool", &supported);
+}
+
+TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }

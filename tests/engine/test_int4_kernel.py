@@ -1,0 +1,117 @@
+"""The blocked int4 kernel (kernels/csrc/int4_linear.cpp) against the float matmul it stands for,
+and the blocked layout against torch's int4 packing it replaces where AVX512-BF16 is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrpc.engine import quantization
+from llmrpc.engine.quantization import GROUP_SIZE, Int4Linear, blocked_kernel_available
+
+pytestmark = pytest.mark.skipif(
+    not blocked_kernel_available(), reason="the int4 kernel needs a CPU with AVX512-BF16"
+)
+
+
+def _case(out_features: int, in_features: int, rows: int, seed: int = 0):
+    """Random codes, scales, zeros and inputs (no zeros among the inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = in_features // GROUP_SIZE
+    codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3).bfloat16()
+    zeros = (torch.randn(out_features, groups, generator=gen) * 0.02).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen)
+    x = torch.where(x.abs() < 1e-3, 1.0, x).bfloat16()
+    return codes, scales, zeros, x
+
+
+def _weight(codes, scales, zeros) -> torch.Tensor:
+    """The float32 weight the codes stand for (exact: (u - 8) * scale, + zero rounded once)."""
+    grouped = codes.view(codes.shape[0], -1, GROUP_SIZE).float() - 8
+    weight = grouped * scales.float()[..., None] + zeros.float()[..., None]
+    return weight.view_as(codes.float())
+
+
+def _check_close(y: torch.Tensor, x, codes, scales, zeros) -> None:
+    """Within the bfloat16 rounding of the output, plus float32 rounding of the group sums, whose
+    terms are up to 136 * scale (the kernel sums x * (128 + u) and subtracts 136 * scale * sum(x)).
+    A wrong code, scale, zero or input pairing is off by about |x| |w| (far more)."""
+    weight = _weight(codes, scales, zeros).double()
+    exact = x.double() @ weight.T
+    terms = 136 * scales.double().repeat_interleave(GROUP_SIZE, dim=1) + weight.abs()
+    bound = 2**-8 * exact.abs() + 2**-18 * (x.double().abs() @ terms.T)
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    error = (y.double() - exact).abs()
+    assert (error <= bound).all(), (error - bound).max()
+
+
+@pytest.mark.parametrize(
+    "out_features, in_features", [(16, 32), (48, 96), (960, 576), (576, 1536), (208, 64)]
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 33])
+def test_kernel_is_the_float_matmul_of_the_codes(out_features, in_features, rows):
+    codes, scales, zeros, x = _case(out_features, in_features, rows, seed=rows)
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    assert layer.blocked
+    _check_close(layer.packed_matmul(x), x, codes, scales, zeros)
+
+
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch():
+    codes, scales, zeros, x = _case(96, 192, 37)
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    batch = layer.packed_matmul(x)
+    for row in range(x.shape[0]):
+        assert torch.equal(layer.packed_matmul(x[row : row + 1]), batch[row : row + 1]), row
+    assert torch.equal(layer.packed_matmul(x[5:14]), batch[5:14])
+
+
+def test_blocked_layout_unpacks_to_the_codes_and_matches_torch_packing(monkeypatch):
+    codes, scales, zeros, x = _case(208, 96, 4)
+    blocked = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    monkeypatch.setattr(quantization, "blocked_kernel_available", lambda: False)
+    torch_packed = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    assert blocked.blocked and not torch_packed.blocked
+    assert blocked.qweight.shape == (13, 3, 8, 32) and blocked.scales_and_zeros.shape == (
+        13,
+        3,
+        2,
+        16,
+    )
+    assert torch.equal(blocked.codes(), codes)
+    assert torch.equal(blocked.dequantize(torch.float32), _weight(codes, scales, zeros))
+    assert torch.equal(blocked.dequantize(torch.float32), torch_packed.dequantize(torch.float32))
+    ids = torch.tensor([0, 207, 15, 16, 100, 15])
+    assert torch.equal(blocked._row_codes(ids), codes[ids])
+    assert torch.equal(blocked.rows(ids), torch_packed.rows(ids))
+    # the same memory: half a byte a weight, a bfloat16 scale and zero per group
+    assert quantization.packed_bytes(blocked) == 208 * 96 // 2 + 208 * 3 * 4
+    # torch's kernel computes the same products (its own rounding)
+    _check_close(torch_packed.packed_matmul(x), x, codes, scales, zeros)
+
+
+def test_layers_take_the_kernel_up_to_long_prefills_in_bfloat16_only():
+    codes, scales, zeros, x = _case(32, 64, 3)
+    assert Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16).blocked
+    for dtype in (torch.float32, torch.float16):  # their packed kernels are torch's
+        assert not Int4Linear.from_codes(codes, scales, zeros, None, dtype).blocked
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    assert layer.dense_above == quantization.BLOCKED_DENSE_ABOVE >= 512
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x, w, s: (x.float(), w, s), "bfloat16"),
+        (lambda x, w, s: (x[:, :32].contiguous(), w, s), "features"),
+        (lambda x, w, s: (x.t(), w, s), "contiguous"),
+        (lambda x, w, s: (x, w.view(w.shape[0], -1), s), "uint8"),
+        (lambda x, w, s: (x, w, s.float()), "scales_zeros"),
+        (lambda x, w, s: (x, w, s[:1].contiguous()), "scales_zeros"),
+    ],
+)
+def test_bad_layouts_are_named(change, message):
+    codes, scales, zeros, x = _case(32, 64, 3)
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.llmrpc_cpu.int4_linear(*change(x, layer.qweight, layer.scales_and_zeros))
