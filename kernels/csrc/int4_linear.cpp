@@ -34,7 +34,7 @@ namespace {
 constexpr int64_t kBlockOutputs = 16;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = kBlockOutputs * kGroup / 2;
-constexpr int kMaxRows = 8;  // rows computed together: each unpacked weight serves all of them
+constexpr int kMaxRows = 12;  // rows computed together: each unpacked weight serves all of them
 
 #if defined(__AVX512BF16__)
 inline __m512 load_bf16x16(const at::BFloat16* values) {
@@ -48,19 +48,21 @@ inline __m512bh broadcast_pair(const at::BFloat16* pair) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
 }
 
-// Outputs of one block of 16 for R rows (x: R rows of `ldx`; sums: R rows of `groups`).
+// Outputs of one block of 16 for R rows (x: R rows of `ldx`; sums: R rows of `groups`). Each
+// row sums a group's low and high nibbles in two registers (two dependency chains of 8 dot
+// products, not one of 16); the running totals, touched once a group, live in memory.
 template <int R>
 void block_rows(const uint8_t* weight, const at::BFloat16* scales_zeros, const at::BFloat16* x,
                 int64_t ldx, const float* sums, int64_t groups, at::BFloat16* y, int64_t ldy) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m512i bias = _mm512_set1_epi16(0x4300);
   const __m512 offset = _mm512_set1_ps(136.f);
-  __m512 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  alignas(64) float total[R][kBlockOutputs];
+  for (int r = 0; r < R; ++r) _mm512_store_ps(total[r], _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* chunks = weight + g * kGroupBytes;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 low_sum[R], high_sum[R];
+    for (int r = 0; r < R; ++r) low_sum[r] = high_sum[r] = _mm512_setzero_ps();
     for (int c = 0; c < 8; ++c) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
       const __m512i low = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low4)), bias);
@@ -68,22 +70,25 @@ void block_rows(const uint8_t* weight, const at::BFloat16* scales_zeros, const a
           _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4)), bias);
       for (int r = 0; r < R; ++r) {
         const at::BFloat16* inputs = x + r * ldx + g * kGroup + 4 * c;
-        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(low), broadcast_pair(inputs));
-        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(high),
-                                  broadcast_pair(inputs + 2));
+        low_sum[r] = _mm512_dpbf16_ps(low_sum[r], reinterpret_cast<__m512bh>(low),
+                                      broadcast_pair(inputs));
+        high_sum[r] = _mm512_dpbf16_ps(high_sum[r], reinterpret_cast<__m512bh>(high),
+                                       broadcast_pair(inputs + 2));
       }
     }
     const __m512 scale = load_bf16x16(scales_zeros + g * 2 * kBlockOutputs);
     const __m512 zero = load_bf16x16(scales_zeros + g * 2 * kBlockOutputs + kBlockOutputs);
     const __m512 shift = _mm512_fnmadd_ps(offset, scale, zero);  // zero - 136 * scale
     for (int r = 0; r < R; ++r) {
-      total[r] = _mm512_fmadd_ps(acc[r], scale, total[r]);
-      total[r] = _mm512_fmadd_ps(shift, _mm512_set1_ps(sums[r * groups + g]), total[r]);
+      __m512 sum = _mm512_fmadd_ps(_mm512_add_ps(low_sum[r], high_sum[r]), scale,
+                                   _mm512_load_ps(total[r]));
+      sum = _mm512_fmadd_ps(shift, _mm512_set1_ps(sums[r * groups + g]), sum);
+      _mm512_store_ps(total[r], sum);
     }
   }
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total[r])));
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(total[r]))));
   }
 }
 
@@ -141,15 +146,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
   const at::BFloat16* sz = scales_zeros.data_ptr<at::BFloat16>();
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
   const int64_t ldx = groups * kGroup, ldy = blocks * kBlockOutputs;
+  // rows in tiles of near-equal size (16 rows: 8 + 8, not 12 + 4)
+  const int64_t num_tiles = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block_weight = w + b * groups * kGroupBytes;
       const at::BFloat16* block_sz = sz + b * groups * 2 * kBlockOutputs;
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
+      for (int64_t r = 0; r < rows; r += tile) {
         rows_of_block<kMaxRows>(block_weight, block_sz, xs + r * ldx, ldx,
                                 group_sums + r * groups, groups,
                                 out + r * ldy + b * kBlockOutputs, ldy,
-                                std::min<int64_t>(kMaxRows, rows - r));
+                                std::min<int64_t>(tile, rows - r));
       }
     }
   });
