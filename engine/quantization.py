@@ -349,6 +349,65 @@ class Q8BlockLinear(Int4Linear):
         return (halves[: len(ids)] + halves[len(ids) :]).to(self.dtype)
 
 
+class Q8Linear(QuantizedLinear):
+    """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) in our blocked layout
+    (``kernels/csrc/int4_linear.cpp`` describes it): ``qweight`` ``[out / 16, in / 32, 16, 32]``
+    holding ``q + 128``, ``scales`` ``[out / 16, in / 32, 16]``; computed by
+    ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16; ``Q8BlockLinear`` elsewhere)."""
+
+    dense_above = BLOCKED_DENSE_ABOVE
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias=None) -> None:
+        blocks, groups, lanes = scales.shape
+        super().__init__(groups * GROUP_SIZE, blocks * lanes, bias)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, bias=None, dtype=torch.bfloat16):
+        """``q`` int8 ``[out, in]``, ``d`` ``[out, in / 32]`` (float32)."""
+        out_features, in_features = q.shape
+        groups = in_features // GROUP_SIZE
+        # [block, output, group, input pair, input of the pair] -> block, group, pair, output, input
+        shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+        parts = shifted.view(out_features // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        scales = d.to(dtype).view(out_features // 16, 16, groups).permute(0, 2, 1)
+        qweight = parts.reshape(out_features // 16, groups, 16, 32).contiguous()
+        return cls(qweight, scales.contiguous(), bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmrpc_cpu.q8_linear(x.contiguous(), self.qweight, self.scales)
+
+    def _weights(self, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` ``[rows, in]`` (float32) and ``d`` ``[rows, in / 32]`` of ``blocks``."""
+        qweight = self.qweight[blocks]
+        num_blocks, groups = qweight.shape[:2]
+        q = qweight.view(num_blocks, groups, 16, 16, 2).permute(0, 3, 1, 2, 4).float() - 128
+        d = self.scales[blocks].permute(0, 2, 1).float()
+        return q.reshape(num_blocks * 16, self.in_features), d.reshape(num_blocks * 16, groups)
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        # q has 8 bits and d at most 24: exact in float32
+        q, d = self._weights(slice(None))
+        weight = q.view(self.out_features, -1, GROUP_SIZE) * d[..., None]
+        return weight.view(self.out_features, self.in_features).to(dtype or self.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks, lanes = ids // 16, ids % 16
+        qweight = self.qweight[blocks]  # [ids, group, input pair, 32]
+        index = (lanes[:, None, None, None] * 2 + torch.arange(2, device=ids.device)).expand(
+            -1, *qweight.shape[1:3], 2
+        )
+        # [ids, group, input pair, input of the pair] is input order
+        q = qweight.gather(3, index).float() - 128
+        d = self.scales[blocks].gather(2, lanes[:, None, None].expand(-1, q.shape[1], 1)).float()
+        return (q.view(len(ids), -1, GROUP_SIZE) * d).view(len(ids), -1).to(self.dtype)
+
+
 class QuantizedEmbedding(nn.Module):
     """An embedding whose rows are those of a packed weight (one tied to ``lm_head``)."""
 
@@ -601,6 +660,8 @@ def _packable(blocks: _Blocks) -> bool:
 def _packed_linear(blocks: _Blocks, bias, dtype) -> QuantizedLinear:
     codes, scales = torch.from_numpy(blocks.codes), torch.from_numpy(blocks.scales)
     if blocks.zeros is None:
+        if dtype == torch.bfloat16 and blocked_kernel_available():
+            return Q8Linear.from_blocks(codes, scales, bias, dtype)
         return Q8BlockLinear.from_blocks(codes, scales, bias, dtype)
     return Int4Linear.from_codes(codes, scales, torch.from_numpy(blocks.zeros), bias, dtype)
 

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from llmrpc.engine import quantization
-from llmrpc.engine.quantization import GROUP_SIZE, Int4Linear, blocked_kernel_available
+from llmrpc.engine.quantization import (
+    GROUP_SIZE,
+    Int4Linear,
+    Q8BlockLinear,
+    Q8Linear,
+    blocked_kernel_available,
+)
 
 pytestmark = pytest.mark.skipif(
     not blocked_kernel_available(), reason="the int4 kernel needs a CPU with AVX512-BF16"
@@ -115,3 +121,46 @@ def test_bad_layouts_are_named(change, message):
     layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
     with pytest.raises(RuntimeError, match=message):
         torch.ops.llmrpc_cpu.int4_linear(*change(x, layer.qweight, layer.scales_and_zeros))
+
+
+def _q8_case(out_features: int, in_features: int, rows: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    d = (torch.rand(out_features, in_features // GROUP_SIZE, generator=gen) * 0.01 + 1e-4).half()
+    x = torch.randn(rows, in_features, generator=gen)
+    return q, d.float(), torch.where(x.abs() < 1e-3, 1.0, x).bfloat16()
+
+
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (576, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 9, 33])
+def test_q8_kernel_is_the_float_matmul_of_the_blocks(out_features, in_features, rows):
+    q, d, x = _q8_case(out_features, in_features, rows, seed=rows)
+    layer = Q8Linear.from_blocks(q, d, None, torch.bfloat16)
+    scales = d.bfloat16().float()  # held in the model's dtype
+    weight = (q.float().view(out_features, -1, GROUP_SIZE) * scales[..., None]).view_as(q.float())
+    exact = x.double() @ weight.double().T
+    # terms of the group sums are up to 128 * d (the kernel sums x * (q + 128), then subtracts)
+    terms = 256 * scales.double().repeat_interleave(GROUP_SIZE, dim=1)
+    bound = 2**-8 * exact.abs() + 2**-18 * (x.double().abs() @ terms.T)
+    y = layer.packed_matmul(x)
+    assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
+    for row in (0, rows - 1):
+        assert torch.equal(layer.packed_matmul(x[row : row + 1]), y[row : row + 1])
+
+
+def test_q8_layout_dequantizes_as_the_two_int4_halves():
+    q, d, x = _q8_case(208, 96, 3)
+    blocked = Q8Linear.from_blocks(q, d, None, torch.bfloat16)
+    halves = Q8BlockLinear.from_blocks(q, d, None, torch.bfloat16)
+    weight = q.float() * d.bfloat16().float().repeat_interleave(GROUP_SIZE, dim=1)
+    assert torch.equal(blocked.dequantize(torch.float32), weight)
+    assert torch.equal(blocked.dequantize(torch.float32), halves.dequantize(torch.float32))
+    ids = torch.tensor([0, 207, 15, 16, 100, 15])
+    assert torch.equal(blocked.rows(ids), weight[ids].bfloat16())
+    assert torch.equal(blocked.rows(ids), halves.rows(ids))
+    # one byte a weight and a bfloat16 scale per 32
+    assert quantization.packed_bytes(blocked) == 208 * 96 + 208 * 3 * 2
+    with pytest.raises(RuntimeError, match="q8_linear: scales"):
+        torch.ops.llmrpc_cpu.q8_linear(x, blocked.qweight, blocked.scales.float())
+    with pytest.raises(RuntimeError, match="q8_linear: weight"):
+        torch.ops.llmrpc_cpu.q8_linear(x, blocked.qweight[:, :, :8].contiguous(), blocked.scales)
