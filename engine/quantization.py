@@ -77,15 +77,15 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)
-        if x.dtype in _FAST_DTYPES and x.dtype == self.dtype and x.shape[0] <= self.dense_above:
-            y = self.packed_matmul(x)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        dtype = rows.dtype
+        if rows.shape[0] <= self.dense_above and dtype in _FAST_DTYPES and dtype == self.dtype:
+            y = self.packed_matmul(rows)
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = F.linear(x, self.dequantize(x.dtype), self.bias)
-        return y.view(*shape[:-1], self.out_features)
+            y = F.linear(rows, self.dequantize(dtype), self.bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` by the packed kernel: ``x`` is ``[rows, in_features]`` in ``self.dtype``."""
@@ -380,7 +380,7 @@ class Q8Linear(QuantizedLinear):
         return self.scales.dtype
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llmrpc_cpu.q8_linear(x.contiguous(), self.qweight, self.scales)
+        return torch.ops.llmrpc_cpu.q8_linear.default(x.contiguous(), self.qweight, self.scales)
 
     def _weights(self, blocks) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``[rows, in]`` (float32) and ``d`` ``[rows, in / 32]`` of ``blocks``."""
