@@ -189,6 +189,8 @@ class EngineCore:
         check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         self.model = self._load_model()
         self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
+        self.compilation = config.compilation
+        self._compile_decode()
         self.kv_manager = KVCacheManager(
             num_blocks,
             block_size,
@@ -233,6 +235,17 @@ class EngineCore:
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         return model
+
+    def _compile_decode(self) -> None:
+        """At load, before any request: -O1 to -O3 compile the decode step."""
+        compilation = self.compilation
+        if compilation.enforce_eager and compilation.requested_level:
+            logger.warning(
+                "--enforce-eager overrides --compilation-config level %d: the engine runs eager",
+                compilation.requested_level,
+            )
+        if compilation.level:
+            self.runner.compile_decode()
 
     @property
     def model_info(self) -> ModelInfo:
@@ -460,5 +473,7 @@ class EngineCore:
             self.model = self.runner.model = self._load_model()
         if self.sleep_level:
             self.runner.allocate_kv_cache()
+            if self.sleep_level == 2 and self.compilation.level:
+                self.runner.compile_decode()  # from inductor's cache, for the new weights
             logger.info("awake")
         self.sleep_level = 0

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
 from llmrpc.engine.models.llama import head_dim_of
 from llmrpc.engine.request import Request
 from llmrpc.engine.scheduler import SchedulerOutput
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import AttentionMetadata, PrefillSeq
+
+logger = logging.getLogger(__name__)
 
 # Prompt chunks whose context is at most this long go through the decode kernel one token per
 # row (32 prompts of 45 tokens: 1.7 ms a layer where one attention call per prompt took 3.7 ms);
@@ -66,7 +70,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, hf_config, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> None:
-        self.model = model
+        self.model = model  # eager; compile_decode() adds a compiled forward for decode steps
         self._device = _device_of(model)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
@@ -87,6 +91,28 @@ class ModelRunner:
         self.kv_caches = []
 
     @property
+    def model(self) -> nn.Module | None:
+        return self._model
+
+    @model.setter
+    def model(self, model: nn.Module | None) -> None:
+        self._model = model
+        self.compiled_decode: CompiledDecode | None = None  # it holds the replaced model
+
+    def compile_decode(self) -> bool:
+        """Compile the model's forward for decodes-only steps and warm it up now (while no
+        request holds a KV block); False where those steps run eager (the reason is logged)."""
+        reason = why_not_compiled(self.model)
+        if reason is not None:
+            logger.warning("decode steps run eager, not compiled: %s", reason)
+            return False
+        compiled = CompiledDecode(self.model)
+        if not compiled.warm_up(self.kv_caches, self.block_size):
+            return False
+        self.compiled_decode = compiled
+        return True
+
+    @property
     def device(self) -> torch.device:
         """The device the model's weights are on (asleep at level 2, where they were)."""
         model = self.model  # the engine thread may drop or reload it meanwhile
@@ -100,9 +126,13 @@ class ModelRunner:
     ) -> ModelOutput:
         """Run one step: logits of the requests that sample, and of prompt-logprob positions."""
         model_input = self.prepare_input(output, block_ids)
-        hidden = self.model(
-            model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
-        )
+        metadata = model_input.metadata
+        inputs = (model_input.input_ids, model_input.positions, self.kv_caches, metadata)
+        hidden = None
+        if self.compiled_decode is not None and metadata.decodes_only:
+            hidden = self.compiled_decode(*inputs)  # None: run eager
+        if hidden is None:
+            hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         num_sampled = len(model_input.sampled_requests)
         prompt_logits, start = [], num_sampled

@@ -107,11 +107,18 @@ def _kernel_fits(query, key_cache, value_cache) -> bool:
         return False
     head_dim = query.shape[2]
     return (
-        head_dim % cpu_ops.vector_width() == 0
+        head_dim % _vector_width() == 0
         and head_dim <= 256
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
     )
+
+
+@torch.compiler.assume_constant_result
+def _vector_width() -> int:
+    """``cpu_ops.vector_width()``, which torch.compile takes for the constant it is: it cannot
+    trace the CPU capability query behind it."""
+    return cpu_ops.vector_width()
 
 
 def _prefill_attention(query, key_cache, value_cache, seq: PrefillSeq, scale, output) -> None:

@@ -50,14 +50,19 @@ class PackedLinear(nn.Module):
             )
         if x.dim() != 2 or not x.is_contiguous():  # oneDNN's linear takes [rows, features]
             rows = x.reshape(-1, self.in_features).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise(
-                rows, self.packed_weight, self.bias, "none", [], ""
-            )
+            out = _packed_matmul(rows, self.packed_weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return _packed_matmul(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _packed_matmul(x: torch.Tensor, packed_weight: torch.Tensor, bias) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # the same call behind our own operation, which torch.compile can take (csrc/linear.cpp)
+        return torch.ops.llmrpc_cpu.packed_linear(x, packed_weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def pack_linear_layers(model: nn.Module) -> int:

@@ -23,7 +23,13 @@ from typing import Any
 import yaml
 
 from llmrpc.common.args import closest
-from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
@@ -32,7 +38,12 @@ from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig, Rest
 FLAGS_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
 _JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
 # A flag's target is "section.field"; the sections are these configuration classes.
-_ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_ENGINE_PARTS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "compilation": CompilationConfig,
+}
 _FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig, "rest": RestConfig}
 SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
 # What a --config file's keys name: the long flags (booleans take true or false there).

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import torch
 
-from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.request import RequestOutput, SamplingParams
 
@@ -16,6 +22,7 @@ def make_core(
     dtype: str = "float32",
     num_blocks: int = 256,
     max_model_len: int | None = 512,
+    compilation: CompilationConfig | None = None,
     **scheduler,
 ) -> EngineCore:
     return EngineCore(
@@ -23,6 +30,7 @@ def make_core(
             model=ModelConfig(model=str(model_dir), dtype=dtype, max_model_len=max_model_len),
             cache=CacheConfig(num_gpu_blocks_override=num_blocks),
             scheduler=SchedulerConfig(**scheduler),
+            compilation=compilation or CompilationConfig(),
         )
     )
 

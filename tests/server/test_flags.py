@@ -269,6 +269,61 @@ def test_dash_o_is_the_compilation_level():
     assert parse("--compilation-config", '{"level": 3}').values["compilation_config"] == expected
 
 
+def compilation_of(*argv: str):
+    engine_config, _ = options.build_configs(parse(*argv))
+    return engine_config.compilation
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        ([], 0),  # eager by default
+        (["-O3"], 3),
+        (["-O", "0"], 0),
+        (["-O1"], 1),
+        (["--compilation-config", '{"level": 3}'], 3),
+        (["--compilation-config", '{"mode": 2}'], 2),  # newer vLLM's name for it
+        (["--compilation-config.level", "2"], 2),
+    ],
+)
+def test_compilation_level_reaches_the_engine_config(argv, level):
+    assert compilation_of(*argv).level == level
+
+
+def test_enforce_eager_forces_level_0():
+    compilation = compilation_of("--enforce-eager", "-O3")
+    assert compilation.level == 0 and compilation.requested_level == 3
+    assert compilation_of("--no-enforce-eager", "-O3").level == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--compilation-config", '{"level": 3, "cudagraph_capture_sizes": [1, 2]}'],
+            "--compilation-config: unknown key 'cudagraph_capture_sizes'; this build takes "
+            'only "level" (or "mode", vLLM\'s newer name for it), one of 0, 1, 2, 3',
+        ),
+        (
+            ["--compilation-config.backend", "eager", "--compilation-config.use_inductor=true"],
+            "--compilation-config: unknown keys 'backend', 'use_inductor'; this build takes "
+            'only "level" (or "mode", vLLM\'s newer name for it), one of 0, 1, 2, 3',
+        ),
+        (["-O4"], "--compilation-config: level must be one of 0, 1, 2, 3, got 4"),
+        (
+            ["--compilation-config", '{"level": "3"}'],
+            "--compilation-config: level must be one of 0, 1, 2, 3, got '3'",
+        ),
+        (
+            ["--compilation-config", '{"level": 3, "mode": 0}'],
+            '--compilation-config: "level" and "mode" name the same setting and disagree (3 and 0)',
+        ),
+    ],
+)
+def test_bad_compilation_config_is_one_line_naming_what_is_wrong(capsys, argv, message):
+    assert serve_error(capsys, *argv) == message
+
+
 def test_no_booleans_and_default_on_flags():
     assert not parse("--no-enable-prefix-caching").values["enable_prefix_caching"]
     assert parse("--enable-prefix-caching").values["enable_prefix_caching"]

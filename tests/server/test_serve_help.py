@@ -61,7 +61,8 @@ def test_plain_help_lists_the_working_flags_then_the_others_in_brief(capsys):
 def test_plain_help_is_well_below_the_full_listing(capsys):
     plain = serve_help_text(capsys, "--help").count("\n")
     full = serve_help_text(capsys, "--help=all").count("\n")
-    assert plain < 0.6 * full
+    # 0.59 until -O and --enforce-eager became working flags (shown in full here), 0.60 since
+    assert plain < 0.62 * full
     assert serve_help_text(capsys, "-h") == serve_help_text(capsys, "--help")
 
 

@@ -1,0 +1,161 @@
+"""``torch.compile`` of the model's forward for decodes-only steps (``-O1`` to ``-O3``).
+
+A step whose every row attends like a decode (decodes, and prompt chunks short enough to run as
+rows of the decode kernel: ``AttentionMetadata.decodes_only``) runs the compiled forward; other
+steps, and level 0, run eager. Inductor turns the forward into one C++ function (its
+``cpp_wrapper``) that calls oneDNN for the packed linear layers and our kernels for the rest
+with no Python between them, which is what a decode step gains: the layers' Python overhead.
+
+- One graph serves every step: the token and block-table sizes are marked unbacked, so torch
+  neither specializes them (on 1, say) nor recompiles for a new batch size.
+- Guards on the model's modules are skipped (a module's attributes do not change once loaded):
+  checking them took 0.6-0.8 ms a step, about what compiling saves. ``isolate_recompiles`` keeps
+  one compiled forward's graphs to itself, so another model in the same process never runs them.
+- The compile runs at start-up (``warm_up``), before the engine reports ready. Inductor keeps
+  what it compiled in ``$TORCHINDUCTOR_CACHE_DIR``, by default ``cache_root()/inductor``
+  (``~/.cache/llmrpc/inductor``), so a later start reuses it.
+- After the warm-up a step that would need a new compile raises instead of compiling (torch's
+  ``fail_on_recompile`` stance): a user's request never waits for the compiler.
+- Any failure, in the compile or in a compiled step, is logged once and the engine runs eager
+  from then on (a compiled step that raised runs again eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+from llmrpc.engine.loader import cache_root
+from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
+from llmrpc.engine.quantization import QuantizedLinear
+from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.attention import AttentionMetadata
+from llmrpc.kernels.fake_kernels import missing_fake_kernels, register_fake_kernels
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Token counts of the warm-up steps: the first compiles, the others must run without a compile.
+WARM_UP_NUM_TOKENS = (2, 1, 7)
+
+
+def inductor_cache_dir() -> Path:
+    """``$TORCHINDUCTOR_CACHE_DIR``, set to ``cache_root()/inductor`` where it is unset or holds
+    torch's own default, a folder under /tmp that may not outlive a restart (importing
+    torch._dynamo sets the variable to that default)."""
+    folder = os.environ.get(CACHE_ENV)
+    if not folder or os.path.abspath(folder) == os.path.abspath(default_cache_dir()):
+        folder = str(cache_root() / "inductor")
+        os.environ[CACHE_ENV] = folder
+    return Path(folder)
+
+
+def why_not_compiled(model: nn.Module) -> str | None:
+    """Why ``model`` is not compiled here, or None."""
+    if isinstance(model, TransformersForCausalLM):
+        return "the Transformers implementation (--model-impl transformers) is not compiled"
+    if any(isinstance(module, QuantizedLinear) for module in model.modules()):
+        # their kernels are chosen by the number of rows, which the graph leaves open
+        return "models with --quantization are not compiled"
+    if not cpu_ops.loaded():
+        return "the C++ kernels are not loaded"
+    if not register_fake_kernels():
+        return f"kernels {', '.join(missing_fake_kernels())} are not built"
+    return None
+
+
+class CompiledDecode:
+    """``model.forward`` compiled for decodes-only steps; ``__call__`` answers None where the
+    step must run eager (the compile failed)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.failure: str | None = None
+        self._warm = False
+        self.cache_dir = inductor_cache_dir()  # before torch sets its own default
+        self._forward = torch.compile(
+            model.forward,
+            fullgraph=True,  # a graph break is a failure: logged, and the engine runs eager
+            options={
+                "cpp_wrapper": True,
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            },
+            isolate_recompiles=True,
+        )
+
+    def __call__(self, input_ids, positions, kv_caches, metadata: AttentionMetadata):
+        """The compiled forward's hidden states, or None: run this step eager."""
+        if self.failure is not None:
+            return None
+        _mark_unbacked(input_ids, positions, metadata)
+        stance = torch.compiler.set_stance("fail_on_recompile") if self._warm else None
+        try:
+            with stance or contextlib.nullcontext():
+                return self._forward(input_ids, positions, kv_caches, metadata)
+        except Exception as error:  # noqa: BLE001 - any failure: eager from now on
+            self._fail(error)
+            return None
+
+    @torch.inference_mode()
+    def warm_up(self, kv_caches, block_size: int) -> bool:
+        """Compile now, with decode steps of ``WARM_UP_NUM_TOKENS`` tokens that write into the
+        first KV cache slots (call it while no request holds a block). False if it failed."""
+        logger.info(
+            "compiling the decode step (torch.compile: about a minute the first time on a "
+            "machine, seconds from the cache in %s after)",
+            self.cache_dir,
+        )
+        started = time.monotonic()
+        for cache in kv_caches:  # any number of blocks: one cached compile for every cache size
+            for tensor in cache:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        num_slots = kv_caches[0][0].shape[0] * block_size
+        for num_tokens in WARM_UP_NUM_TOKENS:
+            input_ids, positions, metadata = _warm_up_input(num_tokens, block_size, num_slots)
+            if self(input_ids, positions, kv_caches, metadata) is None:
+                return False
+            self._warm = True
+        logger.info("decode step compiled in %.1f s", time.monotonic() - started)
+        return True
+
+    def _fail(self, error: Exception) -> None:
+        while getattr(error, "inner_exception", None) is not None:  # the compiler's own error
+            error = error.inner_exception  # torch wraps it in BackendCompilerFailed
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        self.failure = f"{type(error).__name__}: {first_line}"
+        logger.warning(
+            "the compiled decode step failed, the engine runs eager from now on: %s",
+            self.failure,
+        )
+
+
+def _mark_unbacked(input_ids, positions, metadata: AttentionMetadata) -> None:
+    """Sizes that change from step to step: no graph specializes on them (batch 1 included)."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    for tensor in (input_ids, positions, metadata.slot_mapping, metadata.decode_seq_lens):
+        mark(tensor, 0)
+    mark(metadata.decode_block_tables, 0)
+    mark(metadata.decode_block_tables, 1)
+
+
+def _warm_up_input(num_tokens: int, block_size: int, num_slots: int):
+    """A decode step of ``num_tokens`` requests: ``(input_ids, positions, metadata)``; request
+    ``i`` has ``i + 1`` tokens of context and writes slot ``i``."""
+    positions = torch.arange(num_tokens)
+    width = num_tokens // block_size + 1
+    num_blocks = num_slots // block_size
+    metadata = AttentionMetadata(
+        slot_mapping=positions % num_slots,
+        decode_indices=positions,
+        decode_block_tables=(torch.arange(width) % num_blocks).repeat(num_tokens, 1),
+        decode_seq_lens=positions + 1,
+        prefills=[],
+        decodes_only=True,
+    )
+    return torch.zeros(num_tokens, dtype=torch.long), positions, metadata

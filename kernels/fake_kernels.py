@@ -1,0 +1,70 @@
+"""Shape-only ("fake") versions of the C++ kernels' operations (``kernels/csrc``).
+
+``torch.compile`` traces the model with fake tensors, which have shapes and dtypes but no data;
+for an operation of ours it needs to be told what comes out. Each function here says just that.
+The in-place operations (``fused_add_rms_norm``, ``rotary``) return nothing: their schemas mark
+the tensors they write.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from llmrpc.kernels import cpu_ops
+
+_lock = threading.Lock()
+_registered: set[str] = set()
+
+
+def register_fake_kernels() -> bool:
+    """Register the fake operations (once); False where the kernels are not loaded, or an
+    operation torch.compile would meet has none (``missing_fake_kernels``)."""
+    if not cpu_ops.loaded():
+        return False
+    with _lock:
+        for name, fake in _FAKES.items():
+            if name not in _registered and hasattr(torch.ops.llmrpc_cpu, name):
+                torch.library.register_fake(f"llmrpc_cpu::{name}", fake)
+                _registered.add(name)
+    return not missing_fake_kernels()
+
+
+def missing_fake_kernels() -> list[str]:
+    """The loaded operations that torch.compile could not trace: the ones without a fake."""
+    return [name for name in _FAKES if name not in _registered]
+
+
+def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    return torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+
+
+def _rms_norm(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _fused_add_rms_norm(x, residual, weight, eps) -> None:
+    return None
+
+
+def _silu_and_mul(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _rotary(x, cos, sin) -> None:
+    return None
+
+
+def _packed_linear(x, packed_weight, bias):
+    return x.new_empty((x.shape[0], packed_weight.shape[0]))  # [rows, out_features]
+
+
+_FAKES = {
+    "decode_attention": _decode_attention,
+    "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "silu_and_mul": _silu_and_mul,
+    "rotary": _rotary,
+    "packed_linear": _packed_linear,
+}

@@ -1,0 +1,233 @@
+"""-O1..3: the decode step compiled with torch.compile gives eager's tokens and logprobs, in one
+graph for every batch size, compiled at load; a compile or a compiled step that fails is logged
+once and the engine runs eager."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import pytest
+import torch
+from engine_utils import make_core
+
+from llmrpc.engine import compilation
+from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
+from llmrpc.engine.core import EngineCore
+from llmrpc.engine.models.llama import LlamaMLP
+from llmrpc.engine.request import SamplingParams
+
+COMPILED = CompilationConfig({"level": 3})
+TOP = 5
+# inductor's own kernels (the embedding, rotary's cos and sin) may round differently from eager's
+# (seen: float32 1e-6, bfloat16 equal)
+TOLERANCE = 1e-4
+
+
+def _params(max_tokens: int, **more) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP, **more
+    )
+
+
+def run_mixed_workload(core) -> tuple[dict, int]:
+    """Decodes, then one step that adds a long prompt (a prefill: eager), a prompt with a prefix
+    hit and a short prompt to them, then decodes-only steps from batch 4 down to 1. Returns
+    request id -> its tokens with their top logprobs (and "short"'s prompt logprobs), and the
+    number of steps."""
+    first = list(range(300, 340))  # 40 tokens: two full blocks the "hit" prompt reuses
+    core.add_request("decode", first, _params(30))
+    steps = [core.step() for _ in range(3)]
+    core.add_request("long", list(range(1000, 1300)), _params(20))  # 300 tokens of context
+    core.add_request("hit", first[:32] + list(range(700, 710)), _params(12))
+    core.add_request("short", [5, 6, 7, 8, 9], _params(6, prompt_logprobs=TOP))
+    while core.has_unfinished_requests:
+        steps.append(core.step())
+    results: dict = {}
+    for outputs in steps:
+        for out in outputs:
+            entry = results.setdefault(out.request_id, {"tokens": [], "cached": 0})
+            entry["tokens"] += [(lp.token_id, lp.top) for lp in out.logprobs]
+            entry["cached"] = max(entry["cached"], out.num_cached_tokens)
+            if out.prompt_logprobs:
+                entry["prompt"] = out.prompt_logprobs
+    return results, len(steps)
+
+
+def assert_same_outputs(got: dict, expected: dict, tolerance: float) -> None:
+    assert got.keys() == expected.keys()
+    for request_id, entry in expected.items():
+        tokens = [token_id for token_id, _ in got[request_id]["tokens"]]
+        assert tokens == [token_id for token_id, _ in entry["tokens"]], request_id
+        pairs = zip(got[request_id]["tokens"], entry["tokens"], strict=True)
+        for (_, top), (_, expected_top) in pairs:
+            assert [t for t, _ in top] == [t for t, _ in expected_top], request_id
+            values = torch.tensor([v for _, v in top])
+            expected_values = torch.tensor([v for _, v in expected_top])
+            torch.testing.assert_close(values, expected_values, atol=tolerance, rtol=0)
+    assert got["short"]["prompt"] == expected["short"]["prompt"]  # eager, in the mixed step
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def eager_outputs(tiny_llama_dir, dtype):
+    outputs, _ = run_mixed_workload(make_core(tiny_llama_dir, dtype))
+    assert outputs["hit"]["cached"] == 32
+    return outputs
+
+
+def warnings_of_ours(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("llmrpc") and r.levelno >= logging.WARNING
+    ]
+
+
+def count_compiled_calls(core, monkeypatch) -> list[int]:
+    calls = [0]
+    compiled_forward = core.runner.compiled_decode._forward
+
+    def counting(*args):
+        calls[0] += 1
+        return compiled_forward(*args)
+
+    monkeypatch.setattr(core.runner.compiled_decode, "_forward", counting)
+    return calls
+
+
+def test_compiled_decode_steps_give_eager_tokens_and_logprobs(
+    tiny_llama_dir, dtype, eager_outputs, monkeypatch
+):
+    core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
+    compiled = core.runner.compiled_decode
+    assert compiled is not None and compiled.failure is None  # compiled at load
+    calls = count_compiled_calls(core, monkeypatch)
+    outputs, num_steps = run_mixed_workload(core)
+    assert_same_outputs(outputs, eager_outputs, TOLERANCE)
+    # Batches of 1 to 4 rows, contexts of 5 to 320 tokens, a prompt as rows of the decode kernel:
+    # all ran the graph compiled at load (a new compile would have raised and ended it)...
+    assert compiled.failure is None
+    assert calls[0] == num_steps - 1  # ... but the step with the 300-token prefill, eager
+
+
+def test_a_compile_that_fails_is_logged_once_and_the_engine_runs_eager(
+    tiny_llama_dir, eager_outputs, dtype, monkeypatch, caplog
+):
+    original = LlamaMLP.forward
+
+    def breaking_forward(self, x):
+        torch._dynamo.graph_break()  # a no-op in eager; compiling with fullgraph=True fails
+        return original(self, x)
+
+    monkeypatch.setattr(LlamaMLP, "forward", breaking_forward)
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.compilation"):
+        core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
+        outputs, _ = run_mixed_workload(core)
+    assert core.runner.compiled_decode is None
+    warnings = warnings_of_ours(caplog)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(
+        "the compiled decode step failed, the engine runs eager from now on: "
+    )
+    assert_same_outputs(outputs, eager_outputs, 0.0)
+
+
+def test_a_compiled_step_that_fails_runs_again_eager(
+    tiny_llama_dir, eager_outputs, dtype, monkeypatch, caplog
+):
+    core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
+    compiled = core.runner.compiled_decode
+    calls = count_compiled_calls(core, monkeypatch)
+    counting = compiled._forward
+
+    def failing_on_the_fifth(*args):
+        if calls[0] == 4:
+            raise RuntimeError("compiled step broke")
+        return counting(*args)
+
+    monkeypatch.setattr(compiled, "_forward", failing_on_the_fifth)
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.compilation"):
+        outputs, _ = run_mixed_workload(core)
+    assert calls[0] == 4  # none after the failure
+    assert compiled.failure == "RuntimeError: compiled step broke"
+    assert warnings_of_ours(caplog) == [
+        "the compiled decode step failed, the engine runs eager from now on: "
+        "RuntimeError: compiled step broke"
+    ]
+    assert_same_outputs(outputs, eager_outputs, TOLERANCE)
+
+
+def test_sleep_and_wake_up_keep_the_compiled_step(tiny_llama_dir, dtype, eager_outputs):
+    core = EngineCore(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(tiny_llama_dir), dtype=dtype, max_model_len=512, enable_sleep_mode=True
+            ),
+            cache=CacheConfig(num_gpu_blocks_override=256),
+            compilation=COMPILED,
+        )
+    )
+    compiled = core.runner.compiled_decode
+    core.sleep(1)  # the KV cache is freed, and made anew on waking: the same graph takes it
+    core.wake_up()
+    assert core.runner.compiled_decode is compiled
+    core.sleep(2)  # the weights too: the compiled forward, which holds them, goes with them
+    assert core.runner.compiled_decode is None
+    core.wake_up()
+    assert core.runner.compiled_decode not in (None, compiled)
+    outputs, _ = run_mixed_workload(core)
+    assert core.runner.compiled_decode.failure is None
+    assert_same_outputs(outputs, eager_outputs, TOLERANCE)
+
+
+def test_enforce_eager_overrides_the_level_with_a_warning(tiny_llama_dir, caplog):
+    with caplog.at_level(logging.WARNING):
+        core = make_core(
+            tiny_llama_dir, compilation=CompilationConfig({"level": 3}, enforce_eager=True)
+        )
+    assert core.runner.compiled_decode is None
+    assert warnings_of_ours(caplog) == [
+        "--enforce-eager overrides --compilation-config level 3: the engine runs eager"
+    ]
+
+
+def test_the_level_reaches_the_engine_process():
+    config = EngineConfig(compilation=CompilationConfig({"mode": 2}, enforce_eager=True))
+    startup = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=EngineConfig)
+    assert startup.compilation == config.compilation and startup.compilation.level == 0
+
+
+def test_level_0_compiles_nothing(tiny_llama_dir):
+    core = make_core(tiny_llama_dir, compilation=CompilationConfig({"level": 0}))
+    assert core.runner.compiled_decode is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, "{home}/.cache/llmrpc/inductor"),
+        ({"LLMRPC_CACHE_DIR": "/srv/cache"}, "/srv/cache/inductor"),
+        ({"TORCHINDUCTOR_CACHE_DIR": "{torch_default}"}, "{home}/.cache/llmrpc/inductor"),
+        ({"TORCHINDUCTOR_CACHE_DIR": "/srv/inductor"}, "/srv/inductor"),
+    ],
+)
+def test_the_inductor_cache_outlives_a_restart(monkeypatch, tmp_path, environ, expected):
+    """Under the user's cache folder unless set elsewhere; torch's own default, which importing
+    torch._dynamo puts in the environment, is under /tmp."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    names = {"home": str(tmp_path), "torch_default": default_cache_dir()}
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("LLMRPC_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value.format(**names))
+    folder = compilation.inductor_cache_dir()
+    assert str(folder) == expected.format(**names)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)  # where inductor reads it
