@@ -57,13 +57,17 @@ def inductor_cache_dir() -> Path:
     return Path(folder)
 
 
+def max_compiled_rows(model: nn.Module) -> int | None:
+    """The most rows a compiled step may take (None: any): a quantized layer picks its kernel by
+    the number of rows, and the graph holds the packed kernel's branch only."""
+    limits = [m.dense_above for m in model.modules() if isinstance(m, QuantizedLinear)]
+    return min(limits, default=None)
+
+
 def why_not_compiled(model: nn.Module) -> str | None:
     """Why ``model`` is not compiled here, or None."""
     if isinstance(model, TransformersForCausalLM):
         return "the Transformers implementation (--model-impl transformers) is not compiled"
-    if any(isinstance(module, QuantizedLinear) for module in model.modules()):
-        # their kernels are chosen by the number of rows, which the graph leaves open
-        return "models with --quantization are not compiled"
     if not cpu_ops.loaded():
         return "the C++ kernels are not loaded"
     if not register_fake_kernels():
@@ -77,6 +81,7 @@ class CompiledDecode:
 
     def __init__(self, model: nn.Module) -> None:
         self.failure: str | None = None
+        self.max_rows = max_compiled_rows(model)
         self._warm = False
         self.cache_dir = inductor_cache_dir()  # before torch sets its own default
         self._forward = torch.compile(
@@ -93,6 +98,8 @@ class CompiledDecode:
         """The compiled forward's hidden states, or None: run this step eager."""
         if self.failure is not None:
             return None
+        if self.max_rows is not None and input_ids.shape[0] > self.max_rows:
+            return None  # quantized layers dequantize for so many rows: eager
         _mark_unbacked(input_ids, positions, metadata)
         stance = torch.compiler.set_stance("fail_on_recompile") if self._warm else None
         try:

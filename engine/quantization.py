@@ -79,7 +79,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         dtype = rows.dtype
-        if rows.shape[0] <= self.dense_above and dtype in _FAST_DTYPES and dtype == self.dtype:
+        # A compiled graph holds one branch: engine/compilation.py runs it for steps of at most
+        # dense_above rows only.
+        few_rows = torch.compiler.is_compiling() or rows.shape[0] <= self.dense_above
+        if few_rows and dtype in _FAST_DTYPES and dtype == self.dtype:
             y = self.packed_matmul(rows)
             if self.bias is not None:
                 y = y + self.bias
@@ -267,11 +270,10 @@ class Int4Linear(QuantizedLinear):
     def _row_codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The codes of rows ``ids`` only, read where the layout packs them."""
         if self.blocked:
-            lanes = (ids % 16)[:, None, None, None] * 2 + torch.arange(2, device=ids.device)
-            blocks = self.qweight[ids // 16]  # [ids, group, chunk, 32]
-            pairs = blocks.gather(3, lanes.expand(-1, *blocks.shape[1:3], 2))  # row's 2 bytes
+            pairs = _row_bytes(self.qweight, ids)  # [ids, group, chunk, input of the pair]
             # [ids, group, chunk, low/high nibble, input of the pair] is input order
-            return torch.stack([pairs & 15, pairs >> 4], dim=3).view(len(ids), self.in_features)
+            nibbles = torch.stack([pairs & 15, pairs >> 4], dim=3)
+            return nibbles.view(ids.shape[0], self.in_features)
         in_features = self.in_features
         num_blocks, tail = divmod(self.packed_rows, 64)
         in_block = ids < num_blocks * 64
@@ -287,6 +289,16 @@ class Int4Linear(QuantizedLinear):
         k = torch.arange(in_features, device=ids.device)
         packed = self.qweight.view(-1)[start[:, None] + k[None, :] * stride[:, None]]
         return (packed >> shift[:, None].to(torch.uint8)) & 15
+
+
+def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The bytes ``[ids, groups, chunks, 2]`` of rows ``ids`` in a blocked weight ``[out / 16,
+    groups, chunks, 32]``: bytes ``2 * (row % 16)`` and the next of each chunk."""
+    _, groups, chunks, _ = qweight.shape
+    chunk_starts = torch.arange(groups * chunks, device=ids.device) * 32
+    starts = (ids // 16) * (groups * chunks * 32) + (ids % 16) * 2
+    index = starts[:, None, None] + chunk_starts[:, None] + torch.arange(2, device=ids.device)
+    return qweight.view(-1)[index].view(ids.shape[0], groups, chunks, 2)
 
 
 def blocked_kernel_available() -> bool:
@@ -397,15 +409,13 @@ class Q8Linear(QuantizedLinear):
         return weight.view(self.out_features, self.in_features).to(dtype or self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        blocks, lanes = ids // 16, ids % 16
-        qweight = self.qweight[blocks]  # [ids, group, input pair, 32]
-        index = (lanes[:, None, None, None] * 2 + torch.arange(2, device=ids.device)).expand(
-            -1, *qweight.shape[1:3], 2
-        )
         # [ids, group, input pair, input of the pair] is input order
-        q = qweight.gather(3, index).float() - 128
-        d = self.scales[blocks].gather(2, lanes[:, None, None].expand(-1, q.shape[1], 1)).float()
-        return (q.view(len(ids), -1, GROUP_SIZE) * d).view(len(ids), -1).to(self.dtype)
+        q = _row_bytes(self.qweight, ids).float() - 128
+        blocks, groups = self.scales.shape[:2]
+        index = (ids // 16 * groups * 16 + ids % 16)[:, None] + torch.arange(groups) * 16
+        d = self.scales.view(-1)[index].float()  # [ids, group]
+        weight = q.view(ids.shape[0], groups, GROUP_SIZE) * d[..., None]
+        return weight.view(ids.shape[0], self.in_features).to(self.dtype)
 
 
 class QuantizedEmbedding(nn.Module):

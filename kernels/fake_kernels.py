@@ -56,6 +56,14 @@ def _rotary(x, cos, sin) -> None:
     return None
 
 
+def _int4_linear(x, weight, scales_zeros):
+    return x.new_empty((x.shape[0], weight.shape[0] * 16))  # weight: [out / 16, in / 32, 8, 32]
+
+
+def _q8_linear(x, weight, scales):
+    return x.new_empty((x.shape[0], weight.shape[0] * 16))
+
+
 def _packed_linear(x, packed_weight, bias):
     return x.new_empty((x.shape[0], packed_weight.shape[0]))  # [rows, out_features]
 
@@ -67,4 +75,6 @@ _FAKES = {
     "silu_and_mul": _silu_and_mul,
     "rotary": _rotary,
     "packed_linear": _packed_linear,
+    "int4_linear": _int4_linear,
+    "q8_linear": _q8_linear,
 }

@@ -16,6 +16,12 @@ from llmrpc.engine import compilation
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.models.llama import LlamaMLP
+from llmrpc.engine.quantization import (
+    BLOCKED_DENSE_ABOVE,
+    INT4_DENSE_ABOVE,
+    INT8_DENSE_ABOVE,
+    blocked_kernel_available,
+)
 from llmrpc.engine.request import SamplingParams
 
 COMPILED = CompilationConfig({"level": 3})
@@ -184,6 +190,51 @@ def test_sleep_and_wake_up_keep_the_compiled_step(tiny_llama_dir, dtype, eager_o
     outputs, _ = run_mixed_workload(core)
     assert core.runner.compiled_decode.failure is None
     assert_same_outputs(outputs, eager_outputs, TOLERANCE)
+
+
+def _quantized_core(model_dir, method: str, compiled: bool) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(model_dir), dtype="bfloat16", max_model_len=512, quantization=method
+            ),
+            cache=CacheConfig(num_gpu_blocks_override=256),
+            compilation=COMPILED if compiled else CompilationConfig(),
+        )
+    )
+
+
+@pytest.mark.parametrize(("method", "max_rows"), [("int4", None), ("int8", INT8_DENSE_ABOVE)])
+def test_quantized_models_compile_their_packed_kernels(
+    tiny_llama_dir, method, max_rows, monkeypatch
+):
+    """The graph holds the packed kernels' branch, so it runs only steps with at most as many
+    rows as every quantized layer computes with its packed kernel (int4 where our kernel runs:
+    up to long prefills, so any decodes-only step)."""
+    eager, _ = run_mixed_workload(_quantized_core(tiny_llama_dir, method, compiled=False))
+    core = _quantized_core(tiny_llama_dir, method, compiled=True)
+    compiled = core.runner.compiled_decode
+    assert compiled is not None and compiled.failure is None
+    limit = max_rows or (BLOCKED_DENSE_ABOVE if blocked_kernel_available() else INT4_DENSE_ABOVE)
+    assert compiled.max_rows == limit
+    calls = count_compiled_calls(core, monkeypatch)
+    rows = []  # the rows of each decodes-only step
+    entry = type(compiled).__call__
+    monkeypatch.setattr(
+        type(compiled),
+        "__call__",
+        lambda self, *args: rows.append(len(args[0])) or entry(self, *args),
+    )
+    outputs, num_steps = run_mixed_workload(core)
+    assert_same_outputs(outputs, eager, TOLERANCE)
+    assert len(rows) == num_steps - 1  # all but the step with the 300-token prefill
+    # a decodes-only step of more rows than that runs eager (the int8 layers dequantize)
+    core.add_request("rows", list(range(2000, 2000 + INT8_DENSE_ABOVE + 8)), _params(1))
+    core.step()  # its prompt as 40 rows of the decode kernel
+    assert rows[-1] == INT8_DENSE_ABOVE + 8
+    assert compiled.failure is None
+    assert calls[0] == len([count for count in rows if count <= limit])
+    assert calls[0] == len(rows) if method == "int4" else calls[0] < len(rows)
 
 
 def test_enforce_eager_overrides_the_level_with_a_warning(tiny_llama_dir, caplog):
