@@ -43,7 +43,8 @@ COMPILATION_HELP = (
     "batch sizes, run by steps of decodes and prompt chunks with up to 256 tokens of context, "
     "cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/llmrpc/inductor). 2 cores, bf16: "
     "decode steps 0.91x eager's time at batch 1, 0.97x at 32; start-up +45 s the first "
-    "time, +5 s after. A failure is logged, then eager."
+    "time, +5 s after. A quantized model's graph runs steps of at most the tokens its "
+    "packed kernels take (see --quantization). A failure is logged, then eager."
 )
 GPU_MEMORY = (
     "sizes the share of GPU memory to use; the engine uses no GPU: size the KV cache with "
