@@ -69,10 +69,13 @@ class _Collector:
         self.ready.set()
 
     async def get(self) -> list[RequestOutput]:
+        """The outputs merged since the last call; once they are consumed, the error, if any
+        (tokens made before a fault reach the caller before it)."""
         await self.ready.wait()
-        self.ready.clear()
-        if self.error is not None:
+        if not self.pending and self.error is not None:
             raise self.error
+        if self.error is None:
+            self.ready.clear()
         outputs = [self.pending[index] for index in sorted(self.pending)]
         self.pending.clear()
         return outputs

@@ -184,3 +184,22 @@ async def test_a_bad_value_found_while_loading_is_a_value_error_naming_the_flag(
     with pytest.raises(ValueError, match="--max-model-len 4096") as error:
         await engine_class.create(config)
     assert type(error.value) is ValueError
+
+
+async def test_outputs_made_before_a_fault_reach_the_caller_before_it():
+    """A request's collector gets tokens, then its error, before the caller reads: the caller
+    gets the tokens first (a stream that has begun), then the error. Raising at once lost them,
+    and a REST stream failed with 500 instead of an SSE error event when the engine was fast."""
+    from llmrpc.engine.async_engine import _Collector
+    from llmrpc.engine.request import RequestOutput
+
+    collector = _Collector()
+    collector.put(RequestOutput("r", "a", [1]))
+    collector.put(RequestOutput("r", "b", [2]))
+    collector.fail(RuntimeError("injected"))
+    outputs = await asyncio.wait_for(collector.get(), 1)
+    assert [(o.text, o.token_ids) for o in outputs] == [("ab", [1, 2])]
+    with pytest.raises(RuntimeError, match="injected"):
+        await asyncio.wait_for(collector.get(), 1)
+    with pytest.raises(RuntimeError, match="injected"):  # and again: the request has failed
+        await asyncio.wait_for(collector.get(), 1)
