@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -217,22 +219,7 @@ class Int4Linear(QuantizedLinear):
         """The 4-bit codes ``[packed_rows, in]`` (uint8), unpacked from the layout."""
         if self.blocked:
             return self._blocked_codes(self.qweight)
-        # torch's CPU layout: blocks of 64 rows as ``[in, 32]`` bytes (low nibble: row j, high:
-        # row j + 32), then a tail of ``rows % 64`` as ``[in, tail / 2]`` bytes (low: even
-        # rows, high: odd)
-        in_features = self.in_features
-        flat = self.qweight.view(-1)
-        num_blocks, tail = divmod(self.packed_rows, 64)
-        parts = []
-        if num_blocks:
-            block = flat[: num_blocks * in_features * 32].view(num_blocks, in_features, 32)
-            codes = torch.cat([block & 15, block >> 4], dim=2)  # [blocks, in, 64]
-            parts.append(codes.transpose(1, 2).reshape(num_blocks * 64, in_features))
-        if tail:
-            block = flat[num_blocks * in_features * 32 :].view(in_features, tail // 2)
-            codes = torch.stack([block & 15, block >> 4], dim=2).view(in_features, tail)
-            parts.append(codes.t())
-        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        return _unpack_torch_int4(self.qweight, self.packed_rows, self.in_features)
 
     def _blocked_codes(self, blocks: torch.Tensor) -> torch.Tensor:
         """The codes ``[16 * len(blocks), in]`` of blocked ``qweight`` rows ``blocks``."""
@@ -275,20 +262,69 @@ class Int4Linear(QuantizedLinear):
             nibbles = torch.stack([pairs & 15, pairs >> 4], dim=3)
             return nibbles.view(ids.shape[0], self.in_features)
         in_features = self.in_features
-        num_blocks, tail = divmod(self.packed_rows, 64)
-        in_block = ids < num_blocks * 64
-        block, lane = ids // 64, ids % 64
-        tail_row = ids - num_blocks * 64
+        rows, halves, tail_halves = _torch_int4_layout()
+        num_blocks, tail = divmod(self.packed_rows, rows)
+        in_block = ids < num_blocks * rows
+        lane = torch.where(in_block, ids % rows, ids - num_blocks * rows)
+        width = torch.where(in_block, rows, max(tail, 2))  # rows the lane's bytes hold
+        by_halves = torch.where(in_block, halves, tail_halves)
+        byte = torch.where(by_halves, lane % (width // 2), lane // 2)
+        high = torch.where(by_halves, lane >= width // 2, lane % 2 == 1)
         start = torch.where(
-            in_block,
-            block * (in_features * 32) + lane % 32,
-            num_blocks * in_features * 32 + tail_row // 2,
+            in_block, ids // rows * (in_features * rows // 2), num_blocks * in_features * rows // 2
         )
-        stride = torch.where(in_block, 32, max(tail // 2, 1))
-        shift = torch.where(in_block, (lane >= 32) * 4, (tail_row % 2) * 4)
         k = torch.arange(in_features, device=ids.device)
-        packed = self.qweight.view(-1)[start[:, None] + k[None, :] * stride[:, None]]
-        return (packed >> shift[:, None].to(torch.uint8)) & 15
+        packed = self.qweight.view(-1)[(start + byte)[:, None] + k[None, :] * (width // 2)[:, None]]
+        return (packed >> (high * 4)[:, None].to(torch.uint8)) & 15
+
+
+def _unpack_torch_layout(flat, num_rows, in_features, rows, halves, tail_halves):
+    """Codes ``[num_rows, in]`` of torch's int4 CPU packing ``flat`` (uint8): blocks of ``rows``
+    rows as ``[in, rows / 2]`` bytes, then the ``num_rows % rows`` left as ``[in, tail / 2]``;
+    a byte holds rows ``j`` and ``j + width / 2`` (halves) or ``2j`` and ``2j + 1``."""
+    num_blocks, tail = divmod(num_rows, rows)
+    parts = []
+    for count, width, by_halves, start in (
+        (num_blocks, rows, halves, 0),
+        (1 if tail else 0, tail, tail_halves, num_blocks * in_features * rows // 2),
+    ):
+        if not count:
+            continue
+        block = flat[start : start + count * in_features * width // 2]
+        block = block.view(count, in_features, width // 2)
+        low_high = (block & 15, block >> 4)
+        if by_halves:
+            codes = torch.cat(low_high, dim=2)  # [count, in, width]
+        else:
+            codes = torch.stack(low_high, dim=3).view(count, in_features, width)
+        parts.append(codes.transpose(1, 2).reshape(count * width, in_features))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+@functools.cache
+def _torch_int4_layout() -> tuple[int, bool, bool]:
+    """``(rows per block, halves, tail halves)`` of torch's int4 CPU packing, which depends on
+    the vector unit torch dispatches to (AVX-512: blocks of 64 rows, a byte holding rows j and
+    j + 32; AVX2: 32 and j + 16; plain C++: 32, rows 2j and 2j + 1): found by packing probes."""
+    probes = {}
+    for num_rows in (16, 48, 96, 208):
+        codes = (torch.arange(num_rows)[:, None] * 7 + torch.arange(32)) % 16
+        flat = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        probes[num_rows] = (codes.to(torch.uint8), flat.view(-1))
+    for layout in itertools.product((64, 32), (True, False), (False, True)):
+        if all(
+            torch.equal(_unpack_torch_layout(flat, n, 32, *layout), codes)
+            for n, (codes, flat) in probes.items()
+        ):
+            return layout
+    raise RuntimeError(
+        "torch's int4 packing on this CPU is not a layout this build reads back; use "
+        "--quantization int8, or int4 on a CPU with AVX-512"
+    )
+
+
+def _unpack_torch_int4(qweight: torch.Tensor, num_rows: int, in_features: int) -> torch.Tensor:
+    return _unpack_torch_layout(qweight.view(-1), num_rows, in_features, *_torch_int4_layout())
 
 
 def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

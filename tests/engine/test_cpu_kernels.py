@@ -280,6 +280,21 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     assert "did not finish" in done.stdout and "loaded: True" in done.stdout
 
 
+def test_int4_kernel_is_built_where_the_cpu_matches():
+    """The blocked int4/Q8_0 kernels exist only in AVX-512 builds on CPUs with AVX512-BF16;
+    elsewhere (the AVX2 and plain builds too, run below) int4 layers keep torch's packing."""
+    from llmrpc.engine.quantization import Int4Linear, blocked_kernel_available
+
+    expected = cpu_ops._capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+    assert torch.ops.llmrpc_cpu.int4_linear_supported() == expected
+    assert blocked_kernel_available() == expected
+    layer = Int4Linear.from_float(torch.randn(32, 64), None, torch.bfloat16)
+    assert layer.blocked == expected
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    exact = x.float() @ layer.dequantize(torch.float32).T
+    torch.testing.assert_close(layer(x).float(), exact, atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("capability", ["avx2", "default"])
 def test_kernels_built_for_narrower_vector_units_match_torch(capability):
     """This machine's build is AVX-512; the AVX2 and plain C++ builds (other code paths, vectors
