@@ -20,6 +20,7 @@ from llmrpc.common.args import OneLineErrorParser
 from llmrpc.engine.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -73,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_METHODS,
         help="As in `llmrpc serve`, for the engine (a Transformers baseline runs unquantized).",
     )
+    parser.add_argument(
+        "-O",
+        "--compilation-config",
+        type=_compilation,
+        default=CompilationConfig(),
+        metavar="LEVEL|JSON",
+        help="As in `llmrpc serve` (default 0: eager).",
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -92,6 +101,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", type=Path, help="Write the results here as JSON.")
 
 
+def _compilation(text: str) -> CompilationConfig:
+    """``-O3`` or a JSON object, checked as ``llmrpc serve`` checks it."""
+    try:
+        return CompilationConfig(
+            {"level": int(text)} if text.strip().isdigit() else json.loads(text)
+        )
+    except ValueError as error:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 class EngineSide:
     """The engine core, driven step by step in this thread."""
 
@@ -104,6 +123,7 @@ class EngineSide:
                     model=args.model, dtype=args.dtype, quantization=args.quantization
                 ),
                 cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory),
+                compilation=args.compilation_config,
                 scheduler=SchedulerConfig(
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
@@ -254,7 +274,9 @@ def run(args: argparse.Namespace) -> int:
         )
         results["ratio"] = ratio
     results["config"] = {
-        **{k: v for k, v in vars(args).items() if k != "output_json"},
+        **{k: v for k, v in vars(args).items() if k not in ("output_json", "compilation_config")},
+        "compilation_level": core.compilation.level,
+        "compiled": core.runner.compiled_decode is not None,
         "dtype": str(core.dtype).removeprefix("torch."),
         "layers": dict(Counter(type(m).__name__ for m in core.model.modules() if _linear(m))),
         "model_dir": str(core.model_dir),

@@ -274,6 +274,25 @@ def test_throughput_of_a_quantized_engine(tiny_llama_dir, tmp_path):
     assert results["config"]["layers"] == {"Int8Linear": 9}  # 2 layers x 4 + lm_head
 
 
+def test_throughput_of_a_compiled_engine(tiny_llama_dir, tmp_path):
+    out = tmp_path / "result.json"
+    result = bench(
+        "throughput", "--model", str(tiny_llama_dir), "-O3", "--num-prompts", "2",
+        "--input-len", "8", "--output-len", "4", "--kv-cache-memory", "0.05",
+        "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = json.loads(out.read_text())["config"]
+    assert config["compilation_level"] == 3 and config["compiled"]
+
+
+@pytest.mark.parametrize("value", ['{"level": 3, "backend": "x"}', "{not json", "7"])
+def test_throughput_compilation_errors_are_one_line(value):
+    result = bench("throughput", "-O", value)
+    assert result.returncode == common.EXIT_USAGE
+    assert result.stderr.count("\n") == 1 and "--compilation-config" in result.stderr
+
+
 def test_throughput_usage_errors_are_one_line():
     result = bench("throughput", "--num-prompts", "many")
     assert result.returncode == common.EXIT_USAGE
