@@ -430,24 +430,19 @@ class Q8Linear(QuantizedLinear):
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmrpc_cpu.q8_linear.default(x.contiguous(), self.qweight, self.scales)
 
-    def _weights(self, blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` ``[rows, in]`` (float32) and ``d`` ``[rows, in / 32]`` of ``blocks``."""
-        qweight = self.qweight[blocks]
-        num_blocks, groups = qweight.shape[:2]
-        q = qweight.view(num_blocks, groups, 16, 16, 2).permute(0, 3, 1, 2, 4).float() - 128
-        d = self.scales[blocks].permute(0, 2, 1).float()
-        return q.reshape(num_blocks * 16, self.in_features), d.reshape(num_blocks * 16, groups)
-
     def dequantize(self, dtype=None) -> torch.Tensor:
+        # [block, group, input pair, output, input of the pair] -> [output, input]
+        blocks, groups = self.qweight.shape[:2]
+        q = self.qweight.view(blocks, groups, 16, 16, 2).permute(0, 3, 1, 2, 4).float() - 128
+        d = self.scales.permute(0, 2, 1).float()  # [block, output, group]
         # q has 8 bits and d at most 24: exact in float32
-        q, d = self._weights(slice(None))
-        weight = q.view(self.out_features, -1, GROUP_SIZE) * d[..., None]
+        weight = q.reshape(blocks, 16, groups, GROUP_SIZE) * d[..., None]
         return weight.view(self.out_features, self.in_features).to(dtype or self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         # [ids, group, input pair, input of the pair] is input order
         q = _row_bytes(self.qweight, ids).float() - 128
-        blocks, groups = self.scales.shape[:2]
+        groups = self.scales.shape[1]
         index = (ids // 16 * groups * 16 + ids % 16)[:, None] + torch.arange(groups) * 16
         d = self.scales.view(-1)[index].float()  # [ids, group]
         weight = q.view(ids.shape[0], groups, GROUP_SIZE) * d[..., None]
