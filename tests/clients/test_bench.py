@@ -79,7 +79,11 @@ def named_server(tiny_llama_dir):
     server.stop()
 
 
-def assert_consistent(summary: dict, num_prompts: int, output_len: int) -> None:
+def assert_consistent(
+    summary: dict, num_prompts: int, output_len: int, one_message_each: bool = False
+) -> None:
+    """``one_message_each``: outputs so short that each may arrive whole in one message (the
+    engine merges the tokens a slow reader has not taken yet), leaving no inter-token gap."""
     assert (summary["completed"], summary["errors"]) == (num_prompts, 0)
     assert summary["total_output_tokens"] == num_prompts * output_len
     duration = summary["duration_s"]
@@ -87,6 +91,8 @@ def assert_consistent(summary: dict, num_prompts: int, output_len: int) -> None:
     assert summary["request_throughput"] * duration == pytest.approx(num_prompts)
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = summary[name]
+        if name == "itl_ms" and one_message_each and stats["mean"] == 0:
+            continue  # no gap measured: every output came in one message
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], name
         assert stats["mean"] > 0, name
     assert summary["ttft_ms"]["p99"] <= summary["e2el_ms"]["p99"]
@@ -123,7 +129,8 @@ def test_serve_with_a_sharegpt_file_and_a_request_rate(server, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(out.read_text())
-    assert_consistent(summary, num_prompts=2, output_len=5)
+    # 5 tokens of a tiny model: seen (clean-clone run) to arrive whole in one message each
+    assert_consistent(summary, num_prompts=2, output_len=5, one_message_each=True)
     with Client(server.address) as client:
         assert summary["total_input_tokens"] == sum(client.tokenize(p).count for p in prompts)
 
