@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -176,45 +177,40 @@ bool supported() {
 #endif
 }
 
-void check_input(const at::Tensor& x, const at::Tensor& weight, const char* name) {
+// Checks the layouts the kernel reads (each message names the tensor and its shape), then runs it.
+template <bool kQ8>
+at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const char* name = kQ8 ? "q8_linear" : "int4_linear";
+  const int64_t chunks = kQ8 ? 16 : 8;
+  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
+              weight.size(2) == chunks && weight.size(3) == 32,
+              name, ": weight must be contiguous uint8 [out / 16, in / 32, ", chunks, ", 32]");
   TORCH_CHECK(supported(), name, ": this build has no AVX512-BF16 kernel");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
               ": x must be a contiguous [rows, in_features] bfloat16 tensor");
-  TORCH_CHECK(x.size(1) == weight.size(1) * kGroup, name, ": x has ", x.size(1),
-              " features, the weight takes ", weight.size(1) * kGroup);
+  const int64_t blocks = weight.size(0), groups = weight.size(1);
+  TORCH_CHECK(x.size(1) == groups * kGroup, name, ": x has ", x.size(1),
+              " features, the weight takes ", groups * kGroup);
+  const std::vector<int64_t> shape = kQ8 ? std::vector<int64_t>{blocks, groups, kBlockOutputs}
+                                         : std::vector<int64_t>{blocks, groups, 2, kBlockOutputs};
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
+              scales.sizes() == at::IntArrayRef(shape),
+              name, kQ8 ? ": scales must be contiguous bfloat16 [out / 16, in / 32, 16]"
+                        : ": scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
+  auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
+#if defined(__AVX512BF16__)
+  blocked_linear<kQ8>(x, weight, scales, y);
+#endif
+  return y;
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& scales_zeros) {
-  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
-              weight.size(2) == 8 && weight.size(3) == 32,
-              "int4_linear: weight must be contiguous uint8 [out / 16, in / 32, 8, 32]");
-  check_input(x, weight, "int4_linear");
-  const int64_t blocks = weight.size(0), groups = weight.size(1);
-  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == at::kBFloat16 &&
-              scales_zeros.sizes() == at::IntArrayRef({blocks, groups, 2, kBlockOutputs}),
-              "int4_linear: scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
-  auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
-#if defined(__AVX512BF16__)
-  blocked_linear<false>(x, weight, scales_zeros, y);
-#endif
-  return y;
+  return checked_linear<false>(x, weight, scales_zeros);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
-              weight.size(2) == 16 && weight.size(3) == 32,
-              "q8_linear: weight must be contiguous uint8 [out / 16, in / 32, 16, 32]");
-  check_input(x, weight, "q8_linear");
-  const int64_t blocks = weight.size(0), groups = weight.size(1);
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
-              scales.sizes() == at::IntArrayRef({blocks, groups, kBlockOutputs}),
-              "q8_linear: scales must be contiguous bfloat16 [out / 16, in / 32, 16]");
-  auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
-#if defined(__AVX512BF16__)
-  blocked_linear<true>(x, weight, scales, y);
-#endif
-  return y;
+  return checked_linear<true>(x, weight, scales);
 }
 
 }  // namespace
