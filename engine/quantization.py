@@ -4,8 +4,10 @@
   and ``scale[n] = max|w[n, :]| / 127``; computed by ``torch.ops.aten._weight_int8pack_mm``.
 - ``int4``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
   ``w = (u - 8) * scale + zero`` with ``u`` in [0, 15], ``scale = (max - min) / 15`` and
-  ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX512-BF16, computed by our
-  kernel (``kernels/csrc/int4_linear.cpp``) on weights in its blocked layout; elsewhere by
+  ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX512-BF16 and AVX512-VNNI,
+  computed by our kernel (``kernels/csrc/int4_linear.cpp``: integer dot products with the inputs
+  quantized to int8 per row and group of 32, as llama.cpp computes) on weights in its blocked
+  layout; elsewhere by
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on weights packed by
   ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly that formula, with
   ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
@@ -338,7 +340,7 @@ def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_kernel_available() -> bool:
-    """Whether our int4 kernel runs here (the CPU kernels built, with AVX512-BF16)."""
+    """Whether our int4 kernel runs here (the CPU kernels built, with AVX512-BF16 and VNNI)."""
     return cpu_ops.load() and torch.ops.llmrpc_cpu.int4_linear_supported()
 
 
@@ -401,7 +403,8 @@ class Q8Linear(QuantizedLinear):
     """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) in our blocked layout
     (``kernels/csrc/int4_linear.cpp`` describes it): ``qweight`` ``[out / 16, in / 32, 16, 32]``
     holding ``q + 128``, ``scales`` ``[out / 16, in / 32, 16]``; computed by
-    ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16; ``Q8BlockLinear`` elsewhere)."""
+    ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16 and VNNI; ``Q8BlockLinear``
+    elsewhere)."""
 
     dense_above = BLOCKED_DENSE_ABOVE
 

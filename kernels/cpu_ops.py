@@ -95,8 +95,12 @@ def _build() -> None:
 
     _put_ninja_on_path()
     flags = ["-O3", *_CAPABILITY_FLAGS.get(_capability(), [])]
-    if _capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported():
-        flags.append("-mavx512bf16")  # the int4 kernel's dot products
+    if (
+        _capability() == "AVX512"
+        and torch.cpu._is_avx512_bf16_supported()
+        and torch.cpu._is_vnni_supported()
+    ):
+        flags += ["-mavx512bf16", "-mavx512vnni"]  # the int4 kernel's conversions, dot products
     digest = hashlib.sha256(" ".join(flags).encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())

@@ -286,7 +286,8 @@ _MODEL = _group(
           "Linear layers are packed, lm_head and an embedding tied to it included (int4: those "
           "with inputs a multiple of 32 and outputs of 16). The packed kernels compute in "
           "bfloat16 when a layer takes at most 32 (int8) or 128 (int4, gguf) tokens at once, "
-          "or 1024 where our int4 kernel runs (a CPU with AVX512-BF16); more tokens, and "
+          "or 1024 where our int4 kernel runs (a CPU with AVX512-BF16 and AVX512-VNNI; it "
+          "quantizes the activations to int8 per 32, as llama.cpp does); more tokens, and "
           "--dtype float16 or float32, dequantize the layer's weight for the step (float32: "
           "exact, and 5-30x slower than unquantized). Default: none (a .gguf --model is "
           "dequantized to --dtype).",

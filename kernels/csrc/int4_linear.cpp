@@ -4,24 +4,24 @@
 // Weight layout (packed by engine/quantization.py, `Int4Linear`): outputs in blocks of 16, each
 // block's inputs in groups of 32, each group 256 bytes: 8 chunks of 32 bytes, chunk c covering
 // inputs 4c..4c+3 of the group. Byte j of a chunk holds output j / 2 of the block: its low nibble
-// the code for input 4c + j % 2, its high nibble the code for input 4c + 2 + j % 2. So the low
-// (and the high) nibbles of a chunk, widened to 16 bits, are 16 outputs x 2 inputs in the order
-// AVX512-BF16's dot product takes them. Scales and zeros: [blocks, groups, 2, 16] (scale, zero
-// of the block's 16 outputs), in bfloat16.
+// the code for input 4c + j % 2, its high nibble the code for input 4c + 2 + j % 2. Scales and
+// zeros: [blocks, groups, 2, 16] (scale, zero of the block's 16 outputs), in bfloat16.
 //
-// Per group the kernel sums x * (128 + u) in float32 (a code widened to 16 bits and or-ed with
-// 0x4300 is the bfloat16 of 128 + u; its products with bfloat16 inputs are exact in float32),
-// then adds scale * that sum + (zero - 136 * scale) * (sum of the group's inputs): the same
-// float32 terms in the same order whatever the number of rows, so a row's output does not
-// depend on the rows beside it.
+// The inputs are quantized first, as llama.cpp quantizes them for its integer dot products: per
+// row and group, dx = max |x| / 127 and q = round(x * (1 / dx)) in int8. Each group's dot products
+// of the codes with q are exact in int32 (AVX512-VNNI, 64 multiply-adds an instruction), and the
+// group adds scale * dx * dot + (zero - 8 * scale) * dx * sum(q) to the row's float32 total: the
+// same terms in the same order whatever the number of rows, so a row's output does not depend
+// on the rows beside it.
 //
 // The same kernel computes GGUF's Q8_0 (W[n, k] = d[n, g] * q[n, k], q int8): each group 512
 // bytes, 16 chunks of 32, chunk p covering inputs 2p and 2p + 1 of the group, byte j holding
-// q + 128 for output j / 2 and input 2p + j % 2 (widened to float32 then bfloat16: exact); the
-// scales [blocks, groups, 16]; per group it adds d * sum(x * (q + 128)) - 128 * d * sum(x).
+// q + 128 for output j / 2 and input 2p + j % 2; the scales [blocks, groups, 16]; per group it
+// adds d * dx * dot - 128 * d * dx * sum(q).
 //
 // Registered as torch.ops.llmrpc_cpu.int4_linear and q8_linear; int4_linear_supported() says
-// whether this build has the AVX512-BF16 kernels (elsewhere the engine keeps torch's kernels).
+// whether this build has the kernels (AVX512-BF16 and AVX512-VNNI; elsewhere the engine keeps
+// torch's kernels).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,7 +31,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
 
@@ -42,72 +42,87 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = kBlockOutputs * kGroup / 2;  // int4; Q8_0 twice that
 constexpr int kMaxRows = 12;  // rows computed together: each unpacked weight serves all of them
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 inline __m512 load_bf16x16(const at::BFloat16* values) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// 32 bytes as 32 bfloat16 of their unsigned values (exact: at most 255).
-inline __m512i bytes_to_bf16(const uint8_t* bytes) {
-  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16));
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+// Each row's inputs, group by group: d = max |x| / 127, q = round(x * (1 / d)) (ties to even)
+// as int8, and d * sum(q). The same for a row whatever the rows beside it.
+void quantize_rows(const at::BFloat16* x, int64_t rows, int64_t groups, int8_t* q, float* d,
+                   float* d_sum) {
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    const __m512 first = load_bf16x16(x + i * kGroup);
+    const __m512 second = load_bf16x16(x + i * kGroup + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(second)));
+    const float scale = amax / 127.f;
+    const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(first, inverse));
+    const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(second, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtsepi32_epi8(low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(high));
+    d[i] = scale;
+    d_sum[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(low, high)));
+  }
 }
 
-inline __m512bh broadcast_pair(const at::BFloat16* pair) {
-  int32_t bits;
-  std::memcpy(&bits, pair, sizeof(bits));
-  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+// The weights of a group's inputs 4c..4c+3 for the block's 16 outputs, one output a 32-bit lane
+// holding its 4 codes as bytes: what VNNI's unsigned x signed dot product takes.
+template <bool kQ8>
+inline __m512i unpack_chunk(const uint8_t* chunks, int c) {
+  if constexpr (kQ8) {  // two 32-byte chunks of 16 outputs x 2 inputs
+    const __m512i first = _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 64 * c)));
+    const __m512i second = _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 64 * c + 32)));
+    return _mm512_or_si512(first, _mm512_slli_epi32(second, 16));
+  } else {  // lane o: bytes (u0 | u2 << 4, u1 | u3 << 4) -> (u0, u1, u2, u3)
+    const __m512i pairs = _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c)));
+    // (pairs | pairs << 12) & 0x0F0F0F0F
+    return _mm512_ternarylogic_epi32(pairs, _mm512_slli_epi32(pairs, 12),
+                                     _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
+  }
 }
 
-// Outputs of one block of 16 for R rows (x: R rows of `ldx`; sums: R rows of `groups`), int4
-// or Q8_0 weights. Each row sums a group's inputs 4c, 4c + 1 and 4c + 2, 4c + 3 in two registers
-// (two dependency chains of 8 dot products, not one of 16); the running totals, touched once a
-// group, live in memory.
+// Outputs of one block of 16 for R rows (q: R rows of `ldq` int8; d, d_sum: R rows of
+// `groups`), int4 or Q8_0 weights. Each row sums a group's even and odd chunks in two int32
+// registers (two dependency chains); the running float totals, touched once a group, live in
+// memory.
 template <int R, bool kQ8>
-void block_rows(const uint8_t* weight, const at::BFloat16* scales, const at::BFloat16* x,
-                int64_t ldx, const float* sums, int64_t groups, at::BFloat16* y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m512i bias = _mm512_set1_epi16(0x4300);
-  const __m512 offset = _mm512_set1_ps(kQ8 ? 128.f : 136.f);
+void block_rows(const uint8_t* weight, const at::BFloat16* scales, const int8_t* q, int64_t ldq,
+                const float* d, const float* d_sum, int64_t groups, at::BFloat16* y,
+                int64_t ldy) {
+  const __m512 offset = _mm512_set1_ps(kQ8 ? 128.f : 8.f);
   constexpr int64_t kBytes = kQ8 ? 2 * kGroupBytes : kGroupBytes;
   constexpr int64_t kScales = kQ8 ? kBlockOutputs : 2 * kBlockOutputs;
   alignas(64) float total[R][kBlockOutputs];
   for (int r = 0; r < R; ++r) _mm512_store_ps(total[r], _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* chunks = weight + g * kBytes;
-    __m512 low_sum[R], high_sum[R];
-    for (int r = 0; r < R; ++r) low_sum[r] = high_sum[r] = _mm512_setzero_ps();
-    for (int c = 0; c < 8; ++c) {
-      __m512i low, high;  // the weights of inputs 4c, 4c + 1 and of 4c + 2, 4c + 3
-      if constexpr (kQ8) {
-        low = bytes_to_bf16(chunks + 64 * c);
-        high = bytes_to_bf16(chunks + 64 * c + 32);
-      } else {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
-        low = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low4)), bias);
-        high = _mm512_or_si512(
-            _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4)), bias);
-      }
+    __m512i even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      const __m512i first = unpack_chunk<kQ8>(chunks, c);
+      const __m512i second = unpack_chunk<kQ8>(chunks, c + 1);
       for (int r = 0; r < R; ++r) {
-        const at::BFloat16* inputs = x + r * ldx + g * kGroup + 4 * c;
-        low_sum[r] = _mm512_dpbf16_ps(low_sum[r], reinterpret_cast<__m512bh>(low),
-                                      broadcast_pair(inputs));
-        high_sum[r] = _mm512_dpbf16_ps(high_sum[r], reinterpret_cast<__m512bh>(high),
-                                       broadcast_pair(inputs + 2));
+        const int8_t* inputs = q + r * ldq + g * kGroup + 4 * c;
+        int32_t bits[2];
+        std::memcpy(bits, inputs, sizeof(bits));
+        even[r] = _mm512_dpbusd_epi32(even[r], first, _mm512_set1_epi32(bits[0]));
+        odd[r] = _mm512_dpbusd_epi32(odd[r], second, _mm512_set1_epi32(bits[1]));
       }
     }
     const __m512 scale = load_bf16x16(scales + g * kScales);
-    // int4: zero - 136 * scale; Q8_0: -128 * d
+    // int4: zero - 8 * scale; Q8_0: -128 * d
     const __m512 zero = kQ8 ? _mm512_setzero_ps() : load_bf16x16(scales + g * kScales + kBlockOutputs);
     const __m512 shift = _mm512_fnmadd_ps(offset, scale, zero);
     for (int r = 0; r < R; ++r) {
-      __m512 sum = _mm512_fmadd_ps(_mm512_add_ps(low_sum[r], high_sum[r]), scale,
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
+      __m512 sum = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])),
                                    _mm512_load_ps(total[r]));
-      sum = _mm512_fmadd_ps(shift, _mm512_set1_ps(sums[r * groups + g]), sum);
+      sum = _mm512_fmadd_ps(shift, _mm512_set1_ps(d_sum[r * groups + g]), sum);
       _mm512_store_ps(total[r], sum);
     }
   }
@@ -118,39 +133,32 @@ void block_rows(const uint8_t* weight, const at::BFloat16* scales, const at::BFl
 }
 
 template <int R, bool kQ8>
-void rows_of_block(const uint8_t* weight, const at::BFloat16* scales, const at::BFloat16* x,
-                   int64_t ldx, const float* sums, int64_t groups, at::BFloat16* y, int64_t ldy,
-                   int64_t rows) {
+void rows_of_block(const uint8_t* weight, const at::BFloat16* scales, const int8_t* q,
+                   int64_t ldq, const float* d, const float* d_sum, int64_t groups,
+                   at::BFloat16* y, int64_t ldy, int64_t rows) {
   if constexpr (R > 1) {
     if (rows < R) {
-      rows_of_block<R - 1, kQ8>(weight, scales, x, ldx, sums, groups, y, ldy, rows);
+      rows_of_block<R - 1, kQ8>(weight, scales, q, ldq, d, d_sum, groups, y, ldy, rows);
       return;
     }
   }
-  block_rows<R, kQ8>(weight, scales, x, ldx, sums, groups, y, ldy);
+  block_rows<R, kQ8>(weight, scales, q, ldq, d, d_sum, groups, y, ldy);
 }
 
 template <bool kQ8>
 void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                     at::Tensor& y) {
   const int64_t rows = x.size(0), blocks = weight.size(0), groups = weight.size(1);
-  // The sum of each row's inputs over each group, in float32 and input order.
-  auto sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
-  const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
-  float* group_sums = sums.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float total = 0.f;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        total += static_cast<float>(xs[(r * groups + g) * kGroup + k]);
-      }
-      group_sums[r * groups + g] = total;
-    }
-  }
+  auto q = at::empty({rows, groups * kGroup}, x.options().dtype(at::kChar));
+  auto d = at::empty({2, rows, groups}, x.options().dtype(at::kFloat));
+  int8_t* qs = q.data_ptr<int8_t>();
+  float* ds = d.data_ptr<float>();
+  float* d_sums = ds + rows * groups;
+  quantize_rows(x.data_ptr<at::BFloat16>(), rows, groups, qs, ds, d_sums);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const at::BFloat16* sc = scales.data_ptr<at::BFloat16>();
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  const int64_t ldx = groups * kGroup, ldy = blocks * kBlockOutputs;
+  const int64_t ldq = groups * kGroup, ldy = blocks * kBlockOutputs;
   const int64_t block_bytes = groups * (kQ8 ? 2 : 1) * kGroupBytes;
   const int64_t block_scales = groups * (kQ8 ? 1 : 2) * kBlockOutputs;
   // rows in tiles of near-equal size (16 rows: 8 + 8, not 12 + 4)
@@ -159,8 +167,8 @@ void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += tile) {
-        rows_of_block<kMaxRows, kQ8>(w + b * block_bytes, sc + b * block_scales, xs + r * ldx,
-                                     ldx, group_sums + r * groups, groups,
+        rows_of_block<kMaxRows, kQ8>(w + b * block_bytes, sc + b * block_scales, qs + r * ldq,
+                                     ldq, ds + r * groups, d_sums + r * groups, groups,
                                      out + r * ldy + b * kBlockOutputs, ldy,
                                      std::min<int64_t>(tile, rows - r));
       }
@@ -170,7 +178,7 @@ void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Ten
 #endif
 
 bool supported() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return true;
 #else
   return false;
@@ -198,7 +206,7 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
               name, kQ8 ? ": scales must be contiguous bfloat16 [out / 16, in / 32, 16]"
                         : ": scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
   auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   blocked_linear<kQ8>(x, weight, scales, y);
 #endif
   return y;

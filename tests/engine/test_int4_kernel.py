@@ -1,5 +1,6 @@
-"""The blocked int4 kernel (kernels/csrc/int4_linear.cpp) against the float matmul it stands for,
-and the blocked layout against torch's int4 packing it replaces where AVX512-BF16 is present."""
+"""The blocked int4 kernel (kernels/csrc/int4_linear.cpp) against the float matmul it stands for
+(the weights times the inputs quantized to int8 per 32, as the kernel documents), and the blocked
+layout against torch's int4 packing it replaces where AVX512-BF16 and AVX512-VNNI are present."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from llmrpc.engine.quantization import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not blocked_kernel_available(), reason="the int4 kernel needs a CPU with AVX512-BF16"
+    not blocked_kernel_available(), reason="the int4 kernel needs a CPU with AVX512-BF16 and AVX512-VNNI"
 )
 
 
@@ -39,17 +40,44 @@ def _weight(codes, scales, zeros) -> torch.Tensor:
     return weight.view_as(codes.float())
 
 
-def _check_close(y: torch.Tensor, x, codes, scales, zeros) -> None:
-    """Within the bfloat16 rounding of the output, plus float32 rounding of the group sums, whose
-    terms are up to 136 * scale (the kernel sums x * (128 + u) and subtracts 136 * scale * sum(x)).
-    A wrong code, scale, zero or input pairing is off by about |x| |w| (far more)."""
-    weight = _weight(codes, scales, zeros).double()
-    exact = x.double() @ weight.T
-    terms = 136 * scales.double().repeat_interleave(GROUP_SIZE, dim=1) + weight.abs()
-    bound = 2**-8 * exact.abs() + 2**-18 * (x.double().abs() @ terms.T)
+def _quantized_inputs(x: torch.Tensor) -> torch.Tensor:
+    """The inputs as the kernel multiplies them, written out from its documented formula: per row
+    and group of 32, ``d = max|x| / 127`` and ``q = round(x * (1 / d))`` (ties to even), in
+    float32; returned as ``q * d`` in float64 (exact)."""
+    groups = x.float().view(x.shape[0], -1, GROUP_SIZE)
+    d = groups.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(groups * inverse)
+    return (q.double() * d.double()).view(x.shape)
+
+
+def _check_close(y: torch.Tensor, x, weight: torch.Tensor, scales, offset: int) -> None:
+    """The product of the quantized inputs and ``weight``, within the bfloat16 rounding of the
+    output plus float32 rounding of the group sums: the kernel's integer dot products are exact,
+    and it adds ``scale * d * dot + (zero - offset * scale) * d * sum(q)`` per group, terms up to
+    ``(offset + 16) * scale`` times the inputs. A wrong code, scale, zero, input pairing or input
+    quantization is off by about |x| |w| (far more)."""
+    quantized = _quantized_inputs(x)
+    exact = quantized @ weight.double().T
+    per_input = scales.double().repeat_interleave(GROUP_SIZE, dim=1)
+    terms = (offset + 16) * per_input + weight.double().abs()
+    bound = 2**-8 * exact.abs() + 2**-18 * (quantized.abs() @ terms.T)
     assert y.dtype == torch.bfloat16 and y.shape == exact.shape
     error = (y.double() - exact).abs()
     assert (error <= bound).all(), (error - bound).max()
+
+
+def test_inputs_are_quantized_to_int8_per_group_and_row():
+    """What the kernel's input quantization costs: each row's product is within 1% of its sum of
+    |x| |w| of the unquantized inputs' product (the int8 steps are 1/254 of a group's largest
+    input)."""
+    codes, scales, zeros, x = _case(64, 64, 5)
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    weight = _weight(codes, scales, zeros).double()
+    unquantized = x.double() @ weight.T
+    y = layer.packed_matmul(x).double()
+    assert ((y - unquantized).abs() <= 0.01 * (x.double().abs() @ weight.abs().T)).all()
+    assert not torch.equal(_quantized_inputs(x), x.double())
 
 
 @pytest.mark.parametrize(
@@ -60,7 +88,7 @@ def test_kernel_is_the_float_matmul_of_the_codes(out_features, in_features, rows
     codes, scales, zeros, x = _case(out_features, in_features, rows, seed=rows)
     layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
     assert layer.blocked
-    _check_close(layer.packed_matmul(x), x, codes, scales, zeros)
+    _check_close(layer.packed_matmul(x), x, _weight(codes, scales, zeros), scales, offset=8)
 
 
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch():
@@ -92,8 +120,13 @@ def test_blocked_layout_unpacks_to_the_codes_and_matches_torch_packing(monkeypat
     assert torch.equal(blocked.rows(ids), torch_packed.rows(ids))
     # the same memory: half a byte a weight, a bfloat16 scale and zero per group
     assert quantization.packed_bytes(blocked) == 208 * 96 // 2 + 208 * 3 * 4
-    # torch's kernel computes the same products (its own rounding)
-    _check_close(torch_packed.packed_matmul(x), x, codes, scales, zeros)
+    # torch's kernel multiplies the same weights by the bfloat16 inputs themselves
+    torch.testing.assert_close(
+        torch_packed.packed_matmul(x).double(),
+        x.double() @ _weight(codes, scales, zeros).double().T,
+        atol=0.0,
+        rtol=2**-7,
+    )
 
 
 def test_layers_take_the_kernel_up_to_long_prefills_in_bfloat16_only():
@@ -138,12 +171,8 @@ def test_q8_kernel_is_the_float_matmul_of_the_blocks(out_features, in_features, 
     layer = Q8Linear.from_blocks(q, d, None, torch.bfloat16)
     scales = d.bfloat16().float()  # held in the model's dtype
     weight = (q.float().view(out_features, -1, GROUP_SIZE) * scales[..., None]).view_as(q.float())
-    exact = x.double() @ weight.double().T
-    # terms of the group sums are up to 128 * d (the kernel sums x * (q + 128), then subtracts)
-    terms = 256 * scales.double().repeat_interleave(GROUP_SIZE, dim=1)
-    bound = 2**-8 * exact.abs() + 2**-18 * (x.double().abs() @ terms.T)
     y = layer.packed_matmul(x)
-    assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
+    _check_close(y, x, weight, scales, offset=128)
     for row in (0, rows - 1):
         assert torch.equal(layer.packed_matmul(x[row : row + 1]), y[row : row + 1])
 
