@@ -94,7 +94,10 @@ def _build() -> None:
     from torch.utils.cpp_extension import load as load_extension
 
     _put_ninja_on_path()
-    flags = ["-O3", *_CAPABILITY_FLAGS.get(_capability(), [])]
+    # -fopenmp: at::parallel_for is an OpenMP pragma, dropped without it. The extension then needs
+    # libgomp.so.1, which resolves to the one torch ships and has loaded, so the kernels share
+    # torch's thread team and its set_num_threads.
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(_capability(), [])]
     if (
         _capability() == "AVX512"
         and torch.cpu._is_avx512_bf16_supported()
@@ -110,6 +113,7 @@ def _build() -> None:
         name=name,
         sources=[str(source) for source in _SOURCES],
         extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )

@@ -3,12 +3,16 @@
 // operation torch runs in the model's dtype), so in float32 they agree to float rounding and in
 // bfloat16/float16 to the last bit in almost every element.
 //
-// Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}.
+// Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}, with
+// parallel_team_size: how many threads at::parallel_for, which every kernel here divides its work
+// with, runs on (1 when the extension was built without OpenMP, whatever torch was told).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
+#include <vector>
 
 #include "vec_utils.h"
 
@@ -222,7 +226,23 @@ void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }  // namespace
 }  // namespace llmrpc_cpu
 
+namespace llmrpc_cpu {
+namespace {
+
+int64_t parallel_team_size() {
+  const int64_t threads = at::get_num_threads();
+  std::vector<std::atomic<bool>> ran(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { ran[at::get_thread_num()] = true; });
+  int64_t count = 0;
+  for (const auto& flag : ran) count += flag;
+  return count;
+}
+
+}  // namespace
+}  // namespace llmrpc_cpu
+
 TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
+  m.def("parallel_team_size() -> int", &llmrpc_cpu::parallel_team_size);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");

@@ -41,6 +41,10 @@ constexpr int64_t kBlockOutputs = 16;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = kBlockOutputs * kGroup / 2;  // int4; Q8_0 twice that
 constexpr int kMaxRows = 12;  // rows computed together: each unpacked weight serves all of them
+// Weights are read in address order; asking for the bytes this far ahead took one row's pass over
+// SmolLM2's 30 layers (53 MB, one thread) from 2.9-3.1 to 1.9-2.2 ms (distances of 1 to 64 KB
+// tried; 16-32 KB best).
+constexpr int64_t kPrefetchAhead = 16384;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 inline __m512 load_bf16x16(const at::BFloat16* values) {
@@ -101,6 +105,9 @@ void block_rows(const uint8_t* weight, const at::BFloat16* scales, const int8_t*
   for (int r = 0; r < R; ++r) _mm512_store_ps(total[r], _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* chunks = weight + g * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(chunks + kPrefetchAhead + line), _MM_HINT_T0);
+    }
     __m512i even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; c += 2) {

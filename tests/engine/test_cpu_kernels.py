@@ -280,6 +280,20 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     assert "did not finish" in done.stdout and "loaded: True" in done.stdout
 
 
+def test_kernels_split_their_work_over_torchs_thread_team():
+    """Each kernel divides its rows with at::parallel_for, which is OpenMP only if the extension is
+    compiled and linked with it (else the pragma is dropped and every kernel runs on one thread,
+    whatever torch.set_num_threads says). It must join torch's own OpenMP runtime, so the team is
+    the size torch is told."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1, 3):
+            torch.set_num_threads(threads)
+            assert torch.ops.llmrpc_cpu.parallel_team_size() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int4_kernel_is_built_where_the_cpu_matches():
     """The blocked int4/Q8_0 kernels exist only in AVX-512 builds on CPUs with AVX512-BF16 and
     AVX512-VNNI; elsewhere (the AVX2 and plain builds too, run below) int4 layers keep torch's
