@@ -512,6 +512,7 @@ class Llama3JsonToolParser(ToolParser):
 
 
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
+_PLAIN_CODE = re.compile(r"[^'\"#()\[\]{}]*")  # nothing that opens or closes anything
 
 
 def _python_string_end(text: str, start: int) -> int | None:
@@ -520,14 +521,15 @@ def _python_string_end(text: str, start: int) -> int | None:
     # A string that reaches the end of the text may yet become a triple-quoted one; no matter:
     # the list it is in cannot close before more text comes.
     delimiter = quote * 3 if text.startswith(quote * 3, start) else quote
-    i = start + len(delimiter)
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text.startswith(delimiter, i):
-            return i + len(delimiter)
-        else:
-            i += 1
+    body = start + len(delimiter)
+    found = text.find(delimiter, body)
+    while found >= 0:
+        escapes = found
+        while escapes > body and text[escapes - 1] == "\\":
+            escapes -= 1
+        if (found - escapes) % 2 == 0:  # not escaped
+            return found + len(delimiter)
+        found = text.find(delimiter, found + 1)
     return None
 
 
@@ -535,7 +537,7 @@ def _python_list_end(text: str, start: int) -> int | None:
     """The end of the bracketed Python expression at ``text[start]``: None while it is open,
     -1 if its brackets do not match."""
     closers: list[str] = []
-    i = start
+    i = _PLAIN_CODE.match(text, start).end()
     while i < len(text):
         char = text[i]
         if char in "'\"":
@@ -543,19 +545,19 @@ def _python_list_end(text: str, start: int) -> int | None:
             if end is None:
                 return None
             i = end
-            continue
-        if char == "#":  # a comment runs to the end of the line
+        elif char == "#":  # a comment runs to the end of the line
             i = text.find("\n", i)
             if i < 0:
                 return None
-        elif char in _CLOSERS:
-            closers.append(_CLOSERS[char])
-        elif char in ")]}":
-            if not closers or closers.pop() != char:
+        else:
+            if char in _CLOSERS:
+                closers.append(_CLOSERS[char])
+            elif not closers or closers.pop() != char:
                 return -1
-            if not closers:
+            elif not closers:
                 return i + 1
-        i += 1
+            i += 1
+        i = _PLAIN_CODE.match(text, i).end()
     return None
 
 

@@ -278,6 +278,13 @@ PYTHONIC = [
         (("translate", '{"text": "héllo 世界"}'), ("get_time", "{}")),
     ),
     Case(
+        "escapes",
+        "pythonic",
+        r"""[f(a='x\\', b="q\"u]", c='''t'' \''' ]''', d='\']', e='''it's ]''')]""",
+        None,
+        (("f", r"""{"a": "x\\", "b": "q\"u]", "c": "t'' ''' ]", "d": "']", "e": "it's ]"}"""),),
+    ),
+    Case(
         "comments",
         "pythonic",
         "[f(x=1),  # the first]\n g(y='#')  # ]\n]",
@@ -428,7 +435,7 @@ FRAGMENTS = {
     "llama3_json": ["<|python_tag|>", '{"name": "f", "parameters": {"a": 1}}', ";", " ",
                     "{", "}", '"', "x", "\n", "<|python", '{"name": "g"}'],
     "pythonic": ["[", "]", "f(x=1)", ", ", "g()", "\n", " ", "(", ")", '"', "'''", "#",
-                 "x", "h(y=[1, 2])"],
+                 "x", "h(y=[1, 2])", "'", "\\", "s='a'"],
 }
 # fmt: on
 
