@@ -1,7 +1,8 @@
 """``llmrpc serve``: the gRPC server and, beside it in the same process, the REST gateway.
 
 Start-up order: the flags are parsed, every file they name is checked (``server.preflight``) and
-the REST gateway's settings are built, all before torch is imported; then the gRPC server and
+the REST gateway's settings are built, all before torch is imported (with the engine in a process
+of its own, the default, this process never imports it); then the gRPC server and
 the REST app are built (``--middleware`` is imported). A bad value found on the way ends the
 program with one line naming the flag, exit status 2, before any port is bound. Then the REST
 port is bound, then the gRPC ports (a port in use: one line naming the flag and the address,
@@ -15,6 +16,7 @@ import asyncio
 import functools
 import logging
 import os
+import sys
 
 from llmrpc.cli import rest
 from llmrpc.engine.config import EngineConfig
@@ -55,9 +57,31 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
 async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
     """The gRPC server until it stops, with the REST gateway beside it unless
     --no-rest-gateway; the exit status."""
-    from llmrpc.server import app  # torch and the engine: imported only when serving
+    if not frontend.disable_frontend_multiprocessing:
+        _keep_torch_out()
+    from llmrpc.server import app  # the engine: imported only when serving
 
     beside = None
     if frontend.rest.enabled:
         beside = functools.partial(rest.in_process_gateway, frontend)
     return await app.serve(engine_config, frontend, beside=beside)
+
+
+def _keep_torch_out() -> None:
+    """The engine runs in its own process, which loads torch; this one (gRPC, REST, tokenizing)
+    needs none of it, and importing it here costs ~220 MB of RSS and seconds of start-up.
+    Transformers imports torch wherever it is installed, unless ``find_spec`` reports it absent,
+    which a ``None`` in ``sys.modules`` does; any later ``import torch`` here then fails loudly.
+    Transformers' one-line notice that PyTorch is missing is silenced: it is missing on purpose."""
+    if "torch" in sys.modules:  # already loaded (a caller in the same process): nothing to save
+        return
+    sys.modules["torch"] = None
+    previous = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+        import transformers  # noqa: F401 - imported now, while its notice is off
+    finally:
+        if previous is None:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = previous

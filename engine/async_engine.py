@@ -23,10 +23,11 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core import EngineCore, EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.core_process import EngineLoop
+from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.messages import (
     Abort,
     AddRequest,
@@ -41,6 +42,9 @@ from llmrpc.engine.messages import (
 )
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from llmrpc.engine.tokenizer_workers import TokenizerWorkers
+
+if TYPE_CHECKING:
+    from llmrpc.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -340,6 +344,8 @@ class AsyncEngine(EngineClient):
     # --- the engine thread ------------------------------------------------------------------
 
     def _run(self, config: EngineConfig, loaded: concurrent.futures.Future) -> None:
+        from llmrpc.engine.core import EngineCore  # torch: only where the engine runs in-process
+
         try:
             self.core = EngineCore(config)
             if self.core.tokenizer is not None:

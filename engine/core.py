@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig, ModelConfig
+from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
@@ -46,41 +46,6 @@ _DTYPES = {
     "float": torch.float32,
     "float32": torch.float32,
 }
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    served_model_names: tuple[str, ...]
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    bos_token_id: int | None
-    has_chat_template: bool
-    dtype: str
-    block_size: int
-    num_kv_blocks: int
-    sampling_defaults: dict  # SamplingParams field -> server default (generation config)
-    model_dir: str = ""  # the folder the weights were loaded from (a .gguf file's converted one)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up, since start
-    generation_throughput: float  # output tokens per second over the recent window
-    prompt_throughput: float  # prompt tokens computed per second over the recent window
-    is_sleeping: bool
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
-
-
-class EngineStateError(RuntimeError):
-    """The engine cannot do this in its present state (asleep, busy, sleep mode off)."""
 
 
 def resolve_dtype(name: str, hf_config) -> torch.dtype:

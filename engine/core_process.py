@@ -26,11 +26,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from llmrpc.engine import messages
-from llmrpc.engine.core import EngineCore
 from llmrpc.engine.memory import limit_arenas, release_free_memory
 from llmrpc.engine.messages import (
     Abort,
@@ -46,6 +46,9 @@ from llmrpc.engine.messages import (
     Snapshot,
     Startup,
 )
+
+if TYPE_CHECKING:
+    from llmrpc.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +271,8 @@ def main() -> int:
     root.handlers[:] = [_ForwardingHandler(channel.send)]
     root.setLevel(startup.log_level)
     try:
+        from llmrpc.engine.core import EngineCore  # torch: loaded here, not in the frontend
+
         core = EngineCore(startup.config)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the frontend stops it
     except BaseException as error:  # noqa: BLE001 - reported to the frontend

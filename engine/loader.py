@@ -19,8 +19,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -32,6 +32,9 @@ from llmrpc.engine.model_source import (
     locate_tokenizer,
     packaged_gguf_path,  # noqa: F401 - part of this module's interface
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +160,7 @@ def _publish(tmp: Path, target: Path) -> None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` to a float32 Transformers folder (weights, config, tokenizer)."""
+    import torch  # the engine's process: the frontend reads the converted folder, without torch
     from transformers import AutoModelForCausalLM  # heavy; only needed for a conversion
 
     folder, name = str(gguf_path.parent), gguf_path.name

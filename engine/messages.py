@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core import EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
 # --- figures and errors ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
-from llmrpc.engine.core import EngineStats, ModelInfo
+from llmrpc.engine.core_types import EngineStats, ModelInfo
 from llmrpc.engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
 from llmrpc.server.chat_render import render_chat
 from llmrpc.server.errors import (

@@ -17,7 +17,8 @@ from llmrpc.engine.quantization import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not blocked_kernel_available(), reason="the int4 kernel needs a CPU with AVX512-BF16 and AVX512-VNNI"
+    not blocked_kernel_available(),
+    reason="the int4 kernel needs a CPU with AVX512-BF16 and AVX512-VNNI",
 )
 
 

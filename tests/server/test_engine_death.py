@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_state import process_ended
@@ -92,14 +93,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-async def start_llmrpc_serve(model_dir: Path) -> tuple[subprocess.Popen, int, str]:
+async def start_llmrpc_serve(
+    model_dir: Path, rest_port: int | None = None
+) -> tuple[subprocess.Popen, int, str]:
     """``llmrpc serve`` of the tiny model with the default engine mode, once it serves; the
-    process, its engine process's id, and its gRPC address."""
+    process, its engine process's id, and its gRPC address. The REST gateway only on
+    ``rest_port``."""
     port = free_port()
+    rest = ("--no-rest-gateway",) if rest_port is None else ("--port", str(rest_port))
     command = [
         *(sys.executable, "-m", "llmrpc.cli", "serve", str(model_dir)),
         *("--dtype", "float32", "--num-gpu-blocks-override", "64", "--max-model-len", "256"),
-        *("--host", "127.0.0.1", "--grpc-port", str(port), "--no-rest-gateway"),
+        *("--host", "127.0.0.1", "--grpc-port", str(port), *rest),
     ]
     server = subprocess.Popen(
         command,
@@ -148,3 +153,46 @@ async def test_llmrpc_serve_stopped_by_sigterm_stops_its_engine_process(tiny_lla
         server.kill()
     assert process_ended(engine_pid), log
     assert "engine died" not in log
+
+
+def loads_torch(pid: int) -> bool:
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+async def test_llmrpc_serve_loads_torch_in_its_engine_process_only(tiny_llama_dir):
+    """The frontend (gRPC, REST gateway, tokenizing, chat templates) runs without torch, which
+    the engine process loads: ~220 MB of RSS less. Served over both APIs, nothing in the
+    frontend reaches for it, and transformers' notice of its absence is not logged."""
+    rest_port = free_port()
+    server, engine_pid, address = await start_llmrpc_serve(tiny_llama_dir, rest_port=rest_port)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            reply = await stub.Generate(
+                generation_pb2.GenerateRequest(
+                    text="Hello", stopping=common_pb2.StoppingCriteria(max_tokens=4)
+                ),
+                timeout=60,
+            )
+        assert reply.text and reply.token_ids
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{rest_port}") as client:
+            chat = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+                timeout=60,
+            )
+            assert chat.status_code == 200, chat.text
+            streamed = await client.post(
+                "/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 4, "stream": True, "logprobs": 2},
+                timeout=60,
+            )
+            assert streamed.status_code == 200 and "[DONE]" in streamed.text, streamed.text
+        assert loads_torch(engine_pid)
+        assert not loads_torch(server.pid)
+        server.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(server.wait, 60) == 0
+        log = server.stderr.read()
+    finally:
+        server.kill()
+    assert "PyTorch was not found" not in log and "Traceback" not in log, log
