@@ -25,17 +25,15 @@ Plugins: ``load_reasoning_parser_plugin(path)`` imports a Python file that regis
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import logging
 import os
 import re
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
-from pathlib import Path
 from typing import NamedTuple, TypeVar
+
+from llmrpc.server.parser_plugins import load_plugin
 
 logger = logging.getLogger(__name__)
 
@@ -273,24 +271,6 @@ def reasoning_parser_names() -> list[str]:
 
 def load_reasoning_parser_plugin(path: str | os.PathLike[str]) -> list[str]:
     """Import the Python file at ``path``, which registers parsers with
-    ``register_reasoning_parser``; returns the names it registered. ValueError if it is not a
-    Python file or its import fails (the registry is then as it was)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--reasoning-parser-plugin: {path} is not a file")
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    module_name = f"llmrpc_reasoning_parser_plugin_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--reasoning-parser-plugin: {path} is not a Python file")
-    before = dict(_REGISTRY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        _REGISTRY.clear()
-        _REGISTRY.update(before)
-        raise ValueError(f"--reasoning-parser-plugin: importing {path} failed: {exc!r}") from exc
-    return sorted(name for name, cls in _REGISTRY.items() if before.get(name) is not cls)
+    ``register_reasoning_parser``; returns the names it registered (ValueError if it cannot be
+    imported; the registry is then as it was)."""
+    return load_plugin(path, _REGISTRY, "--reasoning-parser-plugin")
