@@ -25,15 +25,13 @@ Plugins: ``load_reasoning_parser_plugin(path)`` imports a Python file that regis
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
-from typing import NamedTuple, TypeVar
+from collections.abc import Hashable
+from typing import NamedTuple
 
-from llmrpc.server.parser_plugins import load_plugin
+from llmrpc.server.parser_registry import LeadingSpace, ParserRegistry, held_from
 
 logger = logging.getLogger(__name__)
 
@@ -94,24 +92,6 @@ class ReasoningParser(ABC):
         return "".join(reasoning), "".join(content), pos, state
 
 
-class _LeadingSpace:
-    """Holds whitespace at the start of a part until more follows: a part that is only
-    whitespace is None in a whole parse, so a stream never sends it."""
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._open = False
-
-    def release(self, text: str) -> str | None:
-        if not self._open:
-            self._held += text
-            if not self._held.strip():
-                return None
-            self._open = True
-            text, self._held = self._held, ""
-        return text or None
-
-
 class ReasoningStream:
     """The incremental split of one request's output: ``feed`` each new piece, then ``finish``."""
 
@@ -119,8 +99,8 @@ class ReasoningStream:
         self._parser = parser
         self._pending = ""  # text not decided yet
         self._state = parser.initial_state
-        self._reasoning = _LeadingSpace()
-        self._content = _LeadingSpace()
+        self._reasoning = LeadingSpace()
+        self._content = LeadingSpace()
         self._finished = False
 
     def feed(self, delta_text: str) -> tuple[str | None, str | None]:
@@ -138,7 +118,10 @@ class ReasoningStream:
     def _advance(self, final: bool) -> tuple[str | None, str | None]:
         reasoning, content, pos, self._state = self._parser.scan(self._pending, self._state, final)
         self._pending = self._pending[pos:]
-        return self._reasoning.release(reasoning), self._content.release(content)
+        return (
+            self._reasoning.release(reasoning) or None,
+            self._content.release(content) or None,
+        )
 
 
 def _opening_end(text: str, pos: int, final: bool) -> int | None:
@@ -151,44 +134,22 @@ def _opening_end(text: str, pos: int, final: bool) -> int | None:
     return None if not final and OPEN_TAG.startswith(head) else -1
 
 
-def _held_from(text: str, pos: int, marker: str) -> int:
-    """Where the longest end of ``text[pos:]`` that could begin ``marker`` starts (or the end)."""
-    for start in range(max(pos, len(text) - len(marker) + 1), len(text)):
-        if marker.startswith(text[start:]):
-            return start
-    return len(text)
-
-
 def _reasoning_step(text: str, pos: int, final: bool) -> Step | None:
     """Reasoning up to ``</think>``, content after it."""
     close = text.find(CLOSE_TAG, pos)
     if close >= 0:
         return Step(close + len(CLOSE_TAG), "content", reasoning=text[pos:close])
-    end = len(text) if final else _held_from(text, pos, CLOSE_TAG)
+    end = len(text) if final else held_from(text, pos, CLOSE_TAG)
     return Step(end, "reasoning", reasoning=text[pos:end]) if end > pos else None
 
 
-_REGISTRY: dict[str, type[ReasoningParser]] = {}
-_P = TypeVar("_P", bound=type[ReasoningParser])
-
-
-def register_reasoning_parser(name: str) -> Callable[[_P], _P]:
-    """Class decorator: make a ``ReasoningParser`` subclass available as ``--reasoning-parser``
-    ``name``. A later registration of a name replaces the earlier one."""
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"a reasoning parser name must be a non-empty string, not {name!r}")
-
-    def register(cls: _P) -> _P:
-        if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)) or inspect.isabstract(
-            cls
-        ):
-            raise TypeError(f"reasoning parser {name!r}: {cls!r} is not a concrete ReasoningParser")
-        if _REGISTRY.get(name, cls) is not cls:
-            logger.info("reasoning parser %r: %s replaces %s", name, cls.__name__, _REGISTRY[name])
-        _REGISTRY[name] = cls
-        return cls
-
-    return register
+REGISTRY: ParserRegistry[type[ReasoningParser]] = ParserRegistry(
+    ReasoningParser, "reasoning parser", "--reasoning-parser", "--reasoning-parser-plugin"
+)
+register_reasoning_parser = REGISTRY.register
+get_reasoning_parser = REGISTRY.get
+reasoning_parser_names = REGISTRY.names
+load_reasoning_parser_plugin = REGISTRY.load_plugin
 
 
 @register_reasoning_parser("deepseek_r1")
@@ -255,22 +216,3 @@ class Qwen3ReasoningParser(ReasoningParser):
         if 0 <= open_at < close_at:
             return _part(text[open_at + len(OPEN_TAG) : close_at]), _part(text[:open_at] + after)
         return _part(text[:close_at]), _part(after)
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    """The parser registered as ``name``; ValueError naming the known ones if there is none."""
-    if name not in _REGISTRY:
-        known = ", ".join(reasoning_parser_names())
-        raise ValueError(f"--reasoning-parser: unknown reasoning parser {name!r} (known: {known})")
-    return _REGISTRY[name]()
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def load_reasoning_parser_plugin(path: str | os.PathLike[str]) -> list[str]:
-    """Import the Python file at ``path``, which registers parsers with
-    ``register_reasoning_parser``; returns the names it registered (ValueError if it cannot be
-    imported; the registry is then as it was)."""
-    return load_plugin(path, _REGISTRY, "--reasoning-parser-plugin")

@@ -35,20 +35,18 @@ Plugins: ``load_tool_parser_plugin(path)`` imports a Python file that registers 
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import logging
 import math
-import os
 import re
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
-from llmrpc.server.parser_plugins import load_plugin
+from llmrpc.server.parser_registry import LeadingSpace, ParserRegistry, held_from
 
 logger = logging.getLogger(__name__)
 
@@ -180,25 +178,6 @@ class ToolParser(ABC):
         return segments, pos, state
 
 
-class _LeadingSpace:
-    """Holds whitespace at the start of the content until more follows: content that is only
-    whitespace is None in a whole parse, so a stream never sends it."""
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._open = False
-
-    def release(self, text: str) -> str:
-        if self._open:
-            return text
-        self._held += text
-        if not self._held.strip():
-            return ""
-        self._open = True
-        text, self._held = self._held, ""
-        return text
-
-
 class ToolCallStream:
     """The incremental parse of one request's output: ``feed`` each new piece, then ``finish``."""
 
@@ -207,7 +186,7 @@ class ToolCallStream:
         self._pending = ""  # text not decided yet
         self._state = parser.initial_state
         self._num_calls = 0
-        self._content = _LeadingSpace()
+        self._content = LeadingSpace()
         self._finished = False
 
     def feed(self, delta_text: str) -> list[Delta]:
@@ -304,43 +283,23 @@ def _call_from_json(obj: Any, arguments_required: bool = False) -> FunctionCall 
     return None if arguments is None else FunctionCall(obj["name"].strip(), arguments)
 
 
-def _held_from(text: str, pos: int, marker: str) -> int:
-    """Where the longest end of ``text[pos:]`` that could begin ``marker`` starts (or the end)."""
-    for start in range(max(pos, len(text) - len(marker) + 1), len(text)):
-        if marker.startswith(text[start:]):
-            return start
-    return len(text)
-
-
 def _content_step(
     text: str, pos: int, found: int, marker: str, final: bool, state: Hashable
 ) -> Step | None:
     """Content from ``pos`` to a marker found at ``found`` (-1: none yet)."""
-    end = found if found >= 0 else len(text) if final else _held_from(text, pos, marker)
+    end = found if found >= 0 else len(text) if final else held_from(text, pos, marker)
     return Step([text[pos:end]], end, state) if end > pos else None
 
 
 # --- the registry and the formats -----------------------------------------------------------------
 
-_REGISTRY: dict[str, type[ToolParser]] = {}
-_P = TypeVar("_P", bound=type[ToolParser])
-
-
-def register_tool_parser(name: str) -> Callable[[_P], _P]:
-    """Class decorator: make a ``ToolParser`` subclass available as ``--tool-call-parser name``.
-    A later registration of a name replaces the earlier one (a plugin may override a built-in)."""
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"a tool parser name must be a non-empty string, not {name!r}")
-
-    def register(cls: _P) -> _P:
-        if not (isinstance(cls, type) and issubclass(cls, ToolParser)) or inspect.isabstract(cls):
-            raise TypeError(f"tool parser {name!r}: {cls!r} is not a concrete ToolParser subclass")
-        if _REGISTRY.get(name, cls) is not cls:
-            logger.info("tool parser %r: %s replaces %s", name, cls.__name__, _REGISTRY[name])
-        _REGISTRY[name] = cls
-        return cls
-
-    return register
+REGISTRY: ParserRegistry[type[ToolParser]] = ParserRegistry(
+    ToolParser, "tool parser", "--tool-call-parser", "--tool-parser-plugin"
+)
+register_tool_parser = REGISTRY.register
+get_tool_parser = REGISTRY.get
+tool_parser_names = REGISTRY.names
+load_tool_parser_plugin = REGISTRY.load_plugin
 
 
 class TaggedToolParser(ToolParser):
@@ -634,22 +593,3 @@ class PythonicToolParser(ToolParser):
         if calls is None:  # not a call list: its "[" is content
             return Step(["["], pos + 1, False)
         return Step(list(calls), end, False)
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser registered as ``name``; ValueError naming the known ones if there is none."""
-    if name not in _REGISTRY:
-        known = ", ".join(tool_parser_names())
-        raise ValueError(f"--tool-call-parser: unknown tool parser {name!r} (known: {known})")
-    return _REGISTRY[name]()
-
-
-def tool_parser_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def load_tool_parser_plugin(path: str | os.PathLike[str]) -> list[str]:
-    """Import the Python file at ``path``, which registers parsers with ``register_tool_parser``;
-    returns the names it registered (ValueError if it cannot be imported; the registry is then
-    as it was)."""
-    return load_plugin(path, _REGISTRY, "--tool-parser-plugin")

@@ -158,7 +158,9 @@ class Bang(ReasoningParser):
 
 
 def test_a_plugin_file_registers_a_parser(tmp_path, monkeypatch):
-    monkeypatch.setattr(reasoning_parsers, "_REGISTRY", dict(reasoning_parsers._REGISTRY))
+    monkeypatch.setattr(
+        reasoning_parsers.REGISTRY, "parsers", dict(reasoning_parsers.REGISTRY.parsers)
+    )
     plugin = tmp_path / "bang_plugin.py"
     plugin.write_text(PLUGIN)
     assert load_reasoning_parser_plugin(plugin) == ["bang"]
@@ -173,7 +175,9 @@ def test_a_plugin_file_registers_a_parser(tmp_path, monkeypatch):
 
 
 def test_registration_takes_only_concrete_parsers(monkeypatch):
-    monkeypatch.setattr(reasoning_parsers, "_REGISTRY", dict(reasoning_parsers._REGISTRY))
+    monkeypatch.setattr(
+        reasoning_parsers.REGISTRY, "parsers", dict(reasoning_parsers.REGISTRY.parsers)
+    )
     with pytest.raises(TypeError, match="not a concrete ReasoningParser"):
         register_reasoning_parser("abstract")(ReasoningParser)
     with pytest.raises(ValueError, match="non-empty"):

@@ -542,8 +542,8 @@ def test_unknown_parser_names_the_known_ones():
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
     """A copy of the registry for the test to change; the module's own is untouched."""
-    copy = dict(tool_parsers._REGISTRY)
-    monkeypatch.setattr(tool_parsers, "_REGISTRY", copy)
+    copy = dict(tool_parsers.REGISTRY.parsers)
+    monkeypatch.setattr(tool_parsers.REGISTRY, "parsers", copy)
     return copy
 
 
