@@ -69,7 +69,7 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
 
 def _keep_torch_out() -> None:
     """The engine runs in its own process, which loads torch; this one (gRPC, REST, tokenizing)
-    needs none of it, and importing it here costs ~220 MB of RSS and seconds of start-up.
+    needs none of it, and importing it here costs ~220 MB of RSS and 1.4-2.6 s of start-up.
     Transformers imports torch wherever it is installed, unless ``find_spec`` reports it absent,
     which a ``None`` in ``sys.modules`` does; any later ``import torch`` here then fails loudly.
     Transformers' one-line notice that PyTorch is missing is silenced: it is missing on purpose."""

@@ -68,17 +68,17 @@ def _check_close(y: torch.Tensor, x, weight: torch.Tensor, scales, offset: int) 
     assert (error <= bound).all(), (error - bound).max()
 
 
-def test_inputs_are_quantized_to_int8_per_group_and_row():
-    """What the kernel's input quantization costs: each row's product is within 1% of its sum of
-    |x| |w| of the unquantized inputs' product (the int8 steps are 1/254 of a group's largest
-    input)."""
+def test_quantizing_the_inputs_costs_under_1_percent_of_the_absolute_products():
+    """What the kernel's input quantization costs against the unquantized product: each output
+    within 1% of its sum of |x| |w| (the int8 steps are 1/254 of a group's largest input). That
+    it quantizes exactly as documented is what test_kernel_is_the_float_matmul_of_the_codes
+    checks."""
     codes, scales, zeros, x = _case(64, 64, 5)
     layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
     weight = _weight(codes, scales, zeros).double()
     unquantized = x.double() @ weight.T
     y = layer.packed_matmul(x).double()
     assert ((y - unquantized).abs() <= 0.01 * (x.double().abs() @ weight.abs().T)).all()
-    assert not torch.equal(_quantized_inputs(x), x.double())
 
 
 @pytest.mark.parametrize(
