@@ -28,7 +28,7 @@ from llmrpc.engine.config import (
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.quantization import QuantizedLinear
 from llmrpc.engine.request import SamplingParams
-from llmrpc.kernels.linear import PackedLinear
+from llmrpc.kernels.linear import BlockedLinear, PackedLinear
 
 _WARMUP_OUTPUT_LEN = 4
 
@@ -186,8 +186,8 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 
 
 def _linear(module) -> bool:
-    """A linear layer as the engine computes it: plain, packed for oneDNN, or quantized."""
-    return isinstance(module, (torch.nn.Linear, PackedLinear, QuantizedLinear))
+    """A linear layer as the engine computes it: plain, packed (ours or oneDNN's), or quantized."""
+    return isinstance(module, (torch.nn.Linear, BlockedLinear, PackedLinear, QuantizedLinear))
 
 
 def _figures(num_requests: int, input_tokens: int, output_tokens: int, elapsed: float) -> dict:

@@ -196,7 +196,7 @@ class EngineCore:
             quantization=plan_quantization(config),
         )
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
-            logger.info("%d linear layers packed for oneDNN", pack_linear_layers(model))
+            logger.info("%d linear layers packed", pack_linear_layers(model))
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         return model

@@ -49,6 +49,7 @@ from torch.nn import functional as F
 from llmrpc.engine.config import ModelConfig
 from llmrpc.engine.model_source import locate_model
 from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.linear import RowsEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -452,18 +453,6 @@ class Q8Linear(QuantizedLinear):
         return weight.view(ids.shape[0], self.in_features).to(self.dtype)
 
 
-class QuantizedEmbedding(nn.Module):
-    """An embedding whose rows are those of a packed weight (one tied to ``lm_head``)."""
-
-    def __init__(self, source: QuantizedLinear) -> None:
-        super().__init__()
-        self.source = source
-        self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.source.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
-
-
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of a module's buffers and parameters, each tensor counted once."""
     tensors = {id(t): t for t in (*module.buffers(), *module.parameters())}
@@ -519,7 +508,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> nn.Modu
         packed = kind.from_float(linear.weight, linear.bias, dtype)
         _replace(model, name, packed)
         for embedding_name in embeddings.get(id(linear.weight), ()):
-            _replace(model, embedding_name, QuantizedEmbedding(packed))
+            _replace(model, embedding_name, RowsEmbedding(packed))
     if skipped:
         logger.info("--quantization %s: left in %s (not packable): %s", method, dtype, skipped)
     release_freed_memory()
@@ -714,7 +703,7 @@ def _serve_embedding(model: nn.Module, hf_config, blocks: _Blocks, dtype) -> Non
     embedding = model.embed_tokens
     _check_shape("embed_tokens", blocks, embedding.num_embeddings, embedding.embedding_dim)
     packed = _packed_linear(blocks, None, dtype)
-    model.embed_tokens = QuantizedEmbedding(packed)
+    model.embed_tokens = RowsEmbedding(packed)
     if getattr(hf_config, "tie_word_embeddings", False):
         model.lm_head = packed
 

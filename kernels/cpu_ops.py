@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
+    _CSRC / "bf16_linear.cpp",
     _CSRC / "decode_attention.cpp",
     _CSRC / "elementwise.cpp",
     _CSRC / "int4_linear.cpp",

@@ -64,6 +64,10 @@ def _q8_linear(x, weight, scales):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))
 
 
+def _bf16_linear(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0] * 16))  # weight: [out / 16, in / 2, 16, 2]
+
+
 def _packed_linear(x, packed_weight, bias):
     return x.new_empty((x.shape[0], packed_weight.shape[0]))  # [rows, out_features]
 
@@ -77,4 +81,5 @@ _FAKES = {
     "packed_linear": _packed_linear,
     "int4_linear": _int4_linear,
     "q8_linear": _q8_linear,
+    "bf16_linear": _bf16_linear,
 }

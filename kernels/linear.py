@@ -1,4 +1,7 @@
-"""Linear layers on the CPU with weights packed once at load (oneDNN's blocked layout).
+"""Linear layers on the CPU with weights packed once at load: in bfloat16, where the CPU has
+AVX512-BF16, our blocked layout and kernel (``BlockedLinear``, ``csrc/bf16_linear.cpp``, which gives
+its measurements against oneDNN; its rows serve a tied embedding, so that weight is held once);
+otherwise oneDNN's blocked layout (``PackedLinear``).
 
 ``torch.nn.functional.linear`` reads a plain row-major weight on every call; oneDNN then reorders
 it on the fly, and at small batches (decode) that doubles the time of a step's matmuls. Packing
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llmrpc.kernels import cpu_ops
 
 # The batch size oneDNN tunes the packed layout for: decode steps (1-32 rows) took the same time
 # with 16 and 1024, and prefill steps of 1024 rows up to 1.16x less with 1024.
@@ -65,15 +70,91 @@ def _packed_matmul(x: torch.Tensor, packed_weight: torch.Tensor, bias) -> torch.
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
+class BlockedLinear(nn.Module):
+    """``y = x W^T + b`` in bfloat16 by ``torch.ops.llmrpc_cpu.bf16_linear``, ``W`` held as
+    ``[out / 16, in / 2, 16, 2]`` (``csrc/bf16_linear.cpp`` describes it)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.weight_blocks = (
+            weight.view(self.out_features // 16, 16, self.in_features // 2, 2)
+            .permute(0, 2, 1, 3)
+            .contiguous()
+        )
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        """Whether the kernel takes this layer: bfloat16 on the CPU, outputs a multiple of 16,
+        inputs of 2, and the kernels built with AVX512-BF16."""
+        weight = linear.weight
+        return (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and linear.out_features % 16 == 0
+            and linear.in_features % 2 == 0
+            and cpu_ops.load()
+            and torch.ops.llmrpc_cpu.bf16_linear_supported()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"BlockedLinear: input has {x.shape[-1]} features, the layer takes "
+                f"{self.in_features}"
+            )
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.llmrpc_cpu.bf16_linear(rows, self.weight_blocks, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``W`` ([len(ids), in_features]), read from the blocks."""
+        return self.weight_blocks[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocked"
+
+
+class RowsEmbedding(nn.Module):
+    """An embedding whose rows are those of a linear layer's held weight (one tied to
+    ``lm_head``), read with its ``rows(ids)``."""
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        self.source = source
+        self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.source.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` whose weight can be packed by a
-    ``PackedLinear``; the unpacked weights are dropped (a weight tied to an embedding stays
-    with the embedding). Returns how many were packed."""
+    ``BlockedLinear`` where it fits, else a ``PackedLinear``; the unpacked weights are dropped.
+    An embedding tied to a layer made ``BlockedLinear`` reads its rows from the blocks (the
+    weight is held once); one tied to a ``PackedLinear`` keeps the plain weight beside the
+    packed copy. Returns how many were packed."""
+    embeddings = {
+        id(child.weight): (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Embedding
+    }
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             weight = getattr(child, "weight", None)
-            if type(child) is nn.Linear and can_pack(weight.dtype, weight.device):
-                setattr(parent, name, PackedLinear(child))
-                packed += 1
+            if type(child) is not nn.Linear or not can_pack(weight.dtype, weight.device):
+                continue
+            if BlockedLinear.fits(child):
+                replacement = BlockedLinear(child)
+                if id(weight) in embeddings:
+                    holder, embedding_name = embeddings[id(weight)]
+                    setattr(holder, embedding_name, RowsEmbedding(replacement))
+            else:
+                replacement = PackedLinear(child)
+            setattr(parent, name, replacement)
+            packed += 1
     return packed

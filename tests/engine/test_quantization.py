@@ -42,7 +42,6 @@ from llmrpc.engine.quantization import (
     Q8BlockLinear,
     Q8Linear,
     QuantizationPlan,
-    QuantizedEmbedding,
     QuantizedLinear,
     blocked_kernel_available,
     packed_bytes,
@@ -50,6 +49,7 @@ from llmrpc.engine.quantization import (
     quantize_model,
 )
 from llmrpc.engine.request import SamplingParams
+from llmrpc.kernels.linear import RowsEmbedding
 from llmrpc.server import options
 from llmrpc.server.flag_table import FLAGS
 
@@ -197,7 +197,7 @@ def test_q8_blocks_are_exact_as_two_int4_halves():
     weight = q.float() * d.repeat_interleave(32, dim=1)
     assert torch.equal(layer.dequantize(torch.float32), weight)
     ids = torch.tensor([0, 79, 33, 64])
-    assert torch.equal(QuantizedEmbedding(layer)(ids), weight[ids])
+    assert torch.equal(RowsEmbedding(layer)(ids), weight[ids])
     bf16 = Q8BlockLinear.from_blocks(q, d, None, torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     exact = x.float() @ bf16.dequantize(torch.float32).T
@@ -226,7 +226,7 @@ def test_every_linear_is_packed_and_the_tied_embedding_reads_lm_head(tiny_llama_
         config, torch.bfloat16, loader.iter_weights(tiny_llama_dir), quantization=plan
     )
     assert not [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
-    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.embed_tokens, RowsEmbedding)
     assert model.embed_tokens.source is model.lm_head
     assert _float_tensors(model) == []  # no float weight matrix is left
     ids = torch.tensor([[1, 5, 49151]])

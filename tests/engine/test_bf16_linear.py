@@ -1,0 +1,138 @@
+"""The blocked bfloat16 kernel (kernels/csrc/bf16_linear.cpp, ``BlockedLinear``) against the exact
+product, its promise that a row's output does not depend on the rows or threads beside it, its
+layout contract, and the tied embedding that reads its rows from the blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import make_core
+from torch import nn
+
+from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.linear import BlockedLinear, PackedLinear, RowsEmbedding, pack_linear_layers
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_ops.load() and torch.ops.llmrpc_cpu.bf16_linear_supported()),
+    reason="the bfloat16 kernel needs a CPU with AVX512-BF16",
+)
+
+# Output widths with and without a tail of fewer than 4 blocks; row counts on each side of the
+# tilings' bounds (6, 12) and past several tiles.
+SHAPES = [(16, 2), (48, 64), (80, 96), (192, 576)]
+ROWS = [1, 2, 5, 6, 7, 12, 13, 32, 37, 100]
+
+
+def _case(out_features: int, in_features: int, rows: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    return linear, x
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_products_are_the_exact_ones_rounded(out_features, in_features, rows, bias):
+    """Within the bfloat16 rounding of the output (half a unit in its last place) plus float32
+    rounding of the running sum: a wrong pairing, block, row or bias is off by about |x| |w|."""
+    linear, x = _case(out_features, in_features, rows, bias)
+    exact = x.double() @ linear.weight.double().T
+    if bias:
+        exact += linear.bias.double()
+    magnitude = x.double().abs() @ linear.weight.double().abs().T
+    bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-23 + 1e-30
+    out = BlockedLinear(linear)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_a_rows_output_is_the_same_alone_and_in_any_batch(out_features, in_features):
+    linear, x = _case(out_features, in_features, 40, bias=True, seed=1)
+    layer = BlockedLinear(linear)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    for rows in range(1, 41):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_the_same_bits_on_one_thread_and_on_two():
+    linear, x = _case(4096, 576, 19, bias=True, seed=2)
+    layer = BlockedLinear(linear)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_any_leading_shape_and_strided_input():
+    linear, x = _case(48, 64, 10, bias=True, seed=3)
+    layer = BlockedLinear(linear)
+    batched = x.view(2, 5, 64)
+    assert torch.equal(layer(batched), layer(x).view(2, 5, 48))
+    wide = torch.cat([x, x], dim=1)[:, ::2]  # not contiguous
+    assert torch.equal(layer(wide), layer(wide.contiguous()))
+
+
+def test_wrong_layouts_are_refused():
+    linear, x = _case(48, 64, 3, bias=False)
+    blocks = BlockedLinear(linear).weight_blocks
+    op = torch.ops.llmrpc_cpu.bf16_linear
+    with pytest.raises(ValueError, match="input has 10 features, the layer takes 64"):
+        BlockedLinear(linear)(torch.randn(3, 10).bfloat16())
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous bfloat16 \[out / 16"):
+        op(x, blocks.float(), None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        op(x.float(), blocks, None)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight takes 64"):
+        op(x[:, :32].contiguous(), blocks, None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous bfloat16 vector of 48"):
+        op(x, blocks, torch.zeros(47, dtype=torch.bfloat16))
+
+
+def test_only_layers_the_kernel_takes_are_blocked():
+    assert BlockedLinear.fits(nn.Linear(64, 48).bfloat16())
+    assert not BlockedLinear.fits(nn.Linear(64, 40).bfloat16())  # outputs not in blocks of 16
+    assert not BlockedLinear.fits(nn.Linear(63, 48).bfloat16())  # inputs not in pairs
+    assert not BlockedLinear.fits(nn.Linear(64, 48))  # float32 stays with oneDNN
+    model = nn.ModuleDict({"odd": nn.Linear(64, 40).bfloat16(), "even": nn.Linear(64, 48)})
+    model["even"] = model["even"].bfloat16()
+    assert pack_linear_layers(model) == 2
+    assert isinstance(model["odd"], PackedLinear) and isinstance(model["even"], BlockedLinear)
+
+
+def test_a_tied_embedding_reads_its_rows_from_the_blocks_and_the_weight_is_held_once():
+    embedding = nn.Embedding(96, 64).bfloat16()
+    model = nn.ModuleDict({"embed": embedding, "head": nn.Linear(64, 96, bias=False).bfloat16()})
+    model["head"].weight = embedding.weight
+    table = embedding.weight.detach().clone()
+    assert pack_linear_layers(model) == 1
+    assert isinstance(model["head"], BlockedLinear)
+    assert isinstance(model["embed"], RowsEmbedding) and model["embed"].source is model["head"]
+    ids = torch.tensor([[0, 15, 16, 95], [33, 33, 1, 64]])
+    assert torch.equal(model["embed"](ids), table[ids])
+    held = {
+        value.data_ptr(): value
+        for module in model.modules()
+        for value in (*vars(module).values(), *module.parameters(), *module.buffers())
+        if isinstance(value, torch.Tensor)
+    }
+    assert sum(t.numel() for t in held.values()) == table.numel()
+
+
+def test_engine_blocks_its_native_model_in_bfloat16(tiny_llama_dir):
+    core = make_core(tiny_llama_dir, dtype="bfloat16")
+    layer = core.model.layers[0]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(module, BlockedLinear)
+    assert isinstance(core.model.lm_head, BlockedLinear)
