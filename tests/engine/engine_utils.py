@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -72,3 +73,28 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int) -> lis
             )
         results.append(out[0, len(prompt) :].tolist())
     return results
+
+
+# A fixed text whose perplexity the accuracy tests compare.
+FIXED_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed the Iron Lady, it was constructed as the centrepiece "
+    "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution."
+)
+
+
+def engine_perplexity(core, ids: list[int]) -> float:
+    """Perplexity of ``ids`` under the engine, from its prompt logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    output = run_to_completion(core, {"text": (ids, params)})["text"]
+    logprobs = [entry.logprob for entry in output.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def transformers_perplexity(model, ids: list[int]) -> float:
+    """Perplexity of ``ids`` under a Transformers model, in one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())

@@ -4,10 +4,13 @@ layout contract, and the tied embedding that reads its rows from the blocks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from engine_utils import make_core
+from engine_utils import FIXED_TEXT, engine_perplexity, make_core, transformers_perplexity
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear, RowsEmbedding, pack_linear_layers
@@ -136,3 +139,18 @@ def test_engine_blocks_its_native_model_in_bfloat16(tiny_llama_dir):
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(module, BlockedLinear)
     assert isinstance(core.model.lm_head, BlockedLinear)
+
+
+def test_smollm2_in_bfloat16_keeps_the_perplexity_of_transformers_float32_model(smollm2_dir):
+    """The packaged model in bfloat16, every layer on the kernel, the prompt fed 8 tokens a step
+    (decode-sized tiles): perplexity on a fixed text within 1% of Transformers' float32 model
+    (measured: 0.49% below; oneDNN's packed bfloat16 layers gave 0.38% above, Transformers'
+    bfloat16 model 0.13% above). A wrong product is far off."""
+    core = make_core(smollm2_dir, dtype="bfloat16", max_num_batched_tokens=8)
+    assert isinstance(core.model.layers[0].mlp.down_proj, BlockedLinear)
+    assert isinstance(core.model.lm_head, BlockedLinear)
+    ids = core.tokenizer(FIXED_TEXT)["input_ids"]
+    ours = engine_perplexity(core, ids)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    expected = transformers_perplexity(reference, ids)
+    assert abs(math.log(ours / expected)) < math.log(1.01), (ours, expected)

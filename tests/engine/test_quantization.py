@@ -21,7 +21,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from engine_utils import greedy_generate, make_core, run_to_completion
+from engine_utils import (
+    FIXED_TEXT,
+    engine_perplexity,
+    greedy_generate,
+    make_core,
+    run_to_completion,
+    transformers_perplexity,
+)
 from tiny_models import TINY_DECODER, save_tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -273,28 +280,6 @@ def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto
     assert not [m for m in core.runner.model.modules() if type(m) is nn.Linear]
 
 
-FIXED_TEXT = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
-    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
-    "from 1887 to 1889. Locally nicknamed the Iron Lady, it was constructed as the centrepiece "
-    "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution."
-)
-
-
-def _engine_perplexity(core, ids: list[int]) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    output = run_to_completion(core, {"text": (ids, params)})["text"]
-    logprobs = [entry.logprob for entry in output.prompt_logprobs[1:]]
-    return math.exp(-sum(logprobs) / len(logprobs))
-
-
-def _transformers_perplexity(model, ids: list[int]) -> float:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-    return math.exp(nll.item())
-
-
 def test_bfloat16_packed_kernels_keep_perplexity_of_the_same_quantization(smollm2_dir):
     """SmolLM2 int4 in bfloat16, the prompt fed 8 tokens a step so every layer runs its packed
     kernel: perplexity within 0.5% of Transformers' float32 model carrying the same int4
@@ -304,9 +289,9 @@ def test_bfloat16_packed_kernels_keep_perplexity_of_the_same_quantization(smollm
     core = quantized_core(smollm2_dir, "int4", "bfloat16", max_num_batched_tokens=8)
     assert core.runner.model.layers[0].mlp.down_proj.dense_above >= 8
     ids = core.tokenizer(FIXED_TEXT)["input_ids"]
-    ours = _engine_perplexity(core, ids)
+    ours = engine_perplexity(core, ids)
     reference = fake_quantized_transformers(smollm2_dir, "int4", torch.bfloat16)
-    expected = _transformers_perplexity(reference, ids)
+    expected = transformers_perplexity(reference, ids)
     assert abs(math.log(ours / expected)) < math.log(1.005), (ours, expected)
 
 
@@ -354,9 +339,9 @@ def test_packaged_gguf_in_bfloat16_keeps_the_perplexity_of_its_dequantized_weigh
     assert model.embed_tokens.source is model.lm_head
     assert model.layers[0].mlp.down_proj.blocked == blocked_kernel_available()
     ids = core.tokenizer(FIXED_TEXT)["input_ids"]
-    ours = _engine_perplexity(core, ids)
+    ours = engine_perplexity(core, ids)
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    expected = _transformers_perplexity(reference, ids)
+    expected = transformers_perplexity(reference, ids)
     assert abs(math.log(ours / expected)) < math.log(1.01), (ours, expected)
 
 
