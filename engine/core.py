@@ -33,7 +33,7 @@ from llmrpc.engine.request import (
 )
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
-from llmrpc.engine.threads import configure_engine_threads
+from llmrpc.engine.threads import ThreadBudget, configure_engine_threads, idle_core_budget
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import pack_linear_layers
 
@@ -132,6 +132,7 @@ class EngineCore:
         """Build the engine on the thread (or process) that will step it: the torch thread
         count set here holds for the calling thread."""
         configure_engine_threads()
+        self.thread_budget: ThreadBudget | None = None
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
         self.model_dir = loader.resolve_model_dir(model_config.model)
@@ -275,6 +276,21 @@ class EngineCore:
         return outputs
 
     @torch.inference_mode()
+    def use_idle_cores(self) -> bool:
+        """Let each step also take the core left to the frontend while the rest of the machine
+        leaves it idle (``engine/threads.py``). Only for an engine in its own process: the
+        budget counts this process's CPU time as the engine's. Returns whether it applies
+        (not where ``OMP_NUM_THREADS`` fixes the count, or on one core)."""
+        self.thread_budget = idle_core_budget()
+        if self.thread_budget is not None:
+            logger.info(
+                "engine: %d CPU threads while the rest of the machine uses half a core or more, "
+                "%d while it uses less",
+                self.thread_budget.threads,
+                self.thread_budget.cores,
+            )
+        return self.thread_budget is not None
+
     def step(self) -> list[RequestOutput]:
         """One step of the batch. A fault that belongs to one request finishes that request with
         ``FinishReason.ERROR``; only a failed forward pass (or scheduling) raises."""
@@ -289,6 +305,10 @@ class EngineCore:
                 for r, n in scheduled.scheduled
             )
         )
+        if self.thread_budget is not None:
+            threads = self.thread_budget.threads_now()
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         model_output = self.runner.execute(scheduled, self.kv_manager.block_ids)
         failed: dict[Request, str] = {}
         self._record_prompt_logprobs(model_output.prompt_logits, failed)

@@ -274,6 +274,7 @@ def main() -> int:
         from llmrpc.engine.core import EngineCore  # torch: loaded here, not in the frontend
 
         core = EngineCore(startup.config)
+        core.use_idle_cores()  # this process's CPU time is the engine's alone
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the frontend stops it
     except BaseException as error:  # noqa: BLE001 - reported to the frontend
         channel.send(Fatal(messages.error_info(error, with_traceback=True), while_loading=True))
