@@ -79,6 +79,14 @@ class FakeMachine:
             cores, clock=lambda: self.now, machine=lambda: self.busy, own=lambda: self.own
         )
 
+    def idle_budget(self) -> ThreadBudget:
+        """A 2-core budget that has seen the rest of the machine idle: it gives 2 threads."""
+        budget = self.budget()
+        budget.threads_now()
+        self.advance(0.3, others=0.0, own=1.0)
+        assert budget.threads_now() == 2
+        return budget
+
 
 def test_budget_takes_every_core_while_the_rest_of_the_machine_leaves_one_idle():
     machine = FakeMachine()
@@ -96,10 +104,7 @@ def test_budget_takes_every_core_while_the_rest_of_the_machine_leaves_one_idle()
 
 def test_budget_checks_at_most_every_interval():
     machine = FakeMachine()
-    budget = machine.budget()
-    budget.threads_now()
-    machine.advance(0.3, others=0.0, own=1.0)
-    assert budget.threads_now() == 2
+    budget = machine.idle_budget()
     machine.advance(0.1, others=1.0, own=1.0)  # within the interval: the last answer stands
     assert budget.threads_now() == 2
     machine.advance(0.2, others=1.0, own=1.0)  # measured over the 0.3 s since the last check
@@ -109,12 +114,9 @@ def test_budget_checks_at_most_every_interval():
 
 def test_budget_without_the_machines_cpu_time_leaves_a_core():
     machine = FakeMachine()
-    budget = machine.budget()
-    budget.threads_now()
+    budget = machine.idle_budget()
     machine.advance(0.3, others=0.0, own=1.0)
-    assert budget.threads_now() == 2
-    budget._machine = lambda: None
-    machine.advance(0.3, others=0.0, own=1.0)
+    machine.busy = None  # /proc/stat unreadable
     assert budget.threads_now() == 1
 
 
