@@ -275,7 +275,6 @@ class EngineCore:
                 outputs.append(self._output(request, []))
         return outputs
 
-    @torch.inference_mode()
     def use_idle_cores(self) -> bool:
         """Let each step also take the core left to the frontend while the rest of the machine
         leaves it idle (``engine/threads.py``). Only for an engine in its own process: the
@@ -291,6 +290,7 @@ class EngineCore:
             )
         return self.thread_budget is not None
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One step of the batch. A fault that belongs to one request finishes that request with
         ``FinishReason.ERROR``; only a failed forward pass (or scheduling) raises."""
