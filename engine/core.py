@@ -279,7 +279,14 @@ class EngineCore:
         """Let each step also take the core left to the frontend while the rest of the machine
         leaves it idle (``engine/threads.py``). Only for an engine in its own process: the
         budget counts this process's CPU time as the engine's. Returns whether it applies
-        (not where ``OMP_NUM_THREADS`` fixes the count, or on one core)."""
+        (not where ``OMP_NUM_THREADS`` fixes the count, on one core, or for a compiled step:
+        torch.compile guards its graph on the thread count, and a change would end it)."""
+        if self.runner.compiled_decode is not None:
+            logger.info(
+                "engine: %d CPU threads, fixed: the compiled step's graph holds for that count",
+                torch.get_num_threads(),
+            )
+            return False
         self.thread_budget = idle_core_budget()
         if self.thread_budget is not None:
             logger.info(

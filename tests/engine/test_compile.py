@@ -122,6 +122,14 @@ def test_compiled_decode_steps_give_eager_tokens_and_logprobs(
     assert calls[0] == num_steps - 1  # ... but the step with the 300-token prefill, eager
 
 
+def test_a_compiled_engine_keeps_its_thread_count(tiny_llama_dir):
+    """torch.compile guards the graph on torch's thread count: a change ends the compiled step
+    (the engine runs eager from then on), so a compiled engine does not take the idle core."""
+    core = make_core(tiny_llama_dir, compilation=COMPILED)
+    assert core.runner.compiled_decode is not None
+    assert not core.use_idle_cores() and core.thread_budget is None
+
+
 def test_a_compile_that_fails_is_logged_once_and_the_engine_runs_eager(
     tiny_llama_dir, eager_outputs, dtype, monkeypatch, caplog
 ):
