@@ -340,9 +340,14 @@ def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return qweight.view(-1)[index].view(ids.shape[0], groups, chunks, 2)
 
 
-def blocked_kernel_available() -> bool:
-    """Whether our int4 kernel runs here (the CPU kernels built, with AVX512-BF16 and VNNI)."""
-    return cpu_ops.load() and torch.ops.llmrpc_cpu.int4_linear_supported()
+def blocked_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether our int4 kernel computes ``dtype`` here: bfloat16 only, with the CPU kernels
+    built with AVX512-BF16 and VNNI."""
+    return (
+        dtype == torch.bfloat16
+        and cpu_ops.load()
+        and torch.ops.llmrpc_cpu.int4_linear_supported()
+    )
 
 
 def _pack_int4(codes, scales, zeros, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -350,7 +355,7 @@ def _pack_int4(codes, scales, zeros, dtype) -> tuple[torch.Tensor, torch.Tensor,
     ``scales``/``zeros`` ``[out, in / 32]``: blocked where our kernel computes ``dtype``."""
     out_features, in_features = codes.shape
     groups = in_features // GROUP_SIZE
-    if dtype == torch.bfloat16 and blocked_kernel_available():
+    if blocked_kernel_available(dtype):
         # [block, output, group, chunk, low/high nibble, input of the pair]
         parts = codes.to(torch.uint8).reshape(out_features // 16, 16, groups, 8, 2, 2)
         parts = parts.permute(0, 2, 3, 4, 1, 5)  # block, group, chunk, nibble, output, input
@@ -693,7 +698,7 @@ def _packable(blocks: _Blocks) -> bool:
 def _packed_linear(blocks: _Blocks, bias, dtype) -> QuantizedLinear:
     codes, scales = torch.from_numpy(blocks.codes), torch.from_numpy(blocks.scales)
     if blocks.zeros is None:
-        if dtype == torch.bfloat16 and blocked_kernel_available():
+        if blocked_kernel_available(dtype):
             return Q8Linear.from_blocks(codes, scales, bias, dtype)
         return Q8BlockLinear.from_blocks(codes, scales, bias, dtype)
     return Int4Linear.from_codes(codes, scales, torch.from_numpy(blocks.zeros), bias, dtype)

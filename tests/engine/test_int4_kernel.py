@@ -104,7 +104,7 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch():
 def test_blocked_layout_unpacks_to_the_codes_and_matches_torch_packing(monkeypatch):
     codes, scales, zeros, x = _case(208, 96, 4)
     blocked = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
-    monkeypatch.setattr(quantization, "blocked_kernel_available", lambda: False)
+    monkeypatch.setattr(quantization, "blocked_kernel_available", lambda dtype=None: False)
     torch_packed = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
     assert blocked.blocked and not torch_packed.blocked
     assert blocked.qweight.shape == (13, 3, 8, 32) and blocked.scales_and_zeros.shape == (
