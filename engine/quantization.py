@@ -344,9 +344,7 @@ def blocked_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether our int4 kernel computes ``dtype`` here: bfloat16 only, with the CPU kernels
     built with AVX512-BF16 and VNNI."""
     return (
-        dtype == torch.bfloat16
-        and cpu_ops.load()
-        and torch.ops.llmrpc_cpu.int4_linear_supported()
+        dtype == torch.bfloat16 and cpu_ops.load() and torch.ops.llmrpc_cpu.int4_linear_supported()
     )
 
 
