@@ -8,6 +8,9 @@ import os
 
 # Hermetic tests: huggingface_hub reads this once, at import, and then never calls the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU, Triton kernels run in its CPU interpreter; it is read when a kernel is defined.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable
 from pathlib import Path
