@@ -12,6 +12,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MODEL_IMPLS = ("auto", "vllm", "transformers")  # "vllm": our native models, as vLLM names them
 # --quantization: weight-only int8 and int4 (ours), and a .gguf file's own blocks (vLLM's name)
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+DEVICES = ("auto", "cuda", "cpu")
+# --attention-backend: the kernels of the attention, norm and rotary steps (kernels/)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # -O / --compilation-config levels, as vLLM numbers them: 0 eager; 1-3 all compile decode steps here
 COMPILATION_LEVELS = (0, 1, 2, 3)
 # Eager: compiled, a decode step took 0.91x eager's time at batch 1 but 0.97x at 32 (2 cores, the
@@ -41,8 +44,16 @@ class ModelConfig:
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     model_impl: str = "auto"  # auto: native when the architecture has one, else Transformers
     quantization: str | None = None  # None: the weights in --dtype (a .gguf file dequantized)
+    device: str = "auto"  # auto: CUDA where a device is visible, else the CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
 
     def __post_init__(self) -> None:
+        for flag, value, choices in (
+            ("--device", self.device, DEVICES),
+            ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+        ):
+            if value not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
@@ -85,6 +96,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory_gib: float = 4.0  # host memory for the KV cache when no GPU is used
+    gpu_memory_utilization: float = 0.9  # share of a CUDA device's memory for the engine
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"
@@ -92,6 +104,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory_gib}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:

@@ -13,6 +13,11 @@ import torch
 from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig, ModelConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.device import (
+    kv_blocks_for_device_memory,
+    resolve_attention_backend,
+    resolve_device,
+)
 from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
@@ -150,11 +155,27 @@ class EngineCore:
         )
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
+        self.device = resolve_device(model_config.device)
+        self.attention_backend = resolve_attention_backend(
+            model_config.attention_backend, self.device
+        )
+        self._check_device_options(config)
         block_size = cache_config.block_size
-        num_blocks = num_kv_blocks(cache_config, self.hf_config, self.dtype)
-        check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
+        profile = self.device.type == "cuda" and not cache_config.num_gpu_blocks_override
+        if profile:  # a cache for the profiled step; the real one is sized after it
+            num_tokens = self._profile_tokens(config)
+            num_blocks = -(-num_tokens // block_size)
+        else:
+            num_blocks = num_kv_blocks(cache_config, self.hf_config, self.dtype)
+            check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         self.model = self._load_model()
-        self.runner = ModelRunner(self.model, self.hf_config, num_blocks, block_size, self.dtype)
+        self.runner = ModelRunner(
+            self.model, self.hf_config, num_blocks, block_size, self.dtype, self.attention_backend
+        )
+        if profile:
+            num_blocks = self._kv_blocks_on_device(config, num_tokens)
+            check_capacity(config, self.max_model_len, num_blocks)
+            self.runner.resize_kv_cache(num_blocks)
         self.compilation = config.compilation
         self._compile_decode()
         self.kv_manager = KVCacheManager(
@@ -181,7 +202,60 @@ class EngineCore:
         # still have made its deadline.
         self._peak_tokens_per_second = 0.0
         self.sleep_level = 0  # 0: awake; 1: KV cache dropped; 2: weights dropped too
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens on %s; attention backend %s",
+            num_blocks,
+            block_size,
+            self.device,
+            self.attention_backend,
+        )
+
+    def _check_device_options(self, config: EngineConfig) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda and self.model_config.quantization:
+            raise ValueError(
+                f"--quantization {self.model_config.quantization} packs weights for the CPU "
+                "kernels; on CUDA the engine serves unquantized weights (or use --device cpu)"
+            )
+        if not cuda and config.cache.gpu_memory_utilization != 0.9:
+            logger.warning(
+                "--gpu-memory-utilization sizes the KV cache on a CUDA device; on the CPU "
+                "--kv-cache-memory does (%.2f GiB)",
+                config.cache.kv_cache_memory_gib,
+            )
+
+    def _profile_tokens(self, config: EngineConfig) -> int:
+        """Tokens of the largest step the scheduler may make."""
+        scheduler = config.scheduler
+        if scheduler.enable_chunked_prefill:
+            return scheduler.max_num_batched_tokens
+        return max(scheduler.max_num_batched_tokens, self.max_model_len)
+
+    def _kv_blocks_on_device(self, config: EngineConfig, num_tokens: int) -> int:
+        """KV blocks for ``--gpu-memory-utilization``: what the largest step leaves of it."""
+        device = self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        self.runner.profile_run(num_tokens, config.scheduler.max_num_seqs)
+        torch.cuda.synchronize(device)
+        self.runner.free_kv_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        other = total - free - torch.cuda.memory_reserved(device)
+        block_bytes = kv_bytes_per_block(self.hf_config, config.cache.block_size, self.dtype)
+        num_blocks = kv_blocks_for_device_memory(
+            total, config.cache.gpu_memory_utilization, peak, other, block_bytes
+        )
+        logger.info(
+            "device memory: %.2f GiB in all, peak %.2f GiB in the profiled step of %d tokens, "
+            "%.2f GiB outside torch: %d KV blocks",
+            total / 2**30,
+            peak / 2**30,
+            num_tokens,
+            other / 2**30,
+            num_blocks,
+        )
+        return num_blocks
 
     def _load_model(self):
         dummy = self.model_config.load_format == "dummy"
@@ -196,6 +270,8 @@ class EngineCore:
             config.model_impl,
             quantization=plan_quantization(config),
         )
+        if self.device.type != "cpu":
+            return model.to(self.device)
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
             logger.info("%d linear layers packed", pack_linear_layers(model))
         release_free_memory()  # the float weights that loading, quantizing or packing replaced

@@ -136,11 +136,13 @@ def _stop_ids(request: Request, vocab_size: int) -> torch.Tensor:
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     params = request.params
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
         values = row[seen]
         penalty = params.repetition_penalty
         row[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if request.output_counts and (params.presence_penalty or params.frequency_penalty):
-        ids = torch.tensor(list(request.output_counts), dtype=torch.long)
-        counts = torch.tensor(list(request.output_counts.values()), dtype=row.dtype)
+        ids = torch.tensor(list(request.output_counts), dtype=torch.long, device=row.device)
+        counts = torch.tensor(
+            list(request.output_counts.values()), dtype=row.dtype, device=row.device
+        )
         row.index_add_(0, ids, -(params.frequency_penalty * counts + params.presence_penalty))

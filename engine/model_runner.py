@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
+from llmrpc.engine.device import HostStaging
 from llmrpc.engine.models.llama import head_dim_of
 from llmrpc.engine.request import Request
 from llmrpc.engine.scheduler import SchedulerOutput
@@ -68,10 +69,18 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, hf_config, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model: nn.Module,
+        hf_config,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        backend: str = "torch",
     ) -> None:
         self.model = model  # eager; compile_decode() adds a compiled forward for decode steps
         self._device = _device_of(model)
+        self.backend = backend  # --attention-backend, resolved: torch or triton
+        self._staging = HostStaging(self._device)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
         self._num_layers = hf_config.num_hidden_layers
@@ -82,13 +91,50 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         # Zero-filled: masked-out slots of a gathered block must never hold NaN.
         shape, dtype = self._kv_shape, self._dtype
+        device = self._device
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(self._num_layers)
         ]
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Replace the KV cache with one of ``num_blocks`` blocks (at start-up, before requests)."""
+        self.free_kv_cache()
+        self._kv_shape = (num_blocks, *self._kv_shape[1:])
+        self.allocate_kv_cache()
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_sampled: int) -> None:
+        """The largest step the scheduler may make: one prompt chunk of ``num_tokens`` tokens
+        with ``num_sampled`` rows of logits, so the device's peak memory can be measured. The
+        KV cache must hold ``num_tokens`` tokens; what the step writes there is never read."""
+        size, device = self.block_size, self._device
+        blocks = torch.arange(-(-num_tokens // size), device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=device),
+            decode_indices=torch.empty(0, dtype=torch.long, device=device),
+            decode_block_tables=torch.empty(0, 0, dtype=torch.long, device=device),
+            decode_seq_lens=torch.empty(0, dtype=torch.long, device=device),
+            prefills=[]
+            if self.backend == "triton"
+            else [PrefillSeq(0, num_tokens, num_tokens, blocks)],
+            backend=self.backend,
+        )
+        if self.backend == "triton":
+            metadata.prefill_indices = torch.arange(num_tokens, device=device)
+            metadata.prefill_query_start_loc = torch.tensor([0, num_tokens], device=device)
+            metadata.prefill_seq_lens = torch.tensor([num_tokens], device=device)
+            metadata.prefill_block_tables = blocks.unsqueeze(0)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        self.model.compute_logits(hidden[-min(num_sampled, num_tokens) :])
 
     @property
     def model(self) -> nn.Module | None:
@@ -150,6 +196,11 @@ class ModelRunner:
         slots: list[int] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         prefills, logits_indices, sampled, prompt_rows, prompt_spans = [], [], [], [], []
+        triton = self.backend == "triton"
+        # The C++ decode kernel takes short prompt chunks one token per row; Triton's prefill
+        # kernel takes every chunk of the step in one call.
+        rows_as_decodes_max = _ROWS_AS_DECODES_MAX_CONTEXT if cpu_ops.loaded() and not triton else 0
+        prefill_rows, prefill_starts, prefill_lens, prefill_tables = [], [0], [], []
         for request, num_new in output.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             blocks = block_ids(request.request_id)
@@ -157,14 +208,21 @@ class ModelRunner:
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            if num_new == 1 or (end <= _ROWS_AS_DECODES_MAX_CONTEXT and cpu_ops.loaded()):
+            if num_new == 1 or end <= rows_as_decodes_max:
                 # each new token attends like a decode, to the context up to itself
                 table = blocks[: -(-end // size)]
                 decode_rows.extend(range(row, row + num_new))
                 decode_tables.extend([table] * num_new)
                 decode_lens.extend(range(start + 1, end + 1))
+            elif triton:
+                prefill_rows.extend(range(row, row + num_new))
+                prefill_starts.append(prefill_starts[-1] + num_new)
+                prefill_lens.append(end)
+                prefill_tables.append(blocks[: -(-end // size)])
             else:
-                block_tensor = torch.tensor(blocks[: -(-end // size)], dtype=torch.long)
+                block_tensor = torch.tensor(
+                    blocks[: -(-end // size)], dtype=torch.long, device=self._device
+                )
                 prefills.append(PrefillSeq(row, row + num_new, end, block_tensor))
             if end == request.num_tokens:
                 logits_indices.append(row + num_new - 1)
@@ -173,19 +231,28 @@ class ModelRunner:
             if span is not None:
                 prompt_rows.extend(range(row, row + span.num_positions))
                 prompt_spans.append(span)
+        stage = self._staging.to_device
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            decode_indices=torch.tensor(decode_rows, dtype=torch.long),
-            decode_block_tables=_pad_tables(decode_tables),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
+            slot_mapping=stage("slot_mapping", slots),
+            decode_indices=stage("decode_indices", decode_rows),
+            decode_block_tables=stage("decode_block_tables", _pad_tables(decode_tables)),
+            decode_seq_lens=stage("decode_seq_lens", decode_lens),
             prefills=prefills,
             decodes_only=len(decode_rows) == len(input_ids),  # rows are added in order
+            backend=self.backend,
         )
+        if triton and prefill_rows:
+            metadata.prefill_indices = stage("prefill_indices", prefill_rows)
+            metadata.prefill_query_start_loc = stage("prefill_query_start_loc", prefill_starts)
+            metadata.prefill_seq_lens = stage("prefill_seq_lens", prefill_lens)
+            metadata.prefill_block_tables = stage(
+                "prefill_block_tables", _pad_tables(prefill_tables)
+            )
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            input_ids=stage("input_ids", input_ids),
+            positions=stage("positions", positions),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long),
+            logits_indices=stage("logits_indices", logits_indices + prompt_rows),
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
         )

@@ -44,7 +44,7 @@ class Sampler:
         best, tokens = row_max(processed)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
-            rows = torch.tensor(sampled)
+            rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = _draw(processed[rows], [generators[i] for i in sampled])
         token_ids = torch.where(best.isfinite(), tokens, -1).tolist()
         for i, token_id in enumerate(token_ids):
@@ -91,20 +91,24 @@ def row_max(values: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch
     best = chunk_max.amax(dim=-1, keepdim=True)
     num_chunks = chunk_max.shape[1]
     first_chunk = _first_true(chunk_max == best, num_chunks).clamp_(max=num_chunks - 1)
-    inside = _first_true(blocks[torch.arange(rows), first_chunk] == best, chunk)
+    inside = _first_true(
+        blocks[torch.arange(rows, device=values.device), first_chunk] == best, chunk
+    )
     return best.squeeze(1), first_chunk * chunk + inside
 
 
 def _first_true(mask: torch.Tensor, width: int) -> torch.Tensor:
     """Index of the first True of each row of ``mask`` (``width`` where there is none)."""
-    return torch.where(mask, torch.arange(width), width).amin(dim=-1)
+    return torch.where(mask, torch.arange(width, device=mask.device), width).amin(dim=-1)
 
 
 def _draw(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row by inverse transform: the first whose cumulative probability passes a
     uniform draw from the row's own generator. Tokens of probability 0 are never picked."""
     cdf = logits.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, vocab_size]
-    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
+    # each request's own generator, on the host: a seed draws the same on every device
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
+    uniform = uniform.to(logits.device).unsqueeze(1)
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp_(max=logits.shape[-1] - 1)
 
@@ -145,19 +149,21 @@ def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Te
     if not sampled:
         return logits
     every_row = len(sampled) == len(requests)
-    rows = torch.tensor(sampled)
+    device = logits.device
+    rows = torch.tensor(sampled, device=device)
     params = [requests[i].params for i in sampled]
     scaled = (logits if every_row else logits[rows]) / torch.tensor(
-        [p.temperature for p in params]
+        [p.temperature for p in params], device=device
     ).unsqueeze(1)
-    top_k = torch.tensor([p.top_k for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    if bool((top_k > 0).any() or (top_p < 1).any()):
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
         scaled = _apply_top_k_top_p(scaled, top_k, top_p)
     min_p = [p.min_p for p in params]
     if any(min_p):
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
-        floor = torch.tensor([math.log(m) if m > 0 else NEG_INF for m in min_p]).unsqueeze(1)
+        floor = [math.log(m) if m > 0 else NEG_INF for m in min_p]
+        floor = torch.tensor(floor, device=device).unsqueeze(1)
         scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + floor, NEG_INF)
     if every_row:
         return scaled
@@ -171,7 +177,7 @@ def _apply_top_k_top_p(
 ) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab_size = logits.shape[-1]
-    ranks = torch.arange(vocab_size).unsqueeze(0)
+    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, NEG_INF)
     sorted_probs = sorted_logits.softmax(dim=-1)

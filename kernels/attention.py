@@ -1,4 +1,7 @@
-"""Paged attention over the block-structured KV cache: the torch path (CPU).
+"""Paged attention over the block-structured KV cache: the dispatcher, and the torch path (CPU).
+
+``metadata.backend`` picks the path: "torch" (here, with the C++ decode kernel where it is
+built) or "triton" (``kernels/triton_attention.py``, on CUDA, or interpreted on the CPU).
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A request's tokens live in the blocks named by its row of ``block_tables``; ``slot_mapping`` gives
@@ -7,6 +10,7 @@ each new token's flat slot (``block_id * block_size + offset``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length after this step
     prefills: list[PrefillSeq]
     decodes_only: bool = False  # every row of the batch is a decode row, in order
+    backend: str = "torch"  # --attention-backend, resolved: torch or triton
+    # The triton backend takes every prompt chunk in one varlen call; prefills is then empty.
+    prefill_indices: torch.Tensor | None = None  # [num_prefill_tokens] rows of the flat batch
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefill_seqs + 1]
+    prefill_seq_lens: torch.Tensor | None = None  # [num_prefill_seqs] context after this step
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefill_seqs, max_blocks]
 
 
 def write_kv(
@@ -41,8 +51,15 @@ def write_kv(
     value: torch.Tensor,
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens]
+    metadata: AttentionMetadata,
 ) -> None:
+    """Store each new token's key and value in its slot (``metadata.slot_mapping``)."""
+    if metadata.backend == "triton":
+        from llmrpc.kernels import triton_attention
+
+        triton_attention.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        return
+    slot_mapping = metadata.slot_mapping
     num_kv_heads, head_dim = key.shape[1:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -55,6 +72,8 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if metadata.backend == "triton":
+        return _triton_attention(query, key_cache, value_cache, metadata, scale)
     if metadata.decodes_only and _kernel_fits(query, key_cache, value_cache):
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         return torch.ops.llmrpc_cpu.decode_attention(
@@ -67,6 +86,31 @@ def paged_attention(
         _decode_attention(query, key_cache, value_cache, metadata, scale, output)
     for seq in metadata.prefills:
         _prefill_attention(query, key_cache, value_cache, seq, scale, output)
+    return output
+
+
+def _triton_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+    from llmrpc.kernels import triton_attention
+
+    decode = functools.partial(
+        triton_attention.decode_attention,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=metadata.decode_block_tables,
+        seq_lens=metadata.decode_seq_lens,
+        scale=scale,
+    )
+    if metadata.decodes_only:
+        return decode(query)
+    output = torch.empty_like(query)
+    if metadata.decode_indices.numel():
+        output[metadata.decode_indices] = decode(query[metadata.decode_indices])
+    rows = metadata.prefill_indices
+    if rows is not None and rows.numel():
+        output[rows] = triton_attention.prefill_attention(
+            query[rows], key_cache, value_cache, metadata.prefill_block_tables,
+            metadata.prefill_query_start_loc, metadata.prefill_seq_lens, scale,
+        )  # fmt: skip
     return output
 
 
@@ -96,7 +140,9 @@ def decode_attention_torch(query, key_cache, value_cache, metadata, scale) -> to
     # attention without repeating keys): [num_decodes, num_kv_heads, group, head_dim].
     q = query.view(num_decodes, num_kv_heads, -1, head_dim)
     # True = attend: each row's positions up to its length (padding blocks point at block 0)
-    mask = torch.arange(max_blocks * block_size) < metadata.decode_seq_lens.view(-1, 1, 1, 1)
+    mask = torch.arange(
+        max_blocks * block_size, device=query.device
+    ) < metadata.decode_seq_lens.view(-1, 1, 1, 1)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, -1, head_dim)
 
@@ -134,7 +180,7 @@ def _prefill_attention(query, key_cache, value_cache, seq: PrefillSeq, scale, ou
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at position seq_len - num_queries + i and sees keys up to there
         offset = seq.seq_len - num_queries
-        rows = torch.arange(num_queries).unsqueeze(1) + offset
-        mask = torch.arange(seq.seq_len).unsqueeze(0) <= rows
+        rows = torch.arange(num_queries, device=query.device).unsqueeze(1) + offset
+        mask = torch.arange(seq.seq_len, device=query.device).unsqueeze(0) <= rows
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     output[seq.query_start : seq.query_end] = out.squeeze(0).transpose(0, 1)

@@ -1,5 +1,7 @@
 """The decoder layer's elementwise steps: one fused C++ pass each (``kernels/csrc/elementwise.cpp``)
 where the kernels are loaded, else the torch operations they replace (which the tests hold them to).
+With ``backend="triton"`` (``--attention-backend``) the norms and rotary run the Triton kernels
+of ``kernels/triton_elementwise.py`` instead.
 
 The torch versions round where a model written in the dtype rounds (after every operation), as
 Transformers' Llama does, and the kernels round at the same places.
@@ -18,16 +20,30 @@ def _fused(x: torch.Tensor) -> bool:
     return cpu_ops.loaded() and x.device.type == "cpu" and x.dtype in _DTYPES
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch"
+) -> torch.Tensor:
+    if backend == "triton":
+        from llmrpc.kernels import triton_elementwise
+
+        return triton_elementwise.rms_norm(x, weight, eps)
     if _fused(x) and weight.dtype == x.dtype:
         return torch.ops.llmrpc_cpu.rms_norm(x.contiguous(), weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``; the kernel reuses both tensors' memory."""
+    """``(rms_norm(x + residual), x + residual)``; the kernels reuse both tensors' memory."""
+    if backend == "triton":
+        from llmrpc.kernels import triton_elementwise
+
+        return triton_elementwise.add_rms_norm(x, residual, weight, eps)
     if _fused(x) and weight.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous():
         torch.ops.llmrpc_cpu.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
@@ -43,9 +59,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
     """Rotate-half rotary embedding of ``x`` ``[tokens, heads, head_dim]`` by ``cos``/``sin``
     ``[tokens, 1, head_dim]``. The kernel rotates ``x`` in place: use the result, not ``x``."""
+    if backend == "triton":
+        from llmrpc.kernels import triton_elementwise
+
+        return triton_elementwise.rotary(x, cos, sin)
     dense_heads = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     if _fused(x) and dense_heads and cos.dtype == x.dtype and cos.is_contiguous():
         torch.ops.llmrpc_cpu.rotary(x, cos, sin.contiguous())

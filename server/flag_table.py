@@ -46,10 +46,6 @@ COMPILATION_HELP = (
     "time, +5 s after. A quantized model's graph runs steps of at most the tokens its "
     "packed kernels take (see --quantization). A failure is logged, then eager."
 )
-GPU_MEMORY = (
-    "sizes the share of GPU memory to use; the engine uses no GPU: size the KV cache with "
-    "--kv-cache-memory or --num-gpu-blocks-override"
-)
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "
     "old command lines still start"
@@ -89,6 +85,11 @@ _OURS = _group(
          choices=("debug", "info", "warning", "error", "critical")),
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",
          "Seconds between periodic stats lines (see --disable-log-stats).", metavar="SECONDS"),
+    ours("--attention-backend", "auto", str, "model.attention_backend",
+         "Kernels of the attention, norm and rotary steps: triton (kernels/triton_*.py; on "
+         "CUDA, or on the CPU under TRITON_INTERPRET=1, slowly, for tests), torch (the torch "
+         "and C++ CPU path), or auto (triton on CUDA, torch elsewhere).",
+         choices=("auto", "torch", "triton")),
     ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
          "GiB of host memory for the KV cache (the engine runs on the CPU); it sets the number "
          "of KV blocks unless --num-gpu-blocks-override does.", metavar="GIB"),
@@ -403,7 +404,11 @@ _KV_CACHE = _group(
     "KV cache",
     works("--block-size", 16, int, "cache.block_size",
           "Tokens per KV cache block (a power of two)."),
-    inert("--gpu-memory-utilization", 0.9, float, GPU_MEMORY),
+    works("--gpu-memory-utilization", 0.9, float, "cache.gpu_memory_utilization",
+          "On a CUDA device: the share of its memory the engine may use; the KV cache gets what "
+          "the largest step leaves of it, measured at start-up (unless "
+          "--num-gpu-blocks-override). On the CPU --kv-cache-memory sizes the cache, and a value "
+          "other than the default is logged as unused."),
     inert("--swap-space", 4.0, float, "sizes swap for preemption; preemption recomputes here"),
     refused("--kv-cache-dtype", "auto", str, NOT_SUPPORTED,
             choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
@@ -506,9 +511,10 @@ _OTHER = _group(
     inert("--max-prompt-adapters", 1, int, OLD_FEATURE),
     inert("--max-prompt-adapter-token", 0, int, OLD_FEATURE),
     inert("--qlora-adapter-name-or-path", None, str, OLD_FEATURE),
-    refused("--device", "auto", str,
-            "picks the device the engine runs on; this build runs it on the CPU only (auto "
-            "and cpu both mean the CPU)", accepted=("cpu",)),
+    works("--device", "auto", str, "model.device",
+          "Where the engine runs: cuda (weights, KV cache, step tensors on the current CUDA "
+          "device), cpu, or auto (cuda where torch sees a device).",
+          choices=("auto", "cuda", "cpu")),
 )  # fmt: skip
 
 FLAGS: tuple[Flag, ...] = (

@@ -24,11 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, backend="torch"):
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, backend)
+        return add_rms_norm(x, residual, self.weight, self.eps, backend)
 
 
 def head_dim_of(config) -> int:
@@ -67,17 +67,19 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = rotary
+        backend = metadata.backend
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), None, backend)
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), None, backend)
+            q, k = apply_rotary(q, cos, sin, backend), apply_rotary(k, cos, sin, backend)
         else:  # rotary is per head: the query and key heads take it in one pass
             heads = self.num_heads + self.num_kv_heads
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = apply_rotary(qk, cos, sin, backend)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        write_kv(k, v, key_cache, value_cache, metadata)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -106,12 +108,13 @@ class LlamaDecoderLayer(nn.Module):
         """``(mlp output, residual stream before it)``: the next layer's norm adds the two, so
         each residual add is fused with the norm after it. The first layer gets ``residual``
         None and starts the stream."""
+        backend = metadata.backend
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, None, backend), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, backend)
         hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, backend)
         return self.mlp(hidden), residual
 
 
@@ -151,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
-        return self.norm(hidden, residual)[0]  # [num_tokens, hidden_size]
+        return self.norm(hidden, residual, metadata.backend)[0]  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_selected_tokens, vocab_size]

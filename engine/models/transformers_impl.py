@@ -57,7 +57,7 @@ def paged_attention_forward(
     key_cache, value_cache = step.kv_caches[module.layer_idx]
     # [num_tokens, num_kv_heads, head_dim]
     keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    write_kv(keys, values, key_cache, value_cache, step.metadata.slot_mapping)
+    write_kv(keys, values, key_cache, value_cache, step.metadata)
     # The caller's scaling, not the module's: OPT scales queries itself and passes 1.0.
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = paged_attention(query[0].transpose(0, 1), key_cache, value_cache, step.metadata, scale)

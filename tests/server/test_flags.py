@@ -181,18 +181,16 @@ def test_refusal_names_the_other_values_that_are_fine(capsys):
     )
 
 
-def test_the_engine_runs_on_the_cpu_so_device_takes_only_auto_and_cpu(capsys, caplog):
-    for device in ("auto", "cpu"):
-        serve = parse("--device", device)
-        options.build_configs(serve)
-        with caplog.at_level(logging.WARNING):
-            options.warn_about_inert_flags(serve, logging.getLogger("test"))
-        assert not caplog.records
-    assert serve_error(capsys, "--device", "cuda") == (
-        "--device cuda is refused: this flag picks the device the engine runs on; this build "
-        "runs it on the CPU only (auto and cpu both mean the CPU); leave it at its default "
-        "(auto) or use cpu"
-    )
+def test_device_and_attention_backend_reach_the_model_config(capsys):
+    for device in ("auto", "cuda", "cpu"):
+        for backend in ("auto", "torch", "triton"):
+            engine, _ = options.build_configs(
+                parse("--device", device, "--attention-backend", backend)
+            )
+            assert (engine.model.device, engine.model.attention_backend) == (device, backend)
+    with pytest.raises(SystemExit):
+        parse("--device", "tpu")
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", INERT, ids=lambda flag: flag.name)
