@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak
+.PHONY: install serve test lint protos soak proofs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,8 @@ protos: install
 # concurrency, cancellations, malformed inputs, tight deadlines, preemption, a SIGTERM drain).
 soak: install
 	$(BIN)/python tests/robustness/soak.py --tiny $(ARGS)
+
+# Not part of `make test`: the longer proofs (about 10 minutes on 2 cores). --batch-invariant with
+# the Triton kernels interpreted on the CPU, every one of the 32 requests run alone as well.
+proofs: install
+	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py

@@ -46,6 +46,7 @@ class ModelConfig:
     quantization: str | None = None  # None: the weights in --dtype (a .gguf file dequantized)
     device: str = "auto"  # auto: CUDA where a device is visible, else the CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
+    batch_invariant: bool = False  # a request's tokens do not depend on the rest of the batch
 
     def __post_init__(self) -> None:
         for flag, value, choices in (

@@ -9,6 +9,7 @@ import logging
 import time
 
 import torch
+from torch import nn
 
 from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig, ModelConfig
@@ -28,7 +29,7 @@ from llmrpc.engine.models import build_model
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output_processor import OutputProcessor
-from llmrpc.engine.quantization import plan_quantization
+from llmrpc.engine.quantization import QuantizedLinear, plan_quantization
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -40,7 +41,7 @@ from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
 from llmrpc.engine.threads import ThreadBudget, configure_engine_threads, idle_core_budget
 from llmrpc.kernels import cpu_ops
-from llmrpc.kernels.linear import pack_linear_layers
+from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,25 @@ def check_capacity(config: EngineConfig, max_model_len: int, num_blocks: int) ->
         )
 
 
+def check_batch_invariant(model, attention_backend: str) -> None:
+    """``--batch-invariant`` holds where each step's numbers for a row do not depend on the other
+    rows: every matmul is our blocked bfloat16 kernel (one float32 chain per output, the same
+    for any number of rows), and on the torch backend attention is the C++ decode kernel (one
+    row at a time). Elsewhere it is refused, naming what is missing."""
+    if attention_backend == "torch" and not cpu_ops.loaded():
+        raise ValueError(
+            "--batch-invariant needs the C++ CPU kernels on the torch backend; they did not "
+            "build here (the log says why)"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear | PackedLinear | QuantizedLinear):
+            raise ValueError(
+                "--batch-invariant needs every linear layer in our blocked bfloat16 kernel "
+                "(--dtype bfloat16, no --quantization, a CPU with AVX512-BF16); "
+                f"{name} is {type(module).__name__}, whose reduction order depends on the batch"
+            )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         """Build the engine on the thread (or process) that will step it: the torch thread
@@ -170,7 +190,13 @@ class EngineCore:
             check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         self.model = self._load_model()
         self.runner = ModelRunner(
-            self.model, self.hf_config, num_blocks, block_size, self.dtype, self.attention_backend
+            self.model,
+            self.hf_config,
+            num_blocks,
+            block_size,
+            self.dtype,
+            self.attention_backend,
+            model_config.batch_invariant,
         )
         if profile:
             num_blocks = self._kv_blocks_on_device(config, num_tokens)
@@ -212,6 +238,11 @@ class EngineCore:
 
     def _check_device_options(self, config: EngineConfig) -> None:
         cuda = self.device.type == "cuda"
+        if cuda and self.model_config.batch_invariant:
+            raise ValueError(
+                "--batch-invariant is refused on CUDA: linear layers run cuBLAS there, whose "
+                "reduction order depends on the batch"
+            )
         if cuda and self.model_config.quantization:
             raise ValueError(
                 f"--quantization {self.model_config.quantization} packs weights for the CPU "
@@ -276,6 +307,8 @@ class EngineCore:
             logger.info("%d linear layers packed", pack_linear_layers(model))
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
+        if self.model_config.batch_invariant:
+            check_batch_invariant(model, self.attention_backend)
         return model
 
     def _compile_decode(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,10 +77,13 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         backend: str = "torch",
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model  # eager; compile_decode() adds a compiled forward for decode steps
         self._device = _device_of(model)
         self.backend = backend  # --attention-backend, resolved: torch or triton
+        # --batch-invariant: every token takes one attention path, whatever the batch
+        self.batch_invariant = batch_invariant
         self._staging = HostStaging(self._device)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
@@ -131,6 +135,7 @@ class ModelRunner:
             metadata.prefill_query_start_loc = torch.tensor([0, num_tokens], device=device)
             metadata.prefill_seq_lens = torch.tensor([num_tokens], device=device)
             metadata.prefill_block_tables = blocks.unsqueeze(0)
+            metadata.prefill_max_query_len = num_tokens
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
@@ -208,7 +213,13 @@ class ModelRunner:
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            if num_new == 1 or end <= rows_as_decodes_max:
+            if self.batch_invariant:
+                # torch: every token a row of the C++ decode kernel; triton: every request
+                # a sequence of the varlen prefill kernel (a decode is one of one row)
+                as_decode = not triton
+            else:
+                as_decode = num_new == 1 or end <= rows_as_decodes_max
+            if as_decode:
                 # each new token attends like a decode, to the context up to itself
                 table = blocks[: -(-end // size)]
                 decode_rows.extend(range(row, row + num_new))
@@ -242,6 +253,9 @@ class ModelRunner:
             backend=self.backend,
         )
         if triton and prefill_rows:
+            metadata.prefill_max_query_len = max(
+                b - a for a, b in itertools.pairwise(prefill_starts)
+            )
             metadata.prefill_indices = stage("prefill_indices", prefill_rows)
             metadata.prefill_query_start_loc = stage("prefill_query_start_loc", prefill_starts)
             metadata.prefill_seq_lens = stage("prefill_seq_lens", prefill_lens)

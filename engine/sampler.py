@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, with one RNG per request.
 
 Each request draws from its own ``torch.Generator`` (seeded from the request's ``seed``, or from
-the engine's seed), so a seeded request picks the same tokens alone or inside any batch.
+the engine's seed), so a seeded request draws the same numbers alone or inside any batch (and
+picks the same tokens where its logits are the same too: ``--batch-invariant``).
 """
 
 from __future__ import annotations

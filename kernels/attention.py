@@ -44,6 +44,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefill_seqs + 1]
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefill_seqs] context after this step
     prefill_block_tables: torch.Tensor | None = None  # [num_prefill_seqs, max_blocks]
+    prefill_max_query_len: int = 0  # rows of the longest chunk (sizes the kernel's grid)
 
 
 def write_kv(
@@ -110,6 +111,7 @@ def _triton_attention(query, key_cache, value_cache, metadata, scale) -> torch.T
         output[rows] = triton_attention.prefill_attention(
             query[rows], key_cache, value_cache, metadata.prefill_block_tables,
             metadata.prefill_query_start_loc, metadata.prefill_seq_lens, scale,
+            max_query_len=metadata.prefill_max_query_len,
         )  # fmt: skip
     return output
 

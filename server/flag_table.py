@@ -90,6 +90,12 @@ _OURS = _group(
          "CUDA, or on the CPU under TRITON_INTERPRET=1, slowly, for tests), torch (the torch "
          "and C++ CPU path), or auto (triton on CUDA, torch elsewhere).",
          choices=("auto", "torch", "triton")),
+    ours("--batch-invariant", False, None, "model.batch_invariant",
+         "A request's tokens do not depend on the rest of the batch (greedy, and seeded "
+         "sampling): every prompt token takes the same attention kernel as a decode, one row "
+         "at a time (torch) or as one varlen sequence (triton). Needs --dtype bfloat16 with "
+         "our blocked linear kernel (a CPU with AVX512-BF16, no --quantization); refused "
+         "elsewhere, and on CUDA, whose cuBLAS matmuls vary with the batch."),
     ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
          "GiB of host memory for the KV cache (the engine runs on the CPU); it sets the number "
          "of KV blocks unless --num-gpu-blocks-override does.", metavar="GIB"),

@@ -24,12 +24,23 @@ def make_core(
     num_blocks: int = 256,
     max_model_len: int | None = 512,
     compilation: CompilationConfig | None = None,
+    attention_backend: str = "auto",
+    batch_invariant: bool = False,
+    enable_prefix_caching: bool = True,
     **scheduler,
 ) -> EngineCore:
     return EngineCore(
         EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype=dtype, max_model_len=max_model_len),
-            cache=CacheConfig(num_gpu_blocks_override=num_blocks),
+            model=ModelConfig(
+                model=str(model_dir),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                attention_backend=attention_backend,
+                batch_invariant=batch_invariant,
+            ),
+            cache=CacheConfig(
+                num_gpu_blocks_override=num_blocks, enable_prefix_caching=enable_prefix_caching
+            ),
             scheduler=SchedulerConfig(**scheduler),
             compilation=compilation or CompilationConfig(),
         )

@@ -1,0 +1,547 @@
+"""Paged attention in Triton: writing new keys and values into the KV cache, decode attention
+(one new token per sequence, split over the context) and prefill attention (a variable-length
+flat batch of new tokens, causal over cached prefix and new tokens alike).
+
+The KV cache of a layer is ``key_cache``/``value_cache``, each ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, contiguous, in the query's dtype; a flat slot is ``block_id *
+block_size + offset`` and ``block_tables[s]`` names sequence ``s``'s blocks in order. Every kernel
+has a pure-torch twin (``*_torch``) that the tests hold it to, and a wrapper that checks the layout
+contract (``ValueError`` naming the argument) before any launch.
+
+The kernels load in the model dtype, feed ``tl.dot`` in it (tensor cores on a GPU) and do all
+other arithmetic (softmax scale, exp, sums, the output accumulator) in float32, casting to the
+output dtype at the store. ``DOT_F32`` upcasts the dot operands where the interpreter needs it
+(bfloat16, see ``triton_utils``). Scores are kept in base 2: the scale carries ``log2(e)`` so the
+softmax uses ``exp2``. Masked positions load as 0 and score ``-inf``, so cache slots past a
+sequence's length or in padding blocks never contribute, whatever they hold (NaN included).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from llmrpc.kernels.triton_utils import check, check_device, dot_in_f32
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = math.log2(math.e)
+# Decode split-K: one split per this many tokens of the block-table width, at most _MAX_SPLITS.
+_TOKENS_PER_SPLIT = 512
+_MAX_SPLITS = 16
+_PREFILL_BLOCK_M = 64  # (query token, head) rows of a prefill tile, at most
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    num_tokens, num_kv_heads,
+    HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # TOKENS tokens a program: copy each one's [num_kv_heads, head_dim] key and value rows to
+    # its slot. A padding row (slot -1) and a token past the end leave the cache as it was.
+    token = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    token = token.to(tl.int64)[:, None, None]
+    slot = slot[:, None, None]
+    offs_h = tl.arange(0, BLOCK_H)[None, :, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, None, :]
+    mask = (slot >= 0) & (offs_h < num_kv_heads) & (offs_d < HEAD_DIM)
+    # A plain copy (no arithmetic), so the cache gets the bits of key and value.
+    dst = slot * num_kv_heads * HEAD_DIM + offs_h * HEAD_DIM + offs_d
+    key = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    tl.store(key_cache_ptr + dst, key, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; -1 skips the row
+) -> None:
+    """Write each token's key and value rows to its flat slot of the caches."""
+    device = key.device
+    for name, t in (("key", key), ("value", value)):
+        check(
+            t.dim() == 3,
+            f"{name} must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(t.shape)}",
+        )
+        check(t.dtype in _DTYPES, f"{name} is {t.dtype}, expected one of {_DTYPES}")
+        check(t.stride(2) == 1, f"{name} must be contiguous in its last dimension")
+        check_device(name, t, device)
+    check(value.shape == key.shape, f"value has shape {tuple(value.shape)}, key {tuple(key.shape)}")
+    check(value.dtype == key.dtype, f"value is {value.dtype}, key {key.dtype}")
+    _check_caches(key_cache, value_cache, key.dtype, device, key.shape[1], key.shape[2], "key")
+    num_tokens = key.shape[0]
+    _check_index("slot_mapping", slot_mapping, (num_tokens,), device)
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = key.shape[1:]
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    tokens_per_program = max(1, min(64, 4096 // (block_h * block_d)))
+    _store_kv_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        num_tokens, num_kv_heads,
+        HEAD_DIM=head_dim, TOKENS=tokens_per_program, BLOCK_H=block_h, BLOCK_D=block_d,
+    )  # fmt: skip
+
+
+def store_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The twin of ``store_kv``: ``index_copy_`` of the rows whose slot is not -1."""
+    num_kv_heads, head_dim = key.shape[1:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep])
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep])
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_attention
+
+
+@triton.jit
+def _decode_split_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_out_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qs, stride_qh, stride_bs, stride_bb, stride_os, stride_oh,
+    blocks_per_split,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    # Program (seq, kv_head, split): the GROUP query heads of one KV head over the split's range
+    # of the sequence's blocks, so that each K/V block is loaded once for the whole group.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        query_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # Online softmax over the split's blocks: running max, sum of exp, unnormalised output.
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    kv_head_offs = kv_head * HEAD_DIM + offs_d[None, :]
+    for b in range(first, last):
+        block_id = tl.load(block_tables_ptr + seq * stride_bs + b * stride_bb).to(tl.int64)
+        t_mask = b * BLOCK_SIZE + offs_t < seq_len
+        kv_offs = (block_id * BLOCK_SIZE + offs_t[:, None]) * (num_kv_heads * HEAD_DIM)
+        kv_offs += kv_head_offs
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # "ieee" only matters for float32 operands: no silent tf32 for float32 models
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        # every block of the loop holds a position < seq_len, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if ONE_SPLIT:  # the whole context: normalise and write the output
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+    else:  # partials [num_seqs, num_heads, num_splits(, head_dim)]; an empty split: -inf, 0, 0
+        part = (seq * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_out_ptr, out_ptr,
+    stride_os, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Program (seq, head): combine the splits' partials by log-sum-exp.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    part_max = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # split 0 always holds position 0, so the max is finite and empty splits weigh exp2(-inf) = 0
+    weight = tl.exp2(part_max - tl.max(part_max, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], last dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32/int64
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64, >= 1
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in query's dtype
+    """Attention of one query token per sequence over its first ``seq_lens[s]`` cached positions.
+
+    The context is cut into ``num_splits`` ranges of blocks, one program each (per sequence and
+    KV head), whose partial results a second kernel combines. ``num_splits=None`` picks one split
+    per 512 tokens of the block-table width (at most 16): the width is the longest sequence's
+    block count where the engine pads tables to it, and reading it needs no host sync. The
+    result therefore may differ, by rounding only, with the batch's longest sequence; pass
+    ``num_splits`` to fix it. ``seq_lens[s]`` must not exceed the ``max_blocks * block_size``
+    positions of its table row (unchecked: that would take a host sync).
+    """
+    num_seqs, num_heads, head_dim = _check_query(query)
+    device = query.device
+    num_kv_heads = _check_caches(key_cache, value_cache, query.dtype, device, None, head_dim)
+    check(
+        num_heads % num_kv_heads == 0,
+        f"query has {num_heads} heads, not a multiple of the caches' {num_kv_heads} KV heads",
+    )
+    _check_block_tables(block_tables, num_seqs, device)
+    _check_index("seq_lens", seq_lens, (num_seqs,), device)
+    out = _check_out(out, query)
+    block_size = key_cache.shape[1]
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(max_blocks, block_size)
+    check(num_splits >= 1, f"num_splits must be at least 1, got {num_splits}")
+    num_splits = max(1, min(num_splits, max_blocks))  # no split without blocks to read
+    if num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    if num_splits == 1:  # the first kernel writes the output itself
+        part_max = part_sum = part_out = out
+    else:
+        part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
+        part_sum = torch.empty_like(part_max)
+        part_out = torch.empty(*part_max.shape, head_dim, dtype=torch.float32, device=device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens,
+        out, part_max, part_sum, part_out,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1),
+        triton.cdiv(max_blocks, num_splits),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # the smallest tensor-core tile
+        BLOCK_D=block_d, ONE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(query.dtype),
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_max, part_sum, part_out, out,
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+def default_num_splits(max_blocks: int, block_size: int) -> int:
+    """``decode_attention``'s split count for a block table ``max_blocks`` wide: one split per
+    512 tokens it can hold, at most 16."""
+    return max(1, min(_MAX_SPLITS, triton.cdiv(max_blocks * block_size, _TOKENS_PER_SPLIT)))
+
+
+def decode_attention_torch(
+    query, key_cache, value_cache, block_tables, seq_lens, scale
+) -> torch.Tensor:
+    """The twin of ``decode_attention``: gather the blocks, mask, softmax in float32."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    context = block_tables.shape[1] * block_size
+    # [num_seqs, context, num_kv_heads, head_dim]; positions past seq_len zeroed (may be NaN)
+    valid = torch.arange(context, device=query.device) < seq_lens.view(-1, 1)
+    rows = (num_seqs, context, num_kv_heads, head_dim)
+    keys = key_cache[block_tables.long()].reshape(rows).float()
+    values = value_cache[block_tables.long()].reshape(rows).float()
+    keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
+    values = values.masked_fill(~valid[:, :, None, None], 0.0)
+    # query heads sharing a KV head: [num_seqs, num_kv_heads, group, head_dim]
+    q = query.float().reshape(num_seqs, num_kv_heads, -1, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("skgl,slkd->skgd", scores.softmax(-1), values)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill_attention
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+    seq_lens_ptr, out_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_bs, stride_bb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    # Program (tile, kv_head, seq): BLOCK_M rows of (query token, query head of the KV head's
+    # group) pairs, token-major, against the sequence's keys block by block (flash attention).
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    num_q = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+    if tile * BLOCK_M >= num_q * GROUP:  # the grid fits the longest sequence: nothing here
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    # query i of the sequence sits at position seq_len - num_q + i and sees keys up to there
+    q_pos = seq_len - num_q + token
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    d_mask = offs_d < HEAD_DIM
+    q_mask = (token < num_q)[:, None] & d_mask[None, :]
+    q_offs = (q_start + token).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(query_ptr + q_offs + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # blocks up to the tile's last query position
+    last_pos = tl.minimum(seq_len - num_q + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, seq_len - 1)
+    num_blocks = last_pos // BLOCK_SIZE + 1
+    kv_head_offs = kv_head * HEAD_DIM + offs_d[None, :]
+    for b in range(0, num_blocks):
+        block_id = tl.load(block_tables_ptr + seq * stride_bs + b * stride_bb).to(tl.int64)
+        k_pos = b * BLOCK_SIZE + offs_t
+        kv_offs = (block_id * BLOCK_SIZE + offs_t[:, None]) * (num_kv_heads * HEAD_DIM)
+        kv_offs += kv_head_offs
+        kv_mask = (k_pos < seq_len)[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        # causal (which also keeps k_pos < seq_len for the tile's real rows)
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        # block 0 holds position 0, seen by every row: m_new is finite from the first block on
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_offs = (q_start + token).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(out_ptr + o_offs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32/int64
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64, cumulative row counts
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64: context length after this step
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in query's dtype
+    """Causal attention of a flat batch of new tokens over their sequences' cached context.
+
+    Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s + 1]``; its keys and
+    values (cached prefix and this step's tokens) are already in the cache, and query ``i`` of
+    its ``num_q`` sits at position ``seq_lens[s] - num_q + i``. ``max_query_len`` (the most rows
+    of a sequence) sizes the grid; without it, it is read from ``query_start_loc`` (a host sync).
+    Unchecked, for the same reason: the offsets match ``query``'s rows, ``num_q <= seq_lens[s]``
+    and the table rows hold ``seq_lens[s]`` positions.
+    """
+    num_tokens, num_heads, head_dim = _check_query(query)
+    device = query.device
+    num_kv_heads = _check_caches(key_cache, value_cache, query.dtype, device, None, head_dim)
+    check(
+        num_heads % num_kv_heads == 0,
+        f"query has {num_heads} heads, not a multiple of the caches' {num_kv_heads} KV heads",
+    )
+    check(seq_lens.dim() == 1, f"seq_lens must be [num_seqs], got shape {tuple(seq_lens.shape)}")
+    num_seqs = seq_lens.shape[0]
+    _check_index("seq_lens", seq_lens, (num_seqs,), device)
+    _check_index("query_start_loc", query_start_loc, (num_seqs + 1,), device)
+    _check_block_tables(block_tables, num_seqs, device)
+    out = _check_out(out, query)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    check(max_query_len >= 1, f"max_query_len must be at least 1, got {max_query_len}")
+
+    group = num_heads // num_kv_heads
+    rows = max_query_len * group
+    block_m = min(_PREFILL_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    _prefill_kernel[(triton.cdiv(rows, block_m), num_kv_heads, num_seqs)](
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_F32=dot_in_f32(query.dtype),
+    )  # fmt: skip
+    return out
+
+
+def prefill_attention_torch(
+    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+) -> torch.Tensor:
+    """The twin of ``prefill_attention``: one sequence at a time, softmax in float32."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    for s in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len, num_q = int(seq_lens[s]), end - start
+        blocks = block_tables[s, : triton.cdiv(seq_len, block_size)].long()
+        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        q = query[start:end].float().reshape(num_q, num_kv_heads, -1, head_dim)
+        scores = torch.einsum("qkgd,lkd->kgql", q, keys) * scale
+        q_pos = torch.arange(num_q, device=query.device) + seq_len - num_q
+        causal = torch.arange(seq_len, device=query.device) <= q_pos.view(-1, 1)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        rows = torch.einsum("kgql,lkd->qkgd", scores.softmax(-1), values)
+        out[start:end] = rows.reshape(num_q, num_heads, head_dim).to(query.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# layout contract
+
+
+def _check_query(query: torch.Tensor) -> tuple[int, int, int]:
+    check(
+        query.dim() == 3,
+        f"query must be [tokens, num_heads, head_dim], got shape {tuple(query.shape)}",
+    )
+    check(query.dtype in _DTYPES, f"query is {query.dtype}, expected one of {_DTYPES}")
+    check(query.stride(2) == 1, "query must be contiguous in its last dimension")
+    check_device("query", query, query.device)
+    return tuple(query.shape)
+
+
+def _check_caches(key_cache, value_cache, dtype, device, num_kv_heads, head_dim, of="query"):
+    """Both caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, in ``dtype``
+    (``of``'s) and matching ``of``'s head count (where given) and head size; returns the former."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check(
+            cache.dim() == 4,
+            f"{name} must be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got shape {tuple(cache.shape)}",
+        )
+        check(cache.dtype == dtype, f"{name} is {cache.dtype}, expected {dtype} (the {of}'s)")
+        check(cache.is_contiguous(), f"{name} must be contiguous")
+        check_device(name, cache, device)
+        check(
+            cache.shape[3] == head_dim, f"{name} has head_dim {cache.shape[3]}, the {of} {head_dim}"
+        )
+        check(
+            num_kv_heads is None or cache.shape[2] == num_kv_heads,
+            f"{name} has {cache.shape[2]} KV heads, the {of} {num_kv_heads}",
+        )
+    check(
+        value_cache.shape == key_cache.shape,
+        f"value_cache has shape {tuple(value_cache.shape)}, key_cache {tuple(key_cache.shape)}",
+    )
+    block_size = key_cache.shape[1]
+    # the smallest tensor-core K dimension (block_size is one in the p @ v product)
+    check(
+        block_size >= 16 and block_size & (block_size - 1) == 0,
+        f"key_cache has block_size {block_size}; the kernels take a power of two >= 16",
+    )
+    return key_cache.shape[2]
+
+
+def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device) -> None:
+    check(t.dtype in _INDEX_DTYPES, f"{name} is {t.dtype}, expected int32 or int64")
+    check(tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    check(t.is_contiguous(), f"{name} must be contiguous")
+    check_device(name, t, device)
+
+
+def _check_block_tables(block_tables: torch.Tensor, num_seqs: int, device) -> None:
+    check(
+        block_tables.dtype in _INDEX_DTYPES,
+        f"block_tables is {block_tables.dtype}, expected int32 or int64",
+    )
+    check(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables has shape {tuple(block_tables.shape)}, expected [{num_seqs}, max_blocks]",
+    )
+    check_device("block_tables", block_tables, device)
+
+
+def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """``out`` shaped and typed as ``query`` (last dim contiguous), or a new tensor."""
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    check(
+        out.shape == query.shape, f"out has shape {tuple(out.shape)}, expected {tuple(query.shape)}"
+    )
+    check(out.dtype == query.dtype, f"out is {out.dtype}, expected {query.dtype} (the query's)")
+    check(out.stride(2) == 1, "out must be contiguous in its last dimension")
+    check_device("out", out, query.device)
+    return out

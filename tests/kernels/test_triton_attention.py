@@ -1,0 +1,270 @@
+"""The Triton attention kernels (kernels/triton_attention.py) against their torch twins.
+
+Without a GPU they run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
+``TestCuda`` runs the same checks natively where a CUDA device is present. Every kernel output
+buffer starts as NaN, and every cache slot that holds no position of a sequence (the tail of a
+sequence's last block, spare blocks, the padding entries of block tables) is NaN: the kernels
+must neither skip an output element nor let a masked-out position contribute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrpc.kernels import triton_attention as ta
+from llmrpc.kernels.triton_utils import interpreting
+
+# Outputs are averages of N(0, 1) values (|x| < 4): the twin and the kernel each round once to
+# the dtype at the end, and the kernel's probabilities are rounded to 16 bits for the p @ v dot.
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+}
+DTYPES = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in TOLERANCE]
+# (block_size, head_dim, num_heads, num_kv_heads, index dtype of tables, lengths, offsets)
+LAYOUTS = [
+    pytest.param((16, 64, 4, 2, torch.int32), id="bs16-d64-gqa4/2"),
+    pytest.param((32, 128, 4, 1, torch.int64), id="bs32-d128-mqa4/1"),
+    pytest.param((16, 128, 2, 2, torch.int64), id="bs16-d128-mha2/2"),
+    pytest.param((32, 64, 2, 2, torch.int32), id="bs32-d64-mha2/2"),
+    pytest.param((16, 96, 4, 1, torch.int32), id="bs16-d96-mqa4/1"),  # head_dim padded to 128
+    pytest.param((32, 80, 6, 2, torch.int64), id="bs32-d80-gqa6/2"),  # a group of 3
+]
+GQA = (16, 64, 4, 2, torch.int32)
+SCALE = 0.125
+NAN = float("nan")
+
+
+def make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, seed=0):
+    """Key and value caches and block tables for sequences of ``seq_lens`` tokens: each
+    sequence's blocks are scattered over the cache (a random permutation), positions it holds are
+    N(0, 1) and every other slot NaN; tables are padded with a spare (NaN) block's id."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.full(shape, NAN), torch.full(shape, NAN)
+    tables = torch.full((len(seq_lens), max(needed) + 1), int(order[-1]))
+    first = 0
+    for s, (length, count) in enumerate(zip(seq_lens, needed, strict=True)):
+        blocks = order[first : first + count]
+        first += count
+        tables[s, :count] = blocks
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+        for cache in (key_cache, value_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+                length, num_kv_heads, head_dim, generator=gen
+            )
+    return key_cache.to(device, dtype), value_cache.to(device, dtype), tables.to(device)
+
+
+def make_query(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, seed=1):
+    """A query ``[num_tokens, num_heads, head_dim]`` viewed out of a fused qkv projection
+    (strided rows, as the model hands it over)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv.to(device, dtype)[:, :num_heads]
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full(t.shape, NAN, dtype=t.dtype, device=t.device)
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert not actual.isnan().any(), "the kernel left or produced NaN"
+    torch.testing.assert_close(actual, expected, **TOLERANCE[expected.dtype])
+
+
+def _not_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+# decode_attention arguments -> what a test replaces, and the error it expects
+CONTRACT_CASES = [
+    (lambda a: {"query": a["query"].half()}, "key_cache is torch.float32, expected torch.float16"),
+    (lambda a: {"value_cache": _not_contiguous(a["value_cache"])}, "value_cache must be contig"),
+    (lambda a: {"query": a["query"][:, :3]}, "query has 3 heads, not a multiple"),
+    (lambda a: {"query": _not_contiguous(a["query"])}, "query must be contiguous in its last"),
+    (lambda a: {"block_tables": a["block_tables"].float()}, "block_tables is torch.float32"),
+    (lambda a: {"block_tables": a["block_tables"][:1]}, "block_tables has shape"),
+    (lambda a: {"seq_lens": a["seq_lens"].short()}, "seq_lens is torch.int16"),
+    (lambda a: {"seq_lens": a["seq_lens"][:1]}, "seq_lens has shape"),
+    (lambda a: {"out": a["query"].half()}, "out is torch.float16"),
+    (
+        lambda a: {name: a[name][:, :8].contiguous() for name in ("key_cache", "value_cache")},
+        "key_cache has block_size 8",
+    ),
+]
+
+
+class KernelChecks:
+    """The checks, run by each subclass on its ``device``."""
+
+    device: str
+
+    # ---- store_kv
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize(
+        "block_size, num_kv_heads, head_dim, slot_dtype",
+        [(16, 2, 64, torch.int32), (32, 1, 96, torch.int64)],
+    )
+    def test_store_kv(self, dtype, block_size, num_kv_heads, head_dim, slot_dtype):
+        gen = torch.Generator().manual_seed(2)
+        num_blocks, num_tokens, num_heads = 6, 11, 2 * num_kv_heads
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        key_cache = torch.randn(shape, generator=gen).to(self.device, dtype)
+        value_cache = torch.randn(shape, generator=gen).to(self.device, dtype)
+        # key and value are views of a fused qkv row, as the model produces them
+        qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+        qkv = qkv.to(self.device, dtype)
+        key = qkv[:, num_heads : num_heads + num_kv_heads]
+        value = qkv[:, num_heads + num_kv_heads :]
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[[0, 4, 10]] = -1  # padding rows
+        slots = slots.to(self.device, slot_dtype)
+
+        original = key_cache.clone()
+        expected_k, expected_v = key_cache.clone(), value_cache.clone()
+        ta.store_kv_torch(key, value, expected_k, expected_v, slots)
+        ta.store_kv(key, value, key_cache, value_cache, slots)
+        assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+        # and directly: written rows hold key's bits, every other slot (-1 rows') its old data
+        flat = key_cache.view(-1, num_kv_heads, head_dim)
+        kept = slots >= 0
+        assert torch.equal(flat[slots[kept].long()], key[kept])
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=self.device)
+        untouched[slots[kept].long()] = False
+        assert torch.equal(flat[untouched], original.view_as(flat)[untouched])
+
+    # ---- decode_attention
+
+    def decode_case(self, seq_lens, layout, dtype):
+        block_size, head_dim, num_heads, num_kv_heads, index_dtype = layout
+        key_cache, value_cache, tables = make_cache(
+            seq_lens, block_size, num_kv_heads, head_dim, dtype, self.device
+        )
+        query = make_query(len(seq_lens), num_heads, num_kv_heads, head_dim, dtype, self.device)
+        lens = torch.tensor(seq_lens, dtype=index_dtype, device=self.device)
+        return query, key_cache, value_cache, tables.to(index_dtype), lens
+
+    def run_decode(self, args, **kwargs) -> torch.Tensor:
+        out = poisoned_like(args[0])
+        result = ta.decode_attention(*args, SCALE, out=out, **kwargs)
+        assert result is out
+        return result
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_decode(self, dtype, layout):
+        args = self.decode_case([1, 19, 70], layout, dtype)
+        assert_matches(self.run_decode(args), ta.decode_attention_torch(*args, SCALE))
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_decode_splits(self, dtype):
+        """Forced split counts (7 leaves the short sequences empty splits) match one split."""
+        args = self.decode_case([300, 77, 5, 129], GQA, dtype)
+        expected = ta.decode_attention_torch(*args, SCALE)
+        one_split = self.run_decode(args, num_splits=1)
+        assert_matches(one_split, expected)
+        for num_splits in (3, 7):
+            split = self.run_decode(args, num_splits=num_splits)
+            assert_matches(split, expected)
+            assert_matches(split, one_split)
+
+    def test_decode_default_splits(self):
+        """A table 36 blocks of 32 wide (1152 tokens) gets 3 splits by default."""
+        args = self.decode_case([1100, 40], (32, 64, 4, 1, torch.int64), torch.float16)
+        assert ta.default_num_splits(args[3].shape[1], 32) == 3
+        expected = ta.decode_attention_torch(*args, SCALE)
+        assert_matches(self.run_decode(args), expected)
+        assert_matches(self.run_decode(args, num_splits=1), expected)
+
+    # ---- prefill_attention
+
+    def run_prefill(self, batch, layout, dtype, **kwargs):
+        block_size, head_dim, num_heads, num_kv_heads, index_dtype = layout
+        """``batch`` is (new tokens, context length after the step) per sequence."""
+        num_q = [q for q, _ in batch]
+        seq_lens = [n for _, n in batch]
+        key_cache, value_cache, tables = make_cache(
+            seq_lens, block_size, num_kv_heads, head_dim, dtype, self.device
+        )
+        query = make_query(sum(num_q), num_heads, num_kv_heads, head_dim, dtype, self.device)
+        starts = torch.tensor([0, *num_q], dtype=index_dtype).cumsum(0, dtype=index_dtype)
+        lens = torch.tensor(seq_lens, dtype=index_dtype, device=self.device)
+        args = (query, key_cache, value_cache, tables.to(index_dtype), starts.to(self.device), lens)
+        out = poisoned_like(query)
+        result = ta.prefill_attention(*args, SCALE, out=out, **kwargs)
+        assert result is out
+        assert_matches(result, ta.prefill_attention_torch(*args, SCALE))
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_prefill(self, dtype, layout):
+        # a whole prompt, one token after a cached prefix, a chunk after a cached prefix, and a
+        # prompt of several (token, head) tiles
+        batch = [(9, 9), (1, 23), (21, 50), (40, 40)]
+        self.run_prefill(batch, layout, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_prefill_long(self, dtype):
+        batch = [(150, 300), (3, 3)]
+        self.run_prefill(batch, GQA, dtype, max_query_len=150)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_prefill_one_token_each(self, dtype):
+        """Decode-shaped rows through the prefill kernel (its smallest tile)."""
+        self.run_prefill([(1, 7), (1, 40), (1, 1)], (32, 64, 2, 1, torch.int64), dtype)
+
+    # ---- layout contract
+
+    def decode_args(self, **changes) -> dict:
+        names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
+        case = self.decode_case([5, 20], GQA, torch.float32)
+        return {**dict(zip(names, case, strict=True)), "scale": SCALE, **changes}
+
+    @pytest.mark.parametrize(
+        "change, match", CONTRACT_CASES, ids=[match for _, match in CONTRACT_CASES]
+    )
+    def test_decode_contract(self, change, match):
+        args = self.decode_args()
+        args.update(change(args))
+        with pytest.raises(ValueError, match=match):
+            ta.decode_attention(**args)
+
+    def test_prefill_contract(self):
+        args = self.decode_args()
+        starts = torch.tensor([0, 1, 2], device=self.device)
+        with pytest.raises(ValueError, match="query_start_loc is torch.float32"):
+            ta.prefill_attention(**args, query_start_loc=starts.float())
+        with pytest.raises(ValueError, match="query_start_loc has shape"):
+            ta.prefill_attention(**args, query_start_loc=starts[:2])
+        with pytest.raises(ValueError, match="query has 3 heads, not a multiple"):
+            ta.prefill_attention(**{**args, "query": args["query"][:, :3]}, query_start_loc=starts)
+
+    def test_store_kv_contract(self):
+        args = self.decode_args()
+        key = torch.randn(3, 2, 64, device=self.device)
+        slots = torch.tensor([0, 1, -1], device=self.device)
+        caches = args["key_cache"], args["value_cache"]
+        with pytest.raises(ValueError, match="key_cache has 2 KV heads, the key 3"):
+            ta.store_kv(key[:, :1].expand(3, 3, 64), key[:, :1].expand(3, 3, 64), *caches, slots)
+        with pytest.raises(ValueError, match="slot_mapping is torch.float32"):
+            ta.store_kv(key, key, *caches, slots.float())
+        with pytest.raises(ValueError, match="key_cache is torch.float32, expected torch.bfloat16"):
+            ta.store_kv(key.bfloat16(), key.bfloat16(), *caches, slots)
+
+
+@pytest.mark.skipif(not interpreting(), reason="Triton runs on the CPU only in its interpreter")
+class TestInterpreted(KernelChecks):
+    device = "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestCuda(KernelChecks):
+    device = "cuda"
