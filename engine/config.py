@@ -149,8 +149,9 @@ class SchedulerConfig:
             )
         if self.preemption_mode == "swap":
             raise ValueError(
-                "--preemption-mode swap is refused: the KV cache already lives in host memory "
-                "here, so there is nowhere to swap it to; use recompute"
+                "--preemption-mode swap is refused: a preempted request's KV cache is "
+                "recomputed, never swapped to host memory (on the CPU it lives there already); "
+                "use recompute"
             )
         if self.preemption_mode not in (None, "recompute"):
             raise ValueError(f"--preemption-mode must be recompute, got {self.preemption_mode!r}")

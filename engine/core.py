@@ -238,6 +238,11 @@ class EngineCore:
 
     def _check_device_options(self, config: EngineConfig) -> None:
         cuda = self.device.type == "cuda"
+        if cuda and config.compilation.level:
+            raise ValueError(
+                f"-O / --compilation-config level {config.compilation.level} compiles decode "
+                "steps on the CPU only in this build; on CUDA use level 0 (or --enforce-eager)"
+            )
         if cuda and self.model_config.batch_invariant:
             raise ValueError(
                 "--batch-invariant is refused on CUDA: linear layers run cuBLAS there, whose "

@@ -182,7 +182,9 @@ def _apply_top_k_top_p(
     k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, NEG_INF)
     sorted_probs = sorted_logits.softmax(dim=-1)
-    # Drop a token once the tokens before it already cover top_p; the first always stays.
-    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+    # Drop a token once the tokens before it already cover top_p; the first always stays. A row
+    # with top_p >= 1 drops nothing: its float32 running sum can round up to 1 before the tail.
+    covered = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+    drop = covered & (top_p < 1).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
     return torch.full_like(logits, NEG_INF).scatter(-1, order, sorted_logits)

@@ -36,7 +36,7 @@ TRACING = "needs OpenTelemetry tracing, which this build does not support"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
 NOT_SUPPORTED = "is not supported by this build"
 # The engine runs on the CPU: the model, the KV cache and every step tensor are made there.
-CUDA_GRAPHS = "sizes CUDA graph capture; the engine runs on the CPU, with no CUDA graphs"
+CUDA_GRAPHS = "sizes CUDA graph capture; this build captures none: steps run eager on CUDA too"
 COMPILATION_HELP = (
     'torch.compile of decode steps: 0 (default) eager; 1-3 (-O3, {"level": 3}, {"mode": 3}; '
     "other keys refused) compile the native model's forward at start-up, one graph for all "
@@ -97,8 +97,9 @@ _OURS = _group(
          "our blocked linear kernel (a CPU with AVX512-BF16, no --quantization); refused "
          "elsewhere, and on CUDA, whose cuBLAS matmuls vary with the batch."),
     ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
-         "GiB of host memory for the KV cache (the engine runs on the CPU); it sets the number "
-         "of KV blocks unless --num-gpu-blocks-override does.", metavar="GIB"),
+         "GiB of host memory for the KV cache when the engine runs on the CPU (on CUDA, "
+         "--gpu-memory-utilization sizes it); it sets the number of KV blocks unless "
+         "--num-gpu-blocks-override does.", metavar="GIB"),
     ours("--drain-delay", 0.0, float, "frontend.drain_delay_s",
          "On SIGTERM, health turns NOT_SERVING at once and new calls are still served for this "
          "many seconds, so load balancers can stop routing here; then the server stops. Set it "
@@ -452,7 +453,7 @@ _SCHEDULER = _group(
           "fcfs, or priority: a request's priority (lower first), ties by arrival.",
           choices=("fcfs", "priority")),
     works("--preemption-mode", None, str, "scheduler.preemption_mode",
-          "recompute (the default); swap is refused: the KV cache already lives in host memory.",
+          "recompute (the default); swap is refused: preemption recomputes, never swaps.",
           choices=("recompute", "swap")),
     refused("--num-lookahead-slots", 0, int, NOT_SUPPORTED),
     refused("--scheduler-delay-factor", 0.0, float, NOT_SUPPORTED),

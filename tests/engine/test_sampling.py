@@ -7,7 +7,7 @@ import torch
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.request import Request, SamplingParams
-from llmrpc.engine.sampler import Sampler
+from llmrpc.engine.sampler import Sampler, _processed_logits
 
 SEEDED = SamplingParams(
     temperature=0.9, top_p=0.95, top_k=100, seed=1234, max_tokens=24, ignore_eos=True
@@ -92,6 +92,20 @@ def test_top_k_and_top_p_exclude_the_tail():
     assert seen_k == {0, 1}
     # Softmax of the logits is [0.64, 0.24, ...]: the first token alone covers 0.5.
     assert seen_p == {0}
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_row_with_it():
+    # One token holds all but 1e-10 of the mass: float32 running sums reach exactly 1.0 after
+    # it, which top_p = 1 must not read as "covered" (the filters run for the batch because the
+    # other row has top_p = 0.5).
+    logits = torch.zeros(2, 1000)
+    logits[:, 0] = 30.0
+    requests = _requests(
+        SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)
+    )
+    processed = _processed_logits(logits.clone(), requests)
+    assert bool(processed[0].isfinite().all())
+    assert processed[1].isfinite().sum() == 1
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
