@@ -179,6 +179,10 @@ class Load:
     prompt_throughput: float  # tokens per second, recent window
     generation_throughput: float  # tokens per second, recent window
     is_sleeping: bool
+    kv_cache_bytes: int = 0
+    device_memory_used_bytes: int = 0  # on CUDA; 0 on the CPU
+    device_memory_total_bytes: int = 0
+    device_utilization: float | None = None  # on CUDA where NVML reads it
 
 
 def _matched_stop(response: generation_pb2.GenerateResponse) -> str | int | None:
@@ -305,4 +309,10 @@ def load_from_proto(response: admin_pb2.GetLoadResponse) -> Load:
         prompt_throughput=response.prompt_throughput,
         generation_throughput=response.generation_throughput,
         is_sleeping=response.is_sleeping,
+        kv_cache_bytes=response.kv_cache_bytes,
+        device_memory_used_bytes=response.device_memory_used_bytes,
+        device_memory_total_bytes=response.device_memory_total_bytes,
+        device_utilization=response.device_utilization
+        if response.HasField("device_utilization")
+        else None,
     )

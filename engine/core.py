@@ -15,6 +15,7 @@ from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig, ModelConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.device import (
+    DeviceMonitor,
     kv_blocks_for_device_memory,
     resolve_attention_backend,
     resolve_device,
@@ -180,6 +181,7 @@ class EngineCore:
             model_config.attention_backend, self.device
         )
         self._check_device_options(config)
+        self.device_monitor = DeviceMonitor(self.device)
         block_size = cache_config.block_size
         profile = self.device.type == "cuda" and not cache_config.num_gpu_blocks_override
         if profile:  # a cache for the profiled step; the real one is sized after it
@@ -357,6 +359,8 @@ class EngineCore:
             generation_throughput=self._generation_rate.rate(),
             prompt_throughput=self._prompt_rate.rate(),
             is_sleeping=self.sleep_level > 0,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            **self.device_monitor.figures(),
         )
 
     @property

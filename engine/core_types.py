@@ -31,6 +31,10 @@ class EngineStats:
     generation_throughput: float  # output tokens per second over the recent window
     prompt_throughput: float  # prompt tokens computed per second over the recent window
     is_sleeping: bool
+    kv_cache_bytes: int = 0  # 0 while asleep
+    device_memory_used_bytes: int = 0  # on CUDA, by every process; 0 on the CPU
+    device_memory_total_bytes: int = 0
+    device_utilization: float | None = None  # on CUDA where NVML reads it, in [0, 1]
 
     @property
     def kv_cache_usage(self) -> float:

@@ -5,6 +5,7 @@ host-side staging of each step's inputs, and the KV cache's size on a CUDA devic
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -85,3 +86,36 @@ def kv_blocks_for_device_memory(
             "raise it, or lower --max-num-batched-tokens"
         )
     return budget // block_bytes
+
+
+class DeviceMonitor:
+    """A CUDA device's memory in use (by every process on it), its total, and its utilization
+    where NVML is readable (torch asks NVML through pynvml); read at most once a second, as the
+    engine's figures are asked for after every step. Nothing on the CPU."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._read_at = -self.PERIOD_S
+        self._figures: dict = {}
+
+    def figures(self) -> dict:
+        """``device_memory_used_bytes``, ``device_memory_total_bytes``, ``device_utilization``
+        (EngineStats fields); empty on the CPU."""
+        if self.device.type != "cuda":
+            return {}
+        now = time.monotonic()
+        if now - self._read_at >= self.PERIOD_S:
+            self._read_at = now
+            free, total = torch.cuda.mem_get_info(self.device)
+            try:
+                utilization = torch.cuda.utilization(self.device) / 100
+            except Exception:  # noqa: BLE001 - no NVML here: the field stays absent
+                utilization = None
+            self._figures = {
+                "device_memory_used_bytes": total - free,
+                "device_memory_total_bytes": total,
+                "device_utilization": utilization,
+            }
+        return self._figures

@@ -104,6 +104,10 @@ class ModelRunner:
             for _ in range(self._num_layers)
         ]
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+
     def free_kv_cache(self) -> None:
         self.kv_caches = []
 

@@ -69,6 +69,23 @@ class GatewayMetrics:
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
 
+        self.kv_cache_bytes = Gauge(
+            "llmrpc:kv_cache_bytes", "Bytes the KV cache holds.", labels, registry=r
+        )
+        self.device_memory_used = Gauge(
+            "llmrpc:device_memory_used_bytes",
+            "CUDA device memory in use by every process (0 on the CPU).", labels, registry=r,
+        )  # fmt: skip
+        self.device_memory_total = Gauge(
+            "llmrpc:device_memory_total_bytes", "CUDA device memory in all (0 on the CPU).",
+            labels, registry=r,
+        )  # fmt: skip
+        self.device_utilization = Gauge(
+            "llmrpc:device_utilization",
+            "Share of time a CUDA kernel ran, mean of the replicas reporting it (NVML).",
+            labels, registry=r,
+        )  # fmt: skip
+
     def _histogram(self, name: str, documentation: str, buckets=_LATENCY_BUCKETS) -> Histogram:
         return Histogram(
             name, documentation, ["model_name"], buckets=buckets, registry=self.registry
@@ -82,6 +99,15 @@ class GatewayMetrics:
         self.kv_usage.labels(name).set(sum(load.kv_cache_usage for load in loads) / count)
         hit_rate = sum(load.prefix_cache_hit_rate for load in loads) / count
         self.prefix_hit_rate.labels(name).set(hit_rate)
+        self.kv_cache_bytes.labels(name).set(sum(load.kv_cache_bytes for load in loads))
+        used = sum(load.device_memory_used_bytes for load in loads)
+        self.device_memory_used.labels(name).set(used)
+        total = sum(load.device_memory_total_bytes for load in loads)
+        self.device_memory_total.labels(name).set(total)
+        reported = [load.device_utilization for load in loads]
+        reported = [u for u in reported if u is not None]
+        if reported:
+            self.device_utilization.labels(name).set(sum(reported) / len(reported))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

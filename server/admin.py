@@ -32,6 +32,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             device=engine.device if engine is not None else "",
             services=[*SERVICE_NAMES, *state.extra_services],
         )
+        if engine is not None:
+            stats = engine.stats
+            capabilities.kv_cache_bytes = stats.kv_cache_bytes
+            capabilities.device_memory_total_bytes = stats.device_memory_total_bytes
         return admin_pb2.GetServerInfoResponse(
             version=server_version(),
             api_version=API_VERSION,

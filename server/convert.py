@@ -421,4 +421,8 @@ def load_response(stats: EngineStats) -> admin_pb2.GetLoadResponse:
         prompt_throughput=stats.prompt_throughput,
         generation_throughput=stats.generation_throughput,
         is_sleeping=stats.is_sleeping,
+        kv_cache_bytes=stats.kv_cache_bytes,
+        device_memory_used_bytes=stats.device_memory_used_bytes,
+        device_memory_total_bytes=stats.device_memory_total_bytes,
+        device_utilization=stats.device_utilization,
     )

@@ -103,6 +103,11 @@ def test_metrics_use_vllms_names_and_count(server_loop, replica, slow_engine):
             live = _metrics(gateway)
         assert live["vllm:num_requests_running"] == 1
         assert 0 < live["vllm:kv_cache_usage_perc"] <= 1
+        # the replica's KV cache, on the CPU: no device memory, no utilization series
+        kv_cache_bytes = slow_engine.stats.kv_cache_bytes
+        assert live["llmrpc:kv_cache_bytes"] == kv_cache_bytes > 0
+        assert live["llmrpc:device_memory_total_bytes"] == 0
+        assert "llmrpc:device_utilization" not in live
 
 
 def _gateway_command(*args: str) -> list[str]:

@@ -52,6 +52,9 @@ async def test_server_info_has_version_capabilities_and_config(admin, server: Ru
     assert info.config["dtype"] == "float32"
     assert info.config["max_model_len"] == "512"
     assert info.config["num_gpu_blocks_override"] == "256"
+    assert info.capabilities.device == "cpu"
+    assert info.capabilities.kv_cache_bytes == 256 * 2 * 2 * 16 * 2 * 16 * 4
+    assert info.capabilities.device_memory_total_bytes == 0
 
 
 async def test_model_info_and_list_models(admin, server: RunningServer):
@@ -127,6 +130,11 @@ async def test_load_reports_requests_kv_usage_and_throughput(
     idle = await admin.GetLoad(admin_pb2.GetLoadRequest())
     assert (idle.num_running_requests, idle.num_waiting_requests) == (0, 0)
     assert idle.num_kv_blocks == 256 and idle.kv_cache_usage == 0.0 and not idle.is_sleeping
+    # the tiny model: 2 layers x keys and values x 16 tokens x 2 KV heads x 16 dims x 4 bytes
+    assert idle.kv_cache_bytes == 256 * 2 * 2 * 16 * 2 * 16 * 4
+    # on the CPU: no device memory, and no utilization field at all
+    assert (idle.device_memory_used_bytes, idle.device_memory_total_bytes) == (0, 0)
+    assert not idle.HasField("device_utilization")
     async with live_stream(generation, server, monkeypatch):
         busy = await admin.GetLoad(admin_pb2.GetLoadRequest())
     assert busy.num_running_requests == 1
@@ -151,7 +159,8 @@ async def test_sleep_refuses_generation_until_wake_up(admin, generation):
     before = await generation.Generate(greedy())
     await admin.Sleep(admin_pb2.SleepRequest(level=2))  # drops the weights too
     assert (await admin.IsSleeping(admin_pb2.IsSleepingRequest())).is_sleeping
-    assert (await admin.GetLoad(admin_pb2.GetLoadRequest())).is_sleeping
+    asleep = await admin.GetLoad(admin_pb2.GetLoadRequest())
+    assert asleep.is_sleeping and asleep.kv_cache_bytes == 0
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await generation.Generate(greedy())
     assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION

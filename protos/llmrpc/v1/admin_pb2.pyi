@@ -13,20 +13,24 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerCapabilities(_message.Message):
-    __slots__ = ("tls", "auth_required", "prefix_caching", "device", "services", "admin_auth_required")
+    __slots__ = ("tls", "auth_required", "prefix_caching", "device", "services", "admin_auth_required", "kv_cache_bytes", "device_memory_total_bytes")
     TLS_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SERVICES_FIELD_NUMBER: _ClassVar[int]
     ADMIN_AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     tls: bool
     auth_required: bool
     prefix_caching: bool
     device: str
     services: _containers.RepeatedScalarFieldContainer[str]
     admin_auth_required: bool
-    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ..., admin_auth_required: _Optional[bool] = ...) -> None: ...
+    kv_cache_bytes: int
+    device_memory_total_bytes: int
+    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ..., admin_auth_required: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., device_memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "api_version", "capabilities", "config")
@@ -120,7 +124,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +133,10 @@ class GetLoadResponse(_message.Message):
     PROMPT_THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -137,7 +145,11 @@ class GetLoadResponse(_message.Message):
     prompt_throughput: float
     generation_throughput: float
     is_sleeping: bool
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ...) -> None: ...
+    kv_cache_bytes: int
+    device_memory_used_bytes: int
+    device_memory_total_bytes: int
+    device_utilization: float
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., device_memory_used_bytes: _Optional[int] = ..., device_memory_total_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
