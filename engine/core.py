@@ -213,7 +213,7 @@ class EngineCore:
             cache_config.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.sampler = Sampler(model_config.logprobs_mode)
+        self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
             loader.default_served_name(model_config.model),

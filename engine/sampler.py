@@ -25,10 +25,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", backend: str = "torch") -> None:
+        """``backend`` "triton": rows that sample (without min_p) are filtered and drawn by
+        ``kernels/triton_sampling.py`` (top-k/top-p cuts by bisection, the draw in vocabulary
+        order), not by the sort below; a seed then picks its tokens by that kernel's rule."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}")
         self.logprobs_mode = logprobs_mode
+        self.backend = backend
 
     def __call__(
         self,
@@ -39,14 +43,20 @@ class Sampler:
         wants_logprobs = any(r.params.logprobs is not None for r in requests)
         raw = logits.clone() if wants_logprobs and self.logprobs_mode.startswith("raw") else None
         constraints = apply_logits_processors(logits, requests)
-        processed = _processed_logits(logits, requests)
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        drawn = None
+        if self.backend == "triton" and not any(requests[i].params.min_p for i in sampled):
+            processed, drawn = _processed_and_drawn_by_kernel(logits, requests, generators)
+        else:
+            processed = _processed_logits(logits, requests)
         # A row whose best value is not finite (NaN, +inf, or nothing left above -inf) cannot
         # be sampled as it is; it is marked -1 here and repaired below, without a second sync.
         best, tokens = row_max(processed)
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
-            tokens[rows] = _draw(processed[rows], [generators[i] for i in sampled])
+            if drawn is None:
+                drawn = _draw(processed[rows], [generators[i] for i in sampled])
+            tokens[rows] = drawn
         token_ids = torch.where(best.isfinite(), tokens, -1).tolist()
         for i, token_id in enumerate(token_ids):
             if token_id < 0:
@@ -103,13 +113,17 @@ def _first_true(mask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(mask, torch.arange(width, device=mask.device), width).amin(dim=-1)
 
 
+def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One uniform draw per row from the row's own generator, on the host (a seed draws the
+    same on every device), then moved to ``device`` (``[rows]`` float32)."""
+    return torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)
+
+
 def _draw(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row by inverse transform: the first whose cumulative probability passes a
     uniform draw from the row's own generator. Tokens of probability 0 are never picked."""
     cdf = logits.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, vocab_size]
-    # each request's own generator, on the host: a seed draws the same on every device
-    uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
-    uniform = uniform.to(logits.device).unsqueeze(1)
+    uniform = _uniforms(generators, logits.device).unsqueeze(1)
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp_(max=logits.shape[-1] - 1)
 
@@ -171,6 +185,40 @@ def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Te
     logits = logits.clone()
     logits[rows] = scaled
     return logits
+
+
+def _processed_and_drawn_by_kernel(
+    logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_processed_logits`` and the sampled rows' tokens by the Triton sampling kernel (rows
+    with min_p take ``_processed_logits``; the caller checks). The processed rows are the scaled
+    logits with what the kernel's top-k/top-p cut dropped at -inf."""
+    from llmrpc.kernels import triton_sampling
+
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if not sampled:
+        return logits, None
+    every_row = len(sampled) == len(requests)
+    device = logits.device
+    rows = torch.tensor(sampled, device=device)
+    params = [requests[i].params for i in sampled]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = (logits if every_row else logits[rows]) / temperature.unsqueeze(1)
+    cutoff = torch.empty(len(sampled), device=device)
+    drawn = triton_sampling.sample(
+        scaled,
+        torch.ones_like(temperature),  # already scaled: the kernel divides by 1, exactly
+        torch.tensor([p.top_k for p in params], device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+        _uniforms([generators[i] for i in sampled], device),
+        cutoff_out=cutoff,
+    )
+    scaled = scaled.masked_fill(scaled < cutoff.unsqueeze(1), NEG_INF)
+    if every_row:
+        return scaled, drawn
+    logits = logits.clone()
+    logits[rows] = scaled
+    return logits, drawn
 
 
 def _apply_top_k_top_p(

@@ -108,6 +108,27 @@ def test_a_row_without_top_p_keeps_its_tail_beside_a_row_with_it():
     assert processed[1].isfinite().sum() == 1
 
 
+def test_the_triton_sampler_keeps_the_torch_samplers_tokens_and_repeats_a_seed():
+    # Triton's kernel interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET=1)
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 3
+    requests = _requests(
+        SamplingParams(temperature=0.8, top_k=20, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.6, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=3),
+    )
+    kept = _processed_logits(logits.clone(), requests).isfinite()
+    sampler = Sampler(backend="triton")
+    for trial in range(6):
+        tokens = sampler(logits.clone(), requests, _generators(4, seed=trial)).token_ids
+        assert all(kept[row, token] for row, token in enumerate(tokens)), (trial, tokens)
+        assert tokens[2] == int(logits[2].argmax())
+        again = sampler(logits.clone(), requests, _generators(4, seed=trial)).token_ids
+        assert again == tokens
+        alone = sampler(logits[3:].clone(), requests[3:], _generators(4, seed=trial)[3:])
+        assert alone.token_ids == tokens[3:]
+
+
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     logits = torch.tensor([[0.0, 0.0, 10.0, 9.0, 1.0]])  # EOS (2) then stop token 3 lead
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])
