@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak proofs
+.PHONY: install serve test lint protos soak proofs gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +41,8 @@ soak: install
 # the Triton kernels interpreted on the CPU, every one of the 32 requests run alone as well.
 proofs: install
 	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py
+
+# Not part of `make test`: on a machine with a CUDA device, the tests marked gpu, the engine's throughput against
+# Transformers' static batch (1, 32, 256 requests) and the paged decode kernel's bandwidth; files in $(OUT) or gpu-check/.
+gpu-check: install
+	PYTHON=$(BIN)/python bash tests/gpu/check.sh

@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
 from llmrpc.engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
     QUANTIZATION_METHODS,
     CacheConfig,
     CompilationConfig,
@@ -82,6 +84,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LEVEL|JSON",
         help="As in `llmrpc serve` (default 0: eager).",
     )
+    parser.add_argument(
+        "--device", choices=DEVICES, default="auto", help="As in `llmrpc serve` (default auto)."
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="As in `llmrpc serve` (default auto).",
+    )
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="As in `llmrpc serve`, for the engine."
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="As in `llmrpc serve`."
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -120,9 +137,17 @@ class EngineSide:
         self.core = EngineCore(
             EngineConfig(
                 model=ModelConfig(
-                    model=args.model, dtype=args.dtype, quantization=args.quantization
+                    model=args.model,
+                    dtype=args.dtype,
+                    quantization=args.quantization,
+                    device=args.device,
+                    attention_backend=args.attention_backend,
+                    batch_invariant=args.batch_invariant,
                 ),
-                cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory),
+                cache=CacheConfig(
+                    kv_cache_memory_gib=args.kv_cache_memory,
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                ),
                 compilation=args.compilation_config,
                 scheduler=SchedulerConfig(
                     max_num_seqs=args.max_num_seqs,
@@ -150,18 +175,24 @@ class TransformersSide:
 
     name = "transformers"
 
-    def __init__(self, model_dir: Path, dtype, batch_size: int | None) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    def __init__(self, model_dir: Path, dtype, batch_size: int | None, device) -> None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model = model.to(device).eval()
+        self.device = device
         self.batch_size = batch_size
 
     def run(self, prompts: list[list[int]], output_len: int) -> int:
         size = self.batch_size or len(prompts)
-        return sum(
+        num_tokens = sum(
             self._generate(prompts[i : i + size], output_len) for i in range(0, len(prompts), size)
         )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the run ends when the device is done
+        return num_tokens
 
     def _generate(self, batch: list[list[int]], num_tokens: int) -> int:
-        input_ids = torch.tensor(batch)  # [batch, input_len]: equal lengths, no padding
+        # [batch, input_len]: equal lengths, no padding
+        input_ids = torch.tensor(batch, device=self.device)
         with torch.inference_mode():
             output = self.model.generate(
                 input_ids,
@@ -261,7 +292,9 @@ def run(args: argparse.Namespace) -> int:
     core = engine.core
     sides = [engine]
     if args.baseline == "transformers":
-        sides.append(TransformersSide(core.model_dir, core.dtype, args.baseline_batch_size))
+        sides.append(
+            TransformersSide(core.model_dir, core.dtype, args.baseline_batch_size, core.device)
+        )
     vocab_size = core.hf_config.vocab_size
     prompts, warmup_prompts = (
         random_prompts(args.num_prompts, args.input_len, vocab_size, seed)
@@ -278,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         "compilation_level": core.compilation.level,
         "compiled": core.runner.compiled_decode is not None,
         "dtype": str(core.dtype).removeprefix("torch."),
+        "device": str(core.device),
+        "attention_backend": core.attention_backend,
         "layers": dict(Counter(type(m).__name__ for m in core.model.modules() if _linear(m))),
         "model_dir": str(core.model_dir),
     }

@@ -25,6 +25,7 @@ def make_core(
     max_model_len: int | None = 512,
     compilation: CompilationConfig | None = None,
     attention_backend: str = "auto",
+    device: str = "cpu",  # the CPU suite's engines run on the CPU even where CUDA is visible
     batch_invariant: bool = False,
     enable_prefix_caching: bool = True,
     **scheduler,
@@ -36,6 +37,7 @@ def make_core(
                 dtype=dtype,
                 max_model_len=max_model_len,
                 attention_backend=attention_backend,
+                device=device,
                 batch_invariant=batch_invariant,
             ),
             cache=CacheConfig(

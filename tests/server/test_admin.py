@@ -52,9 +52,10 @@ async def test_server_info_has_version_capabilities_and_config(admin, server: Ru
     assert info.config["dtype"] == "float32"
     assert info.config["max_model_len"] == "512"
     assert info.config["num_gpu_blocks_override"] == "256"
-    assert info.capabilities.device == "cpu"
+    device = server.engine.device
+    assert info.capabilities.device == device and device.split(":")[0] in ("cpu", "cuda")
     assert info.capabilities.kv_cache_bytes == 256 * 2 * 2 * 16 * 2 * 16 * 4
-    assert info.capabilities.device_memory_total_bytes == 0
+    assert (info.capabilities.device_memory_total_bytes > 0) == (device != "cpu")
 
 
 async def test_model_info_and_list_models(admin, server: RunningServer):
@@ -132,9 +133,11 @@ async def test_load_reports_requests_kv_usage_and_throughput(
     assert idle.num_kv_blocks == 256 and idle.kv_cache_usage == 0.0 and not idle.is_sleeping
     # the tiny model: 2 layers x keys and values x 16 tokens x 2 KV heads x 16 dims x 4 bytes
     assert idle.kv_cache_bytes == 256 * 2 * 2 * 16 * 2 * 16 * 4
-    # on the CPU: no device memory, and no utilization field at all
-    assert (idle.device_memory_used_bytes, idle.device_memory_total_bytes) == (0, 0)
-    assert not idle.HasField("device_utilization")
+    if server.engine.device == "cpu":  # no device memory, and no utilization field at all
+        assert (idle.device_memory_used_bytes, idle.device_memory_total_bytes) == (0, 0)
+        assert not idle.HasField("device_utilization")
+    else:
+        assert 0 < idle.device_memory_used_bytes <= idle.device_memory_total_bytes
     async with live_stream(generation, server, monkeypatch):
         busy = await admin.GetLoad(admin_pb2.GetLoadRequest())
     assert busy.num_running_requests == 1
