@@ -3,7 +3,9 @@
 flat batch of new tokens, causal over cached prefix and new tokens alike).
 
 The KV cache of a layer is ``key_cache``/``value_cache``, each ``[num_blocks, block_size,
-num_kv_heads, head_dim]``, contiguous, in the query's dtype; a flat slot is ``block_id *
+num_kv_heads, head_dim]``, contiguous, in the query's dtype or in fp8 (``--kv-cache-dtype``: e4m3
+or e5m2), where a stored value is ``key / k_scale`` rounded to fp8 and is read back as
+``fp8 * k_scale`` rounded to the query's dtype (likewise ``v_scale``); a flat slot is ``block_id *
 block_size + offset`` and ``block_tables[s]`` names sequence ``s``'s blocks in order. Every kernel
 has a pure-torch twin (``*_torch``) that the tests hold it to, and a wrapper that checks the layout
 contract (``ValueError`` naming the argument) before any launch.
@@ -27,6 +29,9 @@ import triton.language as tl
 from llmrpc.kernels.triton_utils import check, check_device, dot_in_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# fp8 type -> (mantissa bits, exponent of its smallest normal)
+_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = math.log2(math.e)
 # Decode split-K: one split per this many tokens of the block-table width, at most _MAX_SPLITS.
@@ -44,7 +49,9 @@ def _store_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     num_tokens, num_kv_heads,
+    k_inv_scale, v_inv_scale,  # 1 / k_scale, 1 / v_scale: used for an fp8 cache only
     HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
 ):  # fmt: skip
     # TOKENS tokens a program: copy each one's [num_kv_heads, head_dim] key and value rows to
     # its slot. A padding row (slot -1) and a token past the end leave the cache as it was.
@@ -55,12 +62,44 @@ def _store_kv_kernel(
     offs_h = tl.arange(0, BLOCK_H)[None, :, None]
     offs_d = tl.arange(0, BLOCK_D)[None, None, :]
     mask = (slot >= 0) & (offs_h < num_kv_heads) & (offs_d < HEAD_DIM)
-    # A plain copy (no arithmetic), so the cache gets the bits of key and value.
+    # A plain copy (no arithmetic), so the cache gets the bits of key and value; an fp8 cache
+    # gets them scaled in float32, rounded once.
     dst = slot * num_kv_heads * HEAD_DIM + offs_h * HEAD_DIM + offs_d
     key = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
-    tl.store(key_cache_ptr + dst, key, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    if FP8:
+        key = _round_fp8(key.to(tl.float32) * k_inv_scale, MANTISSA, MIN_EXPONENT)
+        value = _round_fp8(value.to(tl.float32) * v_inv_scale, MANTISSA, MIN_EXPONENT)
+        key = key.to(key_cache_ptr.dtype.element_ty)
+        value = value.to(value_cache_ptr.dtype.element_ty)
+    tl.store(key_cache_ptr + dst, key, mask=mask)
     tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+@triton.jit
+def _round_fp8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """``x`` (float32, within the fp8 type's range) rounded to nearest even on the fp8 grid of
+    ``MANTISSA`` bits whose smallest normal is ``2**MIN_EXPONENT``, held in float32, so that the
+    conversion after it is exact: the interpreter's conversion truncates, where torch's and the
+    GPU's round."""
+    shift: tl.constexpr = 23 - MANTISSA
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift << shift
+    normal = bits.to(tl.float32, bitcast=True)
+    # below the smallest normal the grid is evenly spaced by 2**(MIN_EXPONENT - MANTISSA):
+    # adding and taking away 1.5 * 2**23 steps rounds to it (float32 addition rounds to even)
+    magic: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXPONENT - MANTISSA)
+    subnormal = (x + magic) - magic
+    subnormal = tl.where(subnormal == 0.0, x * 0.0, subnormal)  # keeps the sign of a zero
+    return tl.where(tl.abs(x) < 2.0**MIN_EXPONENT, subnormal, normal)
+
+
+@triton.jit
+def _dequantize(x, scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    """An fp8 cache's values as ``dtype`` (``x * scale``, rounded once); others as they are."""
+    if FP8:
+        return (x.to(tl.float32) * scale).to(dtype)
+    return x
 
 
 def store_kv(
@@ -69,8 +108,11 @@ def store_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; -1 skips the row
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's key and value rows to its flat slot of the caches."""
+    """Write each token's key and value rows to its flat slot of the caches (an fp8 cache gets
+    ``key / k_scale`` and ``value / v_scale``)."""
     device = key.device
     for name, t in (("key", key), ("value", value)):
         check(
@@ -90,21 +132,28 @@ def store_kv(
     num_kv_heads, head_dim = key.shape[1:]
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     tokens_per_program = max(1, min(64, 4096 // (block_h * block_d)))
+    mantissa, min_exponent = _FP8_GRID.get(key_cache.dtype, (0, 0))
     _store_kv_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        num_tokens, num_kv_heads,
+        num_tokens, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_DIM=head_dim, TOKENS=tokens_per_program, BLOCK_H=block_h, BLOCK_D=block_d,
+        FP8=key_cache.dtype in FP8_DTYPES, MANTISSA=mantissa, MIN_EXPONENT=min_exponent,
     )  # fmt: skip
 
 
-def store_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
+def store_kv_torch(
+    key, value, key_cache, value_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
     """The twin of ``store_kv``: ``index_copy_`` of the rows whose slot is not -1."""
-    num_kv_heads, head_dim = key.shape[1:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep])
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep])
+    for rows, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        rows = rows[keep]
+        if cache.dtype in FP8_DTYPES:  # torch has no fp8 index_copy_: copy the bytes
+            rows = (rows.float() * (1.0 / scale)).to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        cache.view(-1, *rows.shape[1:]).index_copy_(0, slots, rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,11 +165,12 @@ def _decode_split_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_out_ptr,
     qk_scale,  # softmax scale * log2(e)
+    k_scale, v_scale,  # an fp8 cache's scales
     stride_qs, stride_qh, stride_bs, stride_bb, stride_os, stride_oh,
     blocks_per_split,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # Program (seq, kv_head, split): the GROUP query heads of one KV head over the split's range
     # of the sequence's blocks, so that each K/V block is loaded once for the whole group.
@@ -161,6 +211,8 @@ def _decode_split_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = _dequantize(k, k_scale, query_ptr.dtype.element_ty, FP8)
+        v = _dequantize(v, v_scale, query_ptr.dtype.element_ty, FP8)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -230,6 +282,8 @@ def decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in query's dtype
     """Attention of one query token per sequence over its first ``seq_lens[s]`` cached positions.
@@ -272,13 +326,14 @@ def decode_attention(
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_max, part_sum, part_out,
-        scale * _LOG2E,
+        scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
         triton.cdiv(max_blocks, num_splits),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # the smallest tensor-core tile
         BLOCK_D=block_d, ONE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(query.dtype),
+        FP8=key_cache.dtype in FP8_DTYPES,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -297,7 +352,14 @@ def default_num_splits(max_blocks: int, block_size: int) -> int:
 
 
 def decode_attention_torch(
-    query, key_cache, value_cache, block_tables, seq_lens, scale
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The twin of ``decode_attention``: gather the blocks, mask, softmax in float32."""
     num_seqs, num_heads, head_dim = query.shape
@@ -306,8 +368,8 @@ def decode_attention_torch(
     # [num_seqs, context, num_kv_heads, head_dim]; positions past seq_len zeroed (may be NaN)
     valid = torch.arange(context, device=query.device) < seq_lens.view(-1, 1)
     rows = (num_seqs, context, num_kv_heads, head_dim)
-    keys = key_cache[block_tables.long()].reshape(rows).float()
-    values = value_cache[block_tables.long()].reshape(rows).float()
+    keys = _read(key_cache[block_tables.long()].reshape(rows), k_scale, query.dtype)
+    values = _read(value_cache[block_tables.long()].reshape(rows), v_scale, query.dtype)
     keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
     values = values.masked_fill(~valid[:, :, None, None], 0.0)
     # query heads sharing a KV head: [num_seqs, num_kv_heads, group, head_dim]
@@ -316,6 +378,14 @@ def decode_attention_torch(
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("skgl,slkd->skgd", scores.softmax(-1), values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _read(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as the kernels read them, in float32: an fp8 cache's as ``fp8 * scale``
+    rounded to ``dtype``."""
+    if cache_rows.dtype in FP8_DTYPES:
+        cache_rows = (cache_rows.float() * scale).to(dtype)
+    return cache_rows.float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,9 +397,10 @@ def _prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
     seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e)
+    k_scale, v_scale,  # an fp8 cache's scales
     stride_qt, stride_qh, stride_bs, stride_bb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # Program (tile, kv_head, seq): BLOCK_M rows of (query token, query head of the KV head's
     # group) pairs, token-major, against the sequence's keys block by block (flash attention).
@@ -372,6 +443,8 @@ def _prefill_kernel(
         kv_mask = (k_pos < seq_len)[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = _dequantize(k, k_scale, query_ptr.dtype.element_ty, FP8)
+        v = _dequantize(v, v_scale, query_ptr.dtype.element_ty, FP8)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -401,6 +474,8 @@ def prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in query's dtype
     """Causal attention of a flat batch of new tokens over their sequences' cached context.
@@ -436,17 +511,26 @@ def prefill_attention(
     block_m = min(_PREFILL_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     _prefill_kernel[(triton.cdiv(rows, block_m), num_kv_heads, num_seqs)](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E,
+        scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_F32=dot_in_f32(query.dtype),
+        FP8=key_cache.dtype in FP8_DTYPES,
     )  # fmt: skip
     return out
 
 
 def prefill_attention_torch(
-    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The twin of ``prefill_attention``: one sequence at a time, softmax in float32."""
     num_tokens, num_heads, head_dim = query.shape
@@ -456,8 +540,9 @@ def prefill_attention_torch(
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         seq_len, num_q = int(seq_lens[s]), end - start
         blocks = block_tables[s, : triton.cdiv(seq_len, block_size)].long()
-        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        keys, values = _read(keys, k_scale, query.dtype), _read(values, v_scale, query.dtype)
         q = query[start:end].float().reshape(num_q, num_kv_heads, -1, head_dim)
         scores = torch.einsum("qkgd,lkd->kgql", q, keys) * scale
         q_pos = torch.arange(num_q, device=query.device) + seq_len - num_q
@@ -485,14 +570,18 @@ def _check_query(query: torch.Tensor) -> tuple[int, int, int]:
 
 def _check_caches(key_cache, value_cache, dtype, device, num_kv_heads, head_dim, of="query"):
     """Both caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, in ``dtype``
-    (``of``'s) and matching ``of``'s head count (where given) and head size; returns the former."""
+    (``of``'s) or fp8, and matching ``of``'s head count (where given) and head size; returns the
+    former."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         check(
             cache.dim() == 4,
             f"{name} must be [num_blocks, block_size, num_kv_heads, "
             f"head_dim], got shape {tuple(cache.shape)}",
         )
-        check(cache.dtype == dtype, f"{name} is {cache.dtype}, expected {dtype} (the {of}'s)")
+        check(
+            cache.dtype in (dtype, *FP8_DTYPES),
+            f"{name} is {cache.dtype}, expected {dtype} (the {of}'s) or an fp8 dtype",
+        )
         check(cache.is_contiguous(), f"{name} must be contiguous")
         check_device(name, cache, device)
         check(

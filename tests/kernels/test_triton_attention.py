@@ -9,6 +9,8 @@ must neither skip an output element nor let a masked-out position contribute.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ LAYOUTS = [
     pytest.param((32, 80, 6, 2, torch.int64), id="bs32-d80-gqa6/2"),  # a group of 3
 ]
 GQA = (16, 64, 4, 2, torch.int32)
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALE = 0.125
 NAN = float("nan")
 
@@ -219,6 +222,57 @@ class KernelChecks:
     def test_prefill_one_token_each(self, dtype):
         """Decode-shaped rows through the prefill kernel (its smallest tile)."""
         self.run_prefill([(1, 7), (1, 40), (1, 1)], (32, 64, 2, 1, torch.int64), dtype)
+
+    # ---- an fp8 KV cache (--kv-cache-dtype)
+
+    @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+    def test_fp8_cache(self, fp8, dtype):
+        """Stores round ``key / k_scale`` to fp8 exactly as the twin does (the same bytes), and
+        both attention kernels read ``fp8 * scale`` as their twins do."""
+        k_scale, v_scale = 0.5, 2.0
+        seq_lens = [1, 37, 90]
+        key_cache, value_cache, tables = make_cache(seq_lens, 16, 2, 64, dtype, self.device)
+        key_cache = (key_cache.float() / k_scale).to(fp8)  # NaN slots stay NaN
+        value_cache = (value_cache.float() / v_scale).to(fp8)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        # store: a token to each sequence's next slot (one of them a padding row)
+        slots = torch.tensor([5, -1, 7 * 16 + 3], device=self.device)
+        new = make_query(3, 2, 2, 64, dtype, self.device, seed=4)
+        stored_k, stored_v = key_cache.clone(), value_cache.clone()
+        twin_k, twin_v = key_cache.clone(), value_cache.clone()
+        ta.store_kv(new, new * 3, stored_k, stored_v, slots, **scales)
+        ta.store_kv_torch(new, new * 3, twin_k, twin_v, slots, **scales)
+        for stored, twin in ((stored_k, twin_k), (stored_v, twin_v)):
+            assert torch.equal(stored.view(torch.uint8), twin.view(torch.uint8))
+        # decode and prefill over the fp8 cache
+        query = make_query(3, 4, 2, 64, dtype, self.device)
+        lens = torch.tensor(seq_lens, device=self.device)
+        args = (query, key_cache, value_cache, tables, lens)
+        out = poisoned_like(query)
+        result = ta.decode_attention(*args, SCALE, out=out, **scales)
+        assert_matches(result, ta.decode_attention_torch(*args, SCALE, **scales))
+        starts = torch.tensor([0, 1, 2, 3], device=self.device)
+        args = (query, key_cache, value_cache, tables, starts, lens)
+        result = ta.prefill_attention(*args, SCALE, out=poisoned_like(query), **scales)
+        assert_matches(result, ta.prefill_attention_torch(*args, SCALE, **scales))
+
+    @pytest.mark.parametrize(
+        "fp8, largest", [(FP8[0], 440.0), (FP8[1], 50000.0)], ids=["e4m3", "e5m2"]
+    )
+    def test_fp8_store_rounds_as_torch_over_the_whole_range(self, fp8, largest):
+        """Magnitudes from 1e-7 (below the subnormals: signed zeros) to the largest finite,
+        both signs: the kernel rounds to nearest even as torch does, byte for byte."""
+        gen = torch.Generator().manual_seed(0)
+        exponents = torch.rand(4096, generator=gen) * math.log(largest / 1e-7) + math.log(1e-7)
+        signs = torch.randn(4096, generator=gen).sign()
+        values = (exponents.exp() * signs).view(32, 2, 64).to(self.device)
+        stored = torch.zeros(3, 16, 2, 64, dtype=fp8, device=self.device)
+        twin = stored.clone()
+        slots = torch.arange(32, device=self.device)
+        ta.store_kv(values, values, stored, stored.clone(), slots)
+        ta.store_kv_torch(values, values, twin, twin.clone(), slots)
+        assert torch.equal(stored.view(torch.uint8), twin.view(torch.uint8))
 
     # ---- layout contract
 
