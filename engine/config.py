@@ -13,6 +13,7 @@ MODEL_IMPLS = ("auto", "vllm", "transformers")  # "vllm": our native models, as 
 # --quantization: weight-only int8 and int4 (ours), and a .gguf file's own blocks (vLLM's name)
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 DEVICES = ("auto", "cuda", "cpu")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # --attention-backend: the kernels of the attention, norm and rotary steps (kernels/)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # -O / --compilation-config levels, as vLLM numbers them: 0 eager; 1-3 all compile decode steps here
@@ -98,6 +99,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 4.0  # host memory for the KV cache when no GPU is used
     gpu_memory_utilization: float = 0.9  # share of a CUDA device's memory for the engine
+    cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model's dtype), or an fp8 type
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"
@@ -105,6 +107,16 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.cache_dtype == "fp8_inc":
+            raise ValueError(
+                "--kv-cache-dtype fp8_inc is for Intel Gaudi devices; use fp8 (fp8_e4m3) or "
+                "fp8_e5m2"
+            )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.cache_dtype!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"

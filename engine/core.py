@@ -55,6 +55,14 @@ _DTYPES = {
 }
 
 
+# --kv-cache-dtype -> the cache's torch dtype ("auto": the model's)
+_KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 def resolve_dtype(name: str, hf_config) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -134,7 +142,7 @@ def check_capacity(config: EngineConfig, max_model_len: int, num_blocks: int) ->
         )
 
 
-def check_batch_invariant(model, attention_backend: str) -> None:
+def check_batch_invariant(model, attention_backend: str, kv_in_model_dtype: bool) -> None:
     """``--batch-invariant`` holds where each step's numbers for a row do not depend on the other
     rows: every matmul is our blocked bfloat16 kernel (one float32 chain per output, the same
     for any number of rows), and on the torch backend attention is the C++ decode kernel (one
@@ -143,6 +151,11 @@ def check_batch_invariant(model, attention_backend: str) -> None:
         raise ValueError(
             "--batch-invariant needs the C++ CPU kernels on the torch backend; they did not "
             "build here (the log says why)"
+        )
+    if attention_backend == "torch" and not kv_in_model_dtype:
+        raise ValueError(
+            "--batch-invariant with an fp8 KV cache needs --attention-backend triton: the C++ "
+            "decode kernel, which the torch backend needs for it, reads the model's dtype only"
         )
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear | PackedLinear | QuantizedLinear):
@@ -175,6 +188,7 @@ class EngineCore:
             packaged=model_config.model is None,
         )
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
+        self.kv_cache_dtype = _KV_CACHE_DTYPES.get(cache_config.cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
         self.device = resolve_device(model_config.device)
         self.attention_backend = resolve_attention_backend(
@@ -188,7 +202,7 @@ class EngineCore:
             num_tokens = self._profile_tokens(config)
             num_blocks = -(-num_tokens // block_size)
         else:
-            num_blocks = num_kv_blocks(cache_config, self.hf_config, self.dtype)
+            num_blocks = num_kv_blocks(cache_config, self.hf_config, self.kv_cache_dtype)
             check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         self.model = self._load_model()
         self.runner = ModelRunner(
@@ -196,7 +210,7 @@ class EngineCore:
             self.hf_config,
             num_blocks,
             block_size,
-            self.dtype,
+            self.kv_cache_dtype,
             self.attention_backend,
             model_config.batch_invariant,
         )
@@ -280,7 +294,9 @@ class EngineCore:
         free, total = torch.cuda.mem_get_info(device)
         peak = torch.cuda.max_memory_allocated(device)
         other = total - free - torch.cuda.memory_reserved(device)
-        block_bytes = kv_bytes_per_block(self.hf_config, config.cache.block_size, self.dtype)
+        block_bytes = kv_bytes_per_block(
+            self.hf_config, config.cache.block_size, self.kv_cache_dtype
+        )
         num_blocks = kv_blocks_for_device_memory(
             total, config.cache.gpu_memory_utilization, peak, other, block_bytes
         )
@@ -315,7 +331,7 @@ class EngineCore:
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         if self.model_config.batch_invariant:
-            check_batch_invariant(model, self.attention_backend)
+            check_batch_invariant(model, self.attention_backend, self.kv_cache_dtype == self.dtype)
         return model
 
     def _compile_decode(self) -> None:
@@ -326,7 +342,11 @@ class EngineCore:
                 "--enforce-eager overrides --compilation-config level %d: the engine runs eager",
                 compilation.requested_level,
             )
-        if compilation.level:
+        if compilation.level and self.kv_cache_dtype != self.dtype:
+            logger.warning(
+                "decode steps run eager, not compiled: the KV cache is %s", self.kv_cache_dtype
+            )
+        elif compilation.level:
             self.runner.compile_decode()
 
     @property

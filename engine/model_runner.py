@@ -16,7 +16,7 @@ from llmrpc.engine.models.llama import head_dim_of
 from llmrpc.engine.request import Request
 from llmrpc.engine.scheduler import SchedulerOutput
 from llmrpc.kernels import cpu_ops
-from llmrpc.kernels.attention import AttentionMetadata, PrefillSeq
+from llmrpc.kernels.attention import FP8_DTYPES, AttentionMetadata, PrefillSeq
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class ModelRunner:
         hf_config,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
         backend: str = "torch",
         batch_invariant: bool = False,
     ) -> None:
@@ -88,7 +88,7 @@ class ModelRunner:
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
         self._num_layers = hf_config.num_hidden_layers
-        self._dtype = dtype
+        self._dtype = kv_cache_dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache()
 
@@ -208,7 +208,9 @@ class ModelRunner:
         triton = self.backend == "triton"
         # The C++ decode kernel takes short prompt chunks one token per row; Triton's prefill
         # kernel takes every chunk of the step in one call.
-        rows_as_decodes_max = _ROWS_AS_DECODES_MAX_CONTEXT if cpu_ops.loaded() and not triton else 0
+        fp8 = self._dtype in FP8_DTYPES  # the C++ decode kernel reads the model's dtype only
+        fits = cpu_ops.loaded() and not triton and not fp8
+        rows_as_decodes_max = _ROWS_AS_DECODES_MAX_CONTEXT if fits else 0
         prefill_rows, prefill_starts, prefill_lens, prefill_tables = [], [0], [], []
         for request, num_new in output.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from llmrpc.kernels import cpu_ops
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # --kv-cache-dtype fp8, fp8_e5m2
+
 
 @dataclass
 class PrefillSeq:
@@ -53,17 +55,36 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """Store each new token's key and value in its slot (``metadata.slot_mapping``)."""
+    """Store each new token's key and value in its slot (``metadata.slot_mapping``); an fp8
+    cache (``--kv-cache-dtype``) gets ``key / k_scale`` and ``value / v_scale``, rounded once."""
     if metadata.backend == "triton":
         from llmrpc.kernels import triton_attention
 
-        triton_attention.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        triton_attention.store_kv(
+            key, value, key_cache, value_cache, metadata.slot_mapping, *kv_scales
+        )
         return
-    slot_mapping = metadata.slot_mapping
-    num_kv_heads, head_dim = key.shape[1:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    store_kv_rows(key, value, key_cache, value_cache, metadata.slot_mapping, kv_scales)
+
+
+def store_kv_rows(key, value, key_cache, value_cache, slot_mapping, kv_scales) -> None:
+    """``write_kv``'s torch path, for slots that are all real (no -1)."""
+    for rows, cache, scale in ((key, key_cache, kv_scales[0]), (value, value_cache, kv_scales[1])):
+        if cache.dtype in FP8_DTYPES:  # torch has no fp8 index_copy_: copy the bytes
+            largest = torch.finfo(cache.dtype).max  # beyond it: the largest, not NaN or inf
+            rows = (rows.float() * (1.0 / scale)).clamp(-largest, largest)
+            rows = rows.to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
+
+
+def read_kv(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows in ``dtype``: an fp8 cache's as ``fp8 * scale``, rounded once."""
+    if cache_rows.dtype in FP8_DTYPES:
+        return (cache_rows.float() * scale).to(dtype)
+    return cache_rows
 
 
 def paged_attention(
@@ -72,9 +93,10 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if metadata.backend == "triton":
-        return _triton_attention(query, key_cache, value_cache, metadata, scale)
+        return _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales)
     if metadata.decodes_only and _kernel_fits(query, key_cache, value_cache):
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         return torch.ops.llmrpc_cpu.decode_attention(
@@ -84,15 +106,16 @@ def paged_attention(
         )  # fmt: skip
     output = torch.empty_like(query)
     if metadata.decode_indices.numel():
-        _decode_attention(query, key_cache, value_cache, metadata, scale, output)
+        _decode_attention(query, key_cache, value_cache, metadata, scale, output, kv_scales)
     for seq in metadata.prefills:
-        _prefill_attention(query, key_cache, value_cache, seq, scale, output)
+        _prefill_attention(query, key_cache, value_cache, seq, scale, output, kv_scales)
     return output
 
 
-def _triton_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+def _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales) -> torch.Tensor:
     from llmrpc.kernels import triton_attention
 
+    k_scale, v_scale = kv_scales
     decode = functools.partial(
         triton_attention.decode_attention,
         key_cache=key_cache,
@@ -100,6 +123,8 @@ def _triton_attention(query, key_cache, value_cache, metadata, scale) -> torch.T
         block_tables=metadata.decode_block_tables,
         seq_lens=metadata.decode_seq_lens,
         scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if metadata.decodes_only:
         return decode(query)
@@ -111,12 +136,12 @@ def _triton_attention(query, key_cache, value_cache, metadata, scale) -> torch.T
         output[rows] = triton_attention.prefill_attention(
             query[rows], key_cache, value_cache, metadata.prefill_block_tables,
             metadata.prefill_query_start_loc, metadata.prefill_seq_lens, scale,
-            max_query_len=metadata.prefill_max_query_len,
+            max_query_len=metadata.prefill_max_query_len, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return output
 
 
-def _decode_attention(query, key_cache, value_cache, metadata, scale, output) -> None:
+def _decode_attention(query, key_cache, value_cache, metadata, scale, output, kv_scales) -> None:
     rows = metadata.decode_indices
     if _kernel_fits(query, key_cache, value_cache):
         output[rows] = torch.ops.llmrpc_cpu.decode_attention(
@@ -124,10 +149,14 @@ def _decode_attention(query, key_cache, value_cache, metadata, scale, output) ->
             metadata.decode_seq_lens, scale,
         )  # fmt: skip
     else:
-        output[rows] = decode_attention_torch(query[rows], key_cache, value_cache, metadata, scale)
+        output[rows] = decode_attention_torch(
+            query[rows], key_cache, value_cache, metadata, scale, kv_scales
+        )
 
 
-def decode_attention_torch(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+def decode_attention_torch(
+    query, key_cache, value_cache, metadata, scale, kv_scales=(1.0, 1.0)
+) -> torch.Tensor:
     """The pure-torch decode path: ``query`` is ``[num_decodes, num_heads, head_dim]``."""
     tables = metadata.decode_block_tables
     num_decodes, max_blocks = tables.shape
@@ -135,8 +164,10 @@ def decode_attention_torch(query, key_cache, value_cache, metadata, scale) -> to
     # [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]; index_select copies whole
     # blocks (advanced indexing, key_cache[tables], took 6x as long at 32 sequences)
     flat = tables.view(-1)
-    keys = key_cache.index_select(0, flat).view(num_decodes, -1, num_kv_heads, head_dim)
-    values = value_cache.index_select(0, flat).view(num_decodes, -1, num_kv_heads, head_dim)
+    keys = read_kv(key_cache.index_select(0, flat), kv_scales[0], query.dtype)
+    values = read_kv(value_cache.index_select(0, flat), kv_scales[1], query.dtype)
+    keys = keys.view(num_decodes, -1, num_kv_heads, head_dim)
+    values = values.view(num_decodes, -1, num_kv_heads, head_dim)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # Query heads sharing a KV head become rows of one attention problem (grouped-query
     # attention without repeating keys): [num_decodes, num_kv_heads, group, head_dim].
@@ -155,7 +186,8 @@ def _kernel_fits(query, key_cache, value_cache) -> bool:
         return False
     head_dim = query.shape[2]
     return (
-        head_dim % _vector_width() == 0
+        key_cache.dtype == query.dtype  # not an fp8 cache
+        and head_dim % _vector_width() == 0
         and head_dim <= 256
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
@@ -169,11 +201,15 @@ def _vector_width() -> int:
     return cpu_ops.vector_width()
 
 
-def _prefill_attention(query, key_cache, value_cache, seq: PrefillSeq, scale, output) -> None:
+def _prefill_attention(
+    query, key_cache, value_cache, seq: PrefillSeq, scale, output, kv_scales
+) -> None:
     _, _, num_kv_heads, head_dim = key_cache.shape
     num_queries = seq.query_end - seq.query_start
-    keys = key_cache.index_select(0, seq.block_ids).view(-1, num_kv_heads, head_dim)
-    values = value_cache.index_select(0, seq.block_ids).view(-1, num_kv_heads, head_dim)
+    keys = read_kv(key_cache.index_select(0, seq.block_ids), kv_scales[0], query.dtype)
+    values = read_kv(value_cache.index_select(0, seq.block_ids), kv_scales[1], query.dtype)
+    keys = keys.view(-1, num_kv_heads, head_dim)
+    values = values.view(-1, num_kv_heads, head_dim)
     keys, values = keys[: seq.seq_len], values[: seq.seq_len]
     q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)
     k = keys.transpose(0, 1).unsqueeze(0)

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from llmrpc.kernels.attention import FP8_DTYPES, read_kv, store_kv_rows
 from llmrpc.kernels.triton_utils import check, check_device, dot_in_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # fp8 type -> (mantissa bits, exponent of its smallest normal)
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -51,7 +51,7 @@ def _store_kv_kernel(
     num_tokens, num_kv_heads,
     k_inv_scale, v_inv_scale,  # 1 / k_scale, 1 / v_scale: used for an fp8 cache only
     HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    FP8: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, LARGEST: tl.constexpr,
 ):  # fmt: skip
     # TOKENS tokens a program: copy each one's [num_kv_heads, head_dim] key and value rows to
     # its slot. A padding row (slot -1) and a token past the end leave the cache as it was.
@@ -68,8 +68,11 @@ def _store_kv_kernel(
     key = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     if FP8:
-        key = _round_fp8(key.to(tl.float32) * k_inv_scale, MANTISSA, MIN_EXPONENT)
-        value = _round_fp8(value.to(tl.float32) * v_inv_scale, MANTISSA, MIN_EXPONENT)
+        # beyond the largest finite fp8 value: the largest, as the twin clamps
+        key = tl.minimum(tl.maximum(key.to(tl.float32) * k_inv_scale, -LARGEST), LARGEST)
+        value = tl.minimum(tl.maximum(value.to(tl.float32) * v_inv_scale, -LARGEST), LARGEST)
+        key = _round_fp8(key, MANTISSA, MIN_EXPONENT)
+        value = _round_fp8(value, MANTISSA, MIN_EXPONENT)
         key = key.to(key_cache_ptr.dtype.element_ty)
         value = value.to(value_cache_ptr.dtype.element_ty)
     tl.store(key_cache_ptr + dst, key, mask=mask)
@@ -139,6 +142,7 @@ def store_kv(
         num_tokens, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_DIM=head_dim, TOKENS=tokens_per_program, BLOCK_H=block_h, BLOCK_D=block_d,
         FP8=key_cache.dtype in FP8_DTYPES, MANTISSA=mantissa, MIN_EXPONENT=min_exponent,
+        LARGEST=torch.finfo(key_cache.dtype).max if key_cache.dtype in FP8_DTYPES else 0.0,
     )  # fmt: skip
 
 
@@ -148,12 +152,7 @@ def store_kv_torch(
     """The twin of ``store_kv``: ``index_copy_`` of the rows whose slot is not -1."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    for rows, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
-        rows = rows[keep]
-        if cache.dtype in FP8_DTYPES:  # torch has no fp8 index_copy_: copy the bytes
-            rows = (rows.float() * (1.0 / scale)).to(cache.dtype).view(torch.uint8)
-            cache = cache.view(torch.uint8)
-        cache.view(-1, *rows.shape[1:]).index_copy_(0, slots, rows)
+    store_kv_rows(key[keep], value[keep], key_cache, value_cache, slots, (k_scale, v_scale))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,11 +380,8 @@ def decode_attention_torch(
 
 
 def _read(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Cached rows as the kernels read them, in float32: an fp8 cache's as ``fp8 * scale``
-    rounded to ``dtype``."""
-    if cache_rows.dtype in FP8_DTYPES:
-        cache_rows = (cache_rows.float() * scale).to(dtype)
-    return cache_rows.float()
+    """Cached rows as the kernels read them, in float32."""
+    return read_kv(cache_rows, scale, dtype).float()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -417,8 +417,14 @@ _KV_CACHE = _group(
           "--num-gpu-blocks-override). On the CPU --kv-cache-memory sizes the cache, and a value "
           "other than the default is logged as unused."),
     inert("--swap-space", 4.0, float, "sizes swap for preemption; preemption recomputes here"),
-    refused("--kv-cache-dtype", "auto", str, NOT_SUPPORTED,
-            choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
+    works("--kv-cache-dtype", "auto", str, "cache.cache_dtype",
+          "The KV cache's dtype: auto (the model's), or fp8 (= fp8_e4m3) or fp8_e5m2, which "
+          "hold twice (bfloat16) to four times (float32) the tokens in the same memory: keys "
+          "and values are stored divided by a per-layer scale (1: this build reads none from "
+          "checkpoints) and rounded to fp8, and read back in the model's dtype. On the CPU the "
+          "torch path then dequantizes gathered blocks instead of running the C++ decode "
+          "kernel (slower). fp8_inc (Intel Gaudi) is refused.",
+          choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
     works("--num-gpu-blocks-override", None, int, "cache.num_gpu_blocks_override",
           "Exact number of KV cache blocks, overriding --kv-cache-memory."),
     works("--enable-prefix-caching", True, None, "cache.enable_prefix_caching",

@@ -61,6 +61,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
         self.scale = self.head_dim**-0.5
+        # an fp8 KV cache's scales (--kv-cache-dtype): 1, as where a checkpoint carries none
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, rotary, hidden, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -79,8 +81,8 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(qk, cos, sin, backend)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
-        write_kv(k, v, key_cache, value_cache, metadata)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        write_kv(k, v, key_cache, value_cache, metadata, self.kv_scales)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -28,6 +28,7 @@ def make_core(
     device: str = "cpu",  # the CPU suite's engines run on the CPU even where CUDA is visible
     batch_invariant: bool = False,
     enable_prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
     **scheduler,
 ) -> EngineCore:
     return EngineCore(
@@ -41,7 +42,9 @@ def make_core(
                 batch_invariant=batch_invariant,
             ),
             cache=CacheConfig(
-                num_gpu_blocks_override=num_blocks, enable_prefix_caching=enable_prefix_caching
+                num_gpu_blocks_override=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(**scheduler),
             compilation=compilation or CompilationConfig(),
