@@ -98,11 +98,21 @@ def _round_fp8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 
 @triton.jit
-def _dequantize(x, scale, dtype: tl.constexpr, FP8: tl.constexpr):
-    """An fp8 cache's values as ``dtype`` (``x * scale``, rounded once); others as they are."""
+def _load_kv(
+    key_cache_ptr, value_cache_ptr, offs, mask, k_scale, v_scale,
+    dtype: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """A block's keys and values as ``tl.dot`` takes them: in ``dtype`` (an fp8 cache's as
+    ``x * scale``, rounded once), or float32 where ``DOT_F32``; masked slots 0."""
+    k = tl.load(key_cache_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(value_cache_ptr + offs, mask=mask, other=0.0)
     if FP8:
-        return (x.to(tl.float32) * scale).to(dtype)
-    return x
+        k = (k.to(tl.float32) * k_scale).to(dtype)
+        v = (v.to(tl.float32) * v_scale).to(dtype)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 def store_kv(
@@ -208,13 +218,10 @@ def _decode_split_kernel(
         kv_offs = (block_id * BLOCK_SIZE + offs_t[:, None]) * (num_kv_heads * HEAD_DIM)
         kv_offs += kv_head_offs
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        k = _dequantize(k, k_scale, query_ptr.dtype.element_ty, FP8)
-        v = _dequantize(v, v_scale, query_ptr.dtype.element_ty, FP8)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(
+            key_cache_ptr, value_cache_ptr, kv_offs, kv_mask, k_scale, v_scale,
+            query_ptr.dtype.element_ty, FP8, DOT_F32,
+        )  # fmt: skip
         # "ieee" only matters for float32 operands: no silent tf32 for float32 models
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -437,13 +444,10 @@ def _prefill_kernel(
         kv_offs = (block_id * BLOCK_SIZE + offs_t[:, None]) * (num_kv_heads * HEAD_DIM)
         kv_offs += kv_head_offs
         kv_mask = (k_pos < seq_len)[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        k = _dequantize(k, k_scale, query_ptr.dtype.element_ty, FP8)
-        v = _dequantize(v, v_scale, query_ptr.dtype.element_ty, FP8)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(
+            key_cache_ptr, value_cache_ptr, kv_offs, kv_mask, k_scale, v_scale,
+            query_ptr.dtype.element_ty, FP8, DOT_F32,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         # causal (which also keeps k_pos < seq_len for the tile's real rows)
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))

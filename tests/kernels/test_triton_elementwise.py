@@ -15,24 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from llmrpc.engine.models.rotary import RotaryEmbedding
 from llmrpc.kernels.elementwise import rms_norm_torch, rotary_torch
 from llmrpc.kernels.triton_elementwise import add_rms_norm, rms_norm, rotary
-from llmrpc.kernels.triton_utils import interpreting
 
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RTOL = {torch.float32: 5e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}
 ROPES = {

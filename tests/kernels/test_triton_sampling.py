@@ -16,23 +16,11 @@ import itertools
 
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from llmrpc.engine.sampler import _apply_top_k_top_p
 from llmrpc.kernels.triton_sampling import kept_cutoff_torch, sample, sample_torch
-from llmrpc.kernels.triton_utils import interpreting
 
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
-]
 NEG_INF = float("-inf")
 
 
