@@ -259,6 +259,12 @@ class EngineCore:
                 f"-O / --compilation-config level {config.compilation.level} compiles decode "
                 "steps on the CPU only in this build; on CUDA use level 0 (or --enforce-eager)"
             )
+        if self.attention_backend == "triton" and config.compilation.level:
+            raise ValueError(
+                f"-O / --compilation-config level {config.compilation.level} compiles the torch "
+                "backend's decode step; with --attention-backend triton use level 0 (or "
+                "--enforce-eager)"
+            )
         if cuda and self.model_config.batch_invariant:
             raise ValueError(
                 "--batch-invariant is refused on CUDA: linear layers run cuBLAS there, whose "

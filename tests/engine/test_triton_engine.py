@@ -8,6 +8,7 @@ import pytest
 import torch
 from engine_utils import make_core, run_to_completion
 
+from llmrpc.engine.config import CompilationConfig
 from llmrpc.engine.device import resolve_attention_backend, resolve_device
 from llmrpc.engine.request import SamplingParams
 
@@ -70,6 +71,15 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="--attention-backend triton runs on a CUDA device"):
         resolve_attention_backend("triton", cpu)
     assert resolve_attention_backend("torch", cpu) == "torch"
+
+
+def test_compiling_with_the_triton_backend_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="with --attention-backend triton use level 0"):
+        make_core(
+            tiny_llama_dir,
+            attention_backend="triton",
+            compilation=CompilationConfig(config={"level": 3}),
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
