@@ -309,9 +309,9 @@ def load_from_proto(response: admin_pb2.GetLoadResponse) -> Load:
         prompt_throughput=response.prompt_throughput,
         generation_throughput=response.generation_throughput,
         is_sleeping=response.is_sleeping,
-        kv_cache_bytes=response.kv_cache_bytes,
-        device_memory_used_bytes=response.device_memory_used_bytes,
-        device_memory_total_bytes=response.device_memory_total_bytes,
+        kv_cache_bytes=int(response.kv_cache_bytes),
+        device_memory_used_bytes=int(response.device_memory_used_bytes),
+        device_memory_total_bytes=int(response.device_memory_total_bytes),
         device_utilization=response.device_utilization
         if response.HasField("device_utilization")
         else None,

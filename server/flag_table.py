@@ -86,16 +86,13 @@ _OURS = _group(
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",
          "Seconds between periodic stats lines (see --disable-log-stats).", metavar="SECONDS"),
     ours("--attention-backend", "auto", str, "model.attention_backend",
-         "Kernels of the attention, norm and rotary steps: triton (kernels/triton_*.py; on "
-         "CUDA, or on the CPU under TRITON_INTERPRET=1, slowly, for tests), torch (the torch "
-         "and C++ CPU path), or auto (triton on CUDA, torch elsewhere).",
+         "Kernels of attention, norms, rotary and sampling: triton (CUDA; on the CPU only under "
+         "TRITON_INTERPRET=1), torch, or auto (triton on CUDA, torch elsewhere).",
          choices=("auto", "torch", "triton")),
     ours("--batch-invariant", False, None, "model.batch_invariant",
-         "A request's tokens do not depend on the rest of the batch (greedy, and seeded "
-         "sampling): every prompt token takes the same attention kernel as a decode, one row "
-         "at a time (torch) or as one varlen sequence (triton). Needs --dtype bfloat16 with "
-         "our blocked linear kernel (a CPU with AVX512-BF16, no --quantization); refused "
-         "elsewhere, and on CUDA, whose cuBLAS matmuls vary with the batch."),
+         "A request's tokens (greedy or seeded) do not depend on the rest of the batch. Needs "
+         "--dtype bfloat16 on a CPU with AVX512-BF16 (our blocked linear kernel), no "
+         "--quantization; refused elsewhere (on CUDA too)."),
     ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
          "GiB of host memory for the KV cache when the engine runs on the CPU (on CUDA, "
          "--gpu-memory-utilization sizes it); it sets the number of KV blocks unless "
@@ -412,18 +409,13 @@ _KV_CACHE = _group(
     works("--block-size", 16, int, "cache.block_size",
           "Tokens per KV cache block (a power of two)."),
     works("--gpu-memory-utilization", 0.9, float, "cache.gpu_memory_utilization",
-          "On a CUDA device: the share of its memory the engine may use; the KV cache gets what "
-          "the largest step leaves of it, measured at start-up (unless "
-          "--num-gpu-blocks-override). On the CPU --kv-cache-memory sizes the cache, and a value "
-          "other than the default is logged as unused."),
+          "On CUDA: the share of device memory to use; the KV cache gets what the largest step, "
+          "run at start-up, leaves. On the CPU --kv-cache-memory sizes it (this one is unused)."),
     inert("--swap-space", 4.0, float, "sizes swap for preemption; preemption recomputes here"),
     works("--kv-cache-dtype", "auto", str, "cache.cache_dtype",
-          "The KV cache's dtype: auto (the model's), or fp8 (= fp8_e4m3) or fp8_e5m2, which "
-          "hold twice (bfloat16) to four times (float32) the tokens in the same memory: keys "
-          "and values are stored divided by a per-layer scale (1: this build reads none from "
-          "checkpoints) and rounded to fp8, and read back in the model's dtype. On the CPU the "
-          "torch path then dequantizes gathered blocks instead of running the C++ decode "
-          "kernel (slower). fp8_inc (Intel Gaudi) is refused.",
+          "auto (the model's dtype), or fp8 (= fp8_e4m3) or fp8_e5m2: 2-4x the tokens in the "
+          "same memory, stored over a per-layer scale (1; none read from checkpoints). On the "
+          "CPU it skips the C++ decode kernel (slower). fp8_inc (Gaudi) is refused.",
           choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
     works("--num-gpu-blocks-override", None, int, "cache.num_gpu_blocks_override",
           "Exact number of KV cache blocks, overriding --kv-cache-memory."),
@@ -525,8 +517,8 @@ _OTHER = _group(
     inert("--max-prompt-adapter-token", 0, int, OLD_FEATURE),
     inert("--qlora-adapter-name-or-path", None, str, OLD_FEATURE),
     works("--device", "auto", str, "model.device",
-          "Where the engine runs: cuda (weights, KV cache, step tensors on the current CUDA "
-          "device), cpu, or auto (cuda where torch sees a device).",
+          "Where the engine runs: cuda (the current device), cpu, or auto (cuda where torch "
+          "sees one).",
           choices=("auto", "cuda", "cpu")),
 )  # fmt: skip
 

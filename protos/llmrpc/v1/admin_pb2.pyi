@@ -28,9 +28,9 @@ class ServerCapabilities(_message.Message):
     device: str
     services: _containers.RepeatedScalarFieldContainer[str]
     admin_auth_required: bool
-    kv_cache_bytes: int
-    device_memory_total_bytes: int
-    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ..., admin_auth_required: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., device_memory_total_bytes: _Optional[int] = ...) -> None: ...
+    kv_cache_bytes: float
+    device_memory_total_bytes: float
+    def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ..., admin_auth_required: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "api_version", "capabilities", "config")
@@ -145,11 +145,11 @@ class GetLoadResponse(_message.Message):
     prompt_throughput: float
     generation_throughput: float
     is_sleeping: bool
-    kv_cache_bytes: int
-    device_memory_used_bytes: int
-    device_memory_total_bytes: int
+    kv_cache_bytes: float
+    device_memory_used_bytes: float
+    device_memory_total_bytes: float
     device_utilization: float
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., device_memory_used_bytes: _Optional[int] = ..., device_memory_total_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
