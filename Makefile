@@ -37,7 +37,7 @@ protos: install
 soak: install
 	$(BIN)/python tests/robustness/soak.py --tiny $(ARGS)
 
-# Not part of `make test`: the longer proofs (about 10 minutes on 2 cores). --batch-invariant with
+# Not part of `make test`: the longer proofs (about 2 minutes on 2 cores). --batch-invariant with
 # the Triton kernels interpreted on the CPU, every one of the 32 requests run alone as well.
 proofs: install
 	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py
