@@ -601,6 +601,8 @@ class EngineCore:
         self.runner.free_kv_cache()
         if level == 2:
             self.model = self.runner.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # torch's allocator would keep what was freed reserved
         self.sleep_level = max(self.sleep_level, level)
         logger.info("asleep at level %d", self.sleep_level)
 
