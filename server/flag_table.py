@@ -35,7 +35,6 @@ POOLING = "needs pooling (embedding) models; this build serves text generation o
 TRACING = "needs OpenTelemetry tracing, which this build does not support"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
 NOT_SUPPORTED = "is not supported by this build"
-# The engine runs on the CPU: the model, the KV cache and every step tensor are made there.
 CUDA_GRAPHS = "sizes CUDA graph capture; this build captures none: steps run eager on CUDA too"
 COMPILATION_HELP = (
     'torch.compile of decode steps: 0 (default) eager; 1-3 (-O3, {"level": 3}, {"mode": 3}; '
@@ -461,8 +460,8 @@ _SCHEDULER = _group(
           "turns off the hybrid KV cache manager (for models mixing attention types); this "
           "engine's KV cache has one kind of block for every layer"),
     inert("--async-scheduling", False, None,
-          "overlaps scheduling with model execution on an accelerator; this engine runs both "
-          "on the CPU, scheduling each step before running it"),
+          "overlaps scheduling with model execution on an accelerator; this engine schedules "
+          "each step before running it"),
     inert("--disable-chunked-mm-input", False, None,
           "applies to multimodal inputs, which this build does not support"),
     inert("--num-scheduler-steps", 1, int, OLD_FEATURE),
