@@ -10,20 +10,25 @@ every load, and take ``DOT_F32`` (upcast before ``tl.dot``) where ``dot_in_f32``
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-try:
-    import triton  # noqa: F401  (the kernel modules import it themselves)
 
-    TRITON_IMPORT_ERROR: str | None = None
-except ImportError as error:  # pragma: no cover - triton is a dependency on Linux x86-64
-    TRITON_IMPORT_ERROR = str(error)
+@functools.cache
+def triton_import_error() -> str | None:
+    """Why ``import triton`` fails here; None where it works. Tried on first need only: a CPU
+    engine on the torch backend never pays for the import (0.2-0.3 s a process)."""
+    try:
+        import triton  # noqa: F401  (the kernel modules import it themselves)
+    except ImportError as error:  # pragma: no cover - triton is a dependency on Linux x86-64
+        return str(error)
+    return None
 
 
 def triton_available() -> bool:
-    return TRITON_IMPORT_ERROR is None
+    return triton_import_error() is None
 
 
 def interpreting() -> bool:
@@ -34,7 +39,7 @@ def interpreting() -> bool:
 def why_triton_cannot_run(device: torch.device) -> str | None:
     """None where Triton kernels can run on ``device``; else why not, as the end of a sentence."""
     if not triton_available():
-        return f"needs the triton package, which does not import here ({TRITON_IMPORT_ERROR})"
+        return f"needs the triton package, which does not import here ({triton_import_error()})"
     if device.type == "cuda" or (device.type == "cpu" and interpreting()):
         return None
     if device.type == "cpu":
