@@ -51,9 +51,9 @@ def test_each_request_gives_the_same_tokens_alone_and_in_a_batch(
     alone_ids = list(requests)
     if backend == "triton" and not os.environ.get(FULL_PROOFS_ENV):
         # interpreted, each alone run costs seconds: the shortest and the longest prompts and
-        # two greedy and two seeded requests here; all 32 in `make proofs`
+        # a greedy and a seeded request here; all 32 in `make proofs`
         by_length = sorted(requests, key=lambda r: len(requests[r][0]))
-        alone_ids = sorted({by_length[0], by_length[-1], *alone_ids[::16], *alone_ids[1::16]})
+        alone_ids = sorted({by_length[0], by_length[-1], "r0", "r1"})
     for request_id in alone_ids:
         request = requests[request_id]
         alone = run_to_completion(core, {request_id: request})[request_id]
