@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine import loader
-from llmrpc.engine.config import EngineConfig, ModelConfig
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.device import (
     DeviceMonitor,
@@ -254,16 +254,12 @@ class EngineCore:
 
     def _check_device_options(self, config: EngineConfig) -> None:
         cuda = self.device.type == "cuda"
-        if cuda and config.compilation.level:
+        level = config.compilation.level
+        if level and (cuda or self.attention_backend == "triton"):
             raise ValueError(
-                f"-O / --compilation-config level {config.compilation.level} compiles decode "
-                "steps on the CPU only in this build; on CUDA use level 0 (or --enforce-eager)"
-            )
-        if self.attention_backend == "triton" and config.compilation.level:
-            raise ValueError(
-                f"-O / --compilation-config level {config.compilation.level} compiles the torch "
-                "backend's decode step; with --attention-backend triton use level 0 (or "
-                "--enforce-eager)"
+                f"-O / --compilation-config level {level} compiles the torch backend's decode "
+                "step on the CPU only in this build; on CUDA or with --attention-backend triton "
+                "use level 0 (or --enforce-eager)"
             )
         if cuda and self.model_config.batch_invariant:
             raise ValueError(
@@ -275,7 +271,7 @@ class EngineCore:
                 f"--quantization {self.model_config.quantization} packs weights for the CPU "
                 "kernels; on CUDA the engine serves unquantized weights (or use --device cpu)"
             )
-        if not cuda and config.cache.gpu_memory_utilization != 0.9:
+        if not cuda and config.cache.gpu_memory_utilization != CacheConfig.gpu_memory_utilization:
             logger.warning(
                 "--gpu-memory-utilization sizes the KV cache on a CUDA device; on the CPU "
                 "--kv-cache-memory does (%.2f GiB)",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,13 +102,11 @@ class ModelRunner:
             )
             for _ in range(self._num_layers)
         ]
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+        self.kv_cache_bytes = 0
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Replace the KV cache with one of ``num_blocks`` blocks (at start-up, before requests)."""
@@ -212,6 +209,7 @@ class ModelRunner:
         fits = cpu_ops.loaded() and not triton and not fp8
         rows_as_decodes_max = _ROWS_AS_DECODES_MAX_CONTEXT if fits else 0
         prefill_rows, prefill_starts, prefill_lens, prefill_tables = [], [0], [], []
+        prefill_max_query_len = 0
         for request, num_new in output.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             blocks = block_ids(request.request_id)
@@ -234,6 +232,7 @@ class ModelRunner:
             elif triton:
                 prefill_rows.extend(range(row, row + num_new))
                 prefill_starts.append(prefill_starts[-1] + num_new)
+                prefill_max_query_len = max(prefill_max_query_len, num_new)
                 prefill_lens.append(end)
                 prefill_tables.append(blocks[: -(-end // size)])
             else:
@@ -259,9 +258,7 @@ class ModelRunner:
             backend=self.backend,
         )
         if triton and prefill_rows:
-            metadata.prefill_max_query_len = max(
-                b - a for a, b in itertools.pairwise(prefill_starts)
-            )
+            metadata.prefill_max_query_len = prefill_max_query_len
             metadata.prefill_indices = stage("prefill_indices", prefill_rows)
             metadata.prefill_query_start_loc = stage("prefill_query_start_loc", prefill_starts)
             metadata.prefill_seq_lens = stage("prefill_seq_lens", prefill_lens)

@@ -44,11 +44,10 @@ class Sampler:
         raw = logits.clone() if wants_logprobs and self.logprobs_mode.startswith("raw") else None
         constraints = apply_logits_processors(logits, requests)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        drawn = None
+        kernel_generators = None
         if self.backend == "triton" and not any(requests[i].params.min_p for i in sampled):
-            processed, drawn = _processed_and_drawn_by_kernel(logits, requests, generators)
-        else:
-            processed = _processed_logits(logits, requests)
+            kernel_generators = [generators[i] for i in sampled]
+        processed, drawn = _process(logits, requests, kernel_generators)
         # A row whose best value is not finite (NaN, +inf, or nothing left above -inf) cannot
         # be sampled as it is; it is marked -1 here and repaired below, without a second sync.
         best, tokens = row_max(processed)
@@ -160,41 +159,17 @@ def _repair(
 
 def _processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to the rows that sample."""
-    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-    if not sampled:
-        return logits
-    every_row = len(sampled) == len(requests)
-    device = logits.device
-    rows = torch.tensor(sampled, device=device)
-    params = [requests[i].params for i in sampled]
-    scaled = (logits if every_row else logits[rows]) / torch.tensor(
-        [p.temperature for p in params], device=device
-    ).unsqueeze(1)
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
-    min_p = [p.min_p for p in params]
-    if any(min_p):
-        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
-        floor = [math.log(m) if m > 0 else NEG_INF for m in min_p]
-        floor = torch.tensor(floor, device=device).unsqueeze(1)
-        scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + floor, NEG_INF)
-    if every_row:
-        return scaled
-    logits = logits.clone()
-    logits[rows] = scaled
-    return logits
+    return _process(logits, requests)[0]
 
 
-def _processed_and_drawn_by_kernel(
-    logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]
+def _process(
+    logits: torch.Tensor,
+    requests: list[Request],
+    kernel_generators: list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``_processed_logits`` and the sampled rows' tokens by the Triton sampling kernel (rows
-    with min_p take ``_processed_logits``; the caller checks). The processed rows are the scaled
-    logits with what the kernel's top-k/top-p cut dropped at -inf."""
-    from llmrpc.kernels import triton_sampling
-
+    """``_processed_logits``, and with ``kernel_generators`` (those of the rows that sample,
+    none of which has min_p) the Triton sampling kernel's cut and tokens for those rows: their
+    processed logits are then the scaled ones with what its top-k/top-p cut dropped at -inf."""
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return logits, None
@@ -204,16 +179,30 @@ def _processed_and_drawn_by_kernel(
     params = [requests[i].params for i in sampled]
     temperature = torch.tensor([p.temperature for p in params], device=device)
     scaled = (logits if every_row else logits[rows]) / temperature.unsqueeze(1)
-    cutoff = torch.empty(len(sampled), device=device)
-    drawn = triton_sampling.sample(
-        scaled,
-        torch.ones_like(temperature),  # already scaled: the kernel divides by 1, exactly
-        torch.tensor([p.top_k for p in params], device=device),
-        torch.tensor([p.top_p for p in params], device=device),
-        _uniforms([generators[i] for i in sampled], device),
-        cutoff_out=cutoff,
-    )
-    scaled = scaled.masked_fill(scaled < cutoff.unsqueeze(1), NEG_INF)
+    drawn = None
+    if kernel_generators is not None:
+        from llmrpc.kernels import triton_sampling
+
+        cutoff = torch.empty(len(sampled), device=device)
+        drawn = triton_sampling.sample(
+            scaled,
+            torch.ones_like(temperature),  # already scaled: the kernel divides by 1, exactly
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            _uniforms(kernel_generators, device),
+            cutoff_out=cutoff,
+        )
+        scaled = scaled.masked_fill(scaled < cutoff.unsqueeze(1), NEG_INF)
+    elif any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
+        floor = [math.log(m) if m > 0 else NEG_INF for m in min_p]
+        floor = torch.tensor(floor, device=device).unsqueeze(1)
+        scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + floor, NEG_INF)
     if every_row:
         return scaled, drawn
     logits = logits.clone()
