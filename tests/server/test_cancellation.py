@@ -19,7 +19,7 @@ from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LONG = 400  # tokens; never reached in these tests (about 8 s)
-SHORT = 40  # tokens of the requests that finish normally: about 0.8 s
+SHORT = 80  # tokens of the requests that finish normally: about 1.6 s
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -50,14 +50,16 @@ async def finish(generation, req) -> generation_pb2.GenerateResponse:
 
 async def test_cancelled_stream_is_aborted_and_the_others_finish(any_generation, engine):
     generation = any_generation
-    others = [
-        asyncio.ensure_future(finish(generation, request(SHORT, text=f"Prompt number {i}")))
-        for i in range(3)
-    ]
+    # The victim streams before the others start, so that all four are live together however
+    # slowly the first request of a run is admitted.
     victim = generation.GenerateStream(request(LONG, text="A much longer prompt " * 4))
     messages = aiter(victim)
     for _ in range(3):
         await anext(messages)
+    others = [
+        asyncio.ensure_future(finish(generation, request(SHORT, text=f"Prompt number {i}")))
+        for i in range(3)
+    ]
     await wait_until(lambda: num_live_requests(engine) == 4, what="four live requests")
     victim.cancel()
     await wait_until(lambda: num_live_requests(engine) == 3, what="the victim's abort")
