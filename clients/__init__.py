@@ -23,6 +23,7 @@ from llmrpc.clients.types import (
     ServerInfo,
     TokenLogprob,
     Tokens,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "ServerInfo",
     "TokenLogprob",
     "Tokens",
+    "ToolCall",
     "TopLogprob",
     "Usage",
 ]

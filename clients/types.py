@@ -65,6 +65,18 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call parsed from the output: its id, the function's name, and the arguments
+    as a JSON object in text; ``index`` is its place among the output's calls."""
+
+    id: str
+    name: str
+    arguments: str
+    index: int = 0
+    type: str = "function"
+
+
+@dataclass(frozen=True)
 class Sample:
     """One of a request's ``n`` samples."""
 
@@ -74,6 +86,8 @@ class Sample:
     finish_reason: FinishReason
     matched_stop: str | int | None  # the stop string or the stop/EOS token that ended it
     logprobs: list[TokenLogprob]  # one per token when ``logprobs`` was asked for, else empty
+    reasoning_text: str = ""  # under the server's --reasoning-parser (chat)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat with tools
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,8 @@ class Completion:
     samples: list[Sample]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # from the 2nd token
+    reasoning_text: str = ""  # sample 0's, under the server's --reasoning-parser (chat)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # sample 0's (chat with tools)
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,8 @@ class Delta:
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # first message only
+    reasoning_text: str = ""  # new reasoning (server's --reasoning-parser, chat)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed in this delta
 
     @property
     def finished(self) -> bool:
@@ -210,6 +228,13 @@ def _logprobs(entries) -> list[TokenLogprob]:
     ]
 
 
+def _tool_calls(calls) -> list[ToolCall]:
+    return [
+        ToolCall(c.id, c.function.name, c.function.arguments, c.index, c.type or "function")
+        for c in calls
+    ]
+
+
 def _sample(response: generation_pb2.GenerateResponse) -> Sample:
     return Sample(
         index=response.index,
@@ -218,6 +243,8 @@ def _sample(response: generation_pb2.GenerateResponse) -> Sample:
         finish_reason=_FINISH_REASONS[response.finish_reason],
         matched_stop=_matched_stop(response),
         logprobs=_logprobs(response.logprobs),
+        reasoning_text=response.reasoning_text,
+        tool_calls=_tool_calls(response.tool_calls),
     )
 
 
@@ -233,6 +260,8 @@ def completion_from_proto(response: generation_pb2.GenerateResponse) -> Completi
         samples=[_sample(s) for s in response.samples] or [first],
         logprobs=first.logprobs,
         prompt_logprobs=_logprobs(response.prompt_logprobs),
+        reasoning_text=first.reasoning_text,
+        tool_calls=first.tool_calls,
     )
 
 
@@ -247,6 +276,8 @@ def delta_from_proto(response: generation_pb2.GenerateResponse) -> Delta:
         index=response.index,
         logprobs=_logprobs(response.logprobs),
         prompt_logprobs=_logprobs(response.prompt_logprobs),
+        reasoning_text=response.reasoning_text,
+        tool_calls=_tool_calls(response.tool_calls),
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmrpc/v1/common.proto\x12\tllmrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x03\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmrpc.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rchat_template\x18\x05 \x01(\tH\x02\x88\x01\x01\x12:\n\x0e\x63ontent_format\x18\x06 \x01(\x0e\x32\x1d.llmrpc.v1.Chat.ContentFormatH\x03\x88\x01\x01\"e\n\rContentFormat\x12\x1e\n\x1a\x43ONTENT_FORMAT_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONTENT_FORMAT_STRING\x10\x01\x12\x19\n\x15\x43ONTENT_FORMAT_OPENAI\x10\x02\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_messageB\x10\n\x0e_chat_templateB\x11\n\x0f_content_format\"\x86\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.llmrpc.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x11\n\tbad_words\x18\x0b \x03(\t\x12\x0e\n\x01n\x18\x0c \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xa6\x02\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x10\n\x0e_time_limit_ms\"\xed\x01\n\rOutputOptions\x12 \n\x13skip_special_tokens\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\rH\x02\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x04 \x01(\x08H\x03\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB \n\x1e_spaces_between_special_tokensb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmrpc/v1/common.proto\x12\tllmrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaf\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.llmrpc.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\x14\n\x12_reasoning_content\"^\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.llmrpc.v1.FunctionCall\x12\r\n\x05index\x18\x04 \x01(\r\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"E\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12/\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x1d.llmrpc.v1.FunctionDefinition\"\x84\x01\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12+\n\nparameters\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\"\xaa\x01\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.llmrpc.v1.ToolChoice.ModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"\xcf\x04\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmrpc.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rchat_template\x18\x05 \x01(\tH\x02\x88\x01\x01\x12:\n\x0e\x63ontent_format\x18\x06 \x01(\x0e\x32\x1d.llmrpc.v1.Chat.ContentFormatH\x03\x88\x01\x01\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.llmrpc.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.llmrpc.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x04\x88\x01\x01\"e\n\rContentFormat\x12\x1e\n\x1a\x43ONTENT_FORMAT_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONTENT_FORMAT_STRING\x10\x01\x12\x19\n\x15\x43ONTENT_FORMAT_OPENAI\x10\x02\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_messageB\x10\n\x0e_chat_templateB\x11\n\x0f_content_formatB\x16\n\x14_parallel_tool_calls\"\xd3\x02\n\x10StructuredOutput\x12.\n\x0bjson_schema\x18\x01 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.llmrpc.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12#\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12*\n\x1d\x64isable_additional_properties\x18\x08 \x01(\x08H\x02\x88\x01\x01\x42\x06\n\x04kindB\x19\n\x17_disable_any_whitespaceB \n\x1e_disable_additional_properties\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.llmrpc.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x11\n\tbad_words\x18\x0b \x03(\t\x12\x0e\n\x01n\x18\x0c \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xa6\x02\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x10\n\x0e_time_limit_ms\"\xed\x01\n\rOutputOptions\x12 \n\x13skip_special_tokens\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\rH\x02\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x04 \x01(\x08H\x03\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB \n\x1e_spaces_between_special_tokensb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,18 +36,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=67
   _globals['_TOKENIDS']._serialized_end=90
-  _globals['_CHATMESSAGE']._serialized_start=92
-  _globals['_CHATMESSAGE']._serialized_end=136
-  _globals['_CHAT']._serialized_start=139
-  _globals['_CHAT']._serialized_end=596
-  _globals['_CHAT_CONTENTFORMAT']._serialized_start=405
-  _globals['_CHAT_CONTENTFORMAT']._serialized_end=506
-  _globals['_SAMPLINGPARAMS']._serialized_start=599
-  _globals['_SAMPLINGPARAMS']._serialized_end=1117
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=942
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=990
-  _globals['_STOPPINGCRITERIA']._serialized_start=1120
-  _globals['_STOPPINGCRITERIA']._serialized_end=1414
-  _globals['_OUTPUTOPTIONS']._serialized_start=1417
-  _globals['_OUTPUTOPTIONS']._serialized_end=1654
+  _globals['_CHATMESSAGE']._serialized_start=93
+  _globals['_CHATMESSAGE']._serialized_end=268
+  _globals['_TOOLCALL']._serialized_start=270
+  _globals['_TOOLCALL']._serialized_end=364
+  _globals['_FUNCTIONCALL']._serialized_start=366
+  _globals['_FUNCTIONCALL']._serialized_end=413
+  _globals['_TOOL']._serialized_start=415
+  _globals['_TOOL']._serialized_end=484
+  _globals['_FUNCTIONDEFINITION']._serialized_start=487
+  _globals['_FUNCTIONDEFINITION']._serialized_end=619
+  _globals['_TOOLCHOICE']._serialized_start=622
+  _globals['_TOOLCHOICE']._serialized_end=792
+  _globals['_TOOLCHOICE_MODE']._serialized_start=705
+  _globals['_TOOLCHOICE_MODE']._serialized_end=782
+  _globals['_CHAT']._serialized_start=795
+  _globals['_CHAT']._serialized_end=1386
+  _globals['_CHAT_CONTENTFORMAT']._serialized_start=1171
+  _globals['_CHAT_CONTENTFORMAT']._serialized_end=1272
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1389
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1728
+  _globals['_CHOICES']._serialized_start=1730
+  _globals['_CHOICES']._serialized_end=1756
+  _globals['_SAMPLINGPARAMS']._serialized_start=1759
+  _globals['_SAMPLINGPARAMS']._serialized_end=2277
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=2102
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=2150
+  _globals['_STOPPINGCRITERIA']._serialized_start=2280
+  _globals['_STOPPINGCRITERIA']._serialized_end=2574
+  _globals['_OUTPUTOPTIONS']._serialized_start=2577
+  _globals['_OUTPUTOPTIONS']._serialized_end=2814
 # @@protoc_insertion_point(module_scope)

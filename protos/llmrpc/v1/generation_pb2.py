@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from llmrpc.v1 import common_pb2 as llmrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmrpc/v1/generation.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\xba\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.llmrpc.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.llmrpc.v1.ChatH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12-\n\x08stopping\x18\x07 \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12(\n\x06output\x18\x08 \x01(\x0b\x32\x18.llmrpc.v1.OutputOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08priority\x18\x0b \x01(\x05H\x03\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x0b\n\t_priority\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.llmrpc.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.llmrpc.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.llmrpc.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.llmrpc.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.llmrpc.v1.TokenLogprob\x12,\n\x07samples\x18\x0b \x03(\x0b\x32\x1b.llmrpc.v1.GenerateResponseB\x0e\n\x0cmatched_stop*\xeb\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x04\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x07\x32\xde\x01\n\x11GenerationService\x12\\\n\x08Generate\x12\x1a.llmrpc.v1.GenerateRequest\x1a\x1b.llmrpc.v1.GenerateResponse\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*\x12k\n\x0eGenerateStream\x12\x1a.llmrpc.v1.GenerateRequest\x1a\x1b.llmrpc.v1.GenerateResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\"\x13/v1/generate:stream:\x01*0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmrpc/v1/generation.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\xf2\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.llmrpc.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.llmrpc.v1.ChatH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12-\n\x08stopping\x18\x07 \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12(\n\x06output\x18\x08 \x01(\x0b\x32\x18.llmrpc.v1.OutputOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08priority\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x36\n\x11structured_output\x18\x0c \x01(\x0b\x32\x1b.llmrpc.v1.StructuredOutputB\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x0b\n\t_priority\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.llmrpc.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb3\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.llmrpc.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.llmrpc.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.llmrpc.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.llmrpc.v1.TokenLogprob\x12,\n\x07samples\x18\x0b \x03(\x0b\x32\x1b.llmrpc.v1.GenerateResponse\x12\x16\n\x0ereasoning_text\x18\x0c \x01(\t\x12\'\n\ntool_calls\x18\r \x03(\x0b\x32\x13.llmrpc.v1.ToolCallB\x0e\n\x0cmatched_stop*\xeb\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x04\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x07\x32\xde\x01\n\x11GenerationService\x12\\\n\x08Generate\x12\x1a.llmrpc.v1.GenerateRequest\x1a\x1b.llmrpc.v1.GenerateResponse\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*\x12k\n\x0eGenerateStream\x12\x1a.llmrpc.v1.GenerateRequest\x1a\x1b.llmrpc.v1.GenerateResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\"\x13/v1/generate:stream:\x01*0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,18 +37,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONSERVICE'].methods_by_name['Generate']._serialized_options = b'\202\323\344\223\002\021\"\014/v1/generate:\001*'
   _globals['_GENERATIONSERVICE'].methods_by_name['GenerateStream']._loaded_options = None
   _globals['_GENERATIONSERVICE'].methods_by_name['GenerateStream']._serialized_options = b'\202\323\344\223\002\030\"\023/v1/generate:stream:\001*'
-  _globals['_FINISHREASON']._serialized_start=1185
-  _globals['_FINISHREASON']._serialized_end=1420
+  _globals['_FINISHREASON']._serialized_start=1306
+  _globals['_FINISHREASON']._serialized_end=1541
   _globals['_GENERATEREQUEST']._serialized_start=96
-  _globals['_GENERATEREQUEST']._serialized_end=538
-  _globals['_TOKENLOGPROB']._serialized_start=540
-  _globals['_TOKENLOGPROB']._serialized_end=663
-  _globals['_TOPLOGPROB']._serialized_start=665
-  _globals['_TOPLOGPROB']._serialized_end=727
-  _globals['_USAGE']._serialized_start=729
-  _globals['_USAGE']._serialized_end=809
-  _globals['_GENERATERESPONSE']._serialized_start=812
-  _globals['_GENERATERESPONSE']._serialized_end=1182
-  _globals['_GENERATIONSERVICE']._serialized_start=1423
-  _globals['_GENERATIONSERVICE']._serialized_end=1645
+  _globals['_GENERATEREQUEST']._serialized_end=594
+  _globals['_TOKENLOGPROB']._serialized_start=596
+  _globals['_TOKENLOGPROB']._serialized_end=719
+  _globals['_TOPLOGPROB']._serialized_start=721
+  _globals['_TOPLOGPROB']._serialized_end=783
+  _globals['_USAGE']._serialized_start=785
+  _globals['_USAGE']._serialized_end=865
+  _globals['_GENERATERESPONSE']._serialized_start=868
+  _globals['_GENERATERESPONSE']._serialized_end=1303
+  _globals['_GENERATIONSERVICE']._serialized_start=1544
+  _globals['_GENERATIONSERVICE']._serialized_end=1766
 # @@protoc_insertion_point(module_scope)
