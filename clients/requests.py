@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from google.protobuf import json_format
+
 from llmrpc.v1 import common_pb2, generation_pb2, tokenization_pb2
 
 # A chat message: {"role": ..., "content": ...}, the OpenAI shape.
@@ -55,6 +57,9 @@ class GenerateParams:
     add_special_tokens: bool | None = _in("")
     truncate_prompt_tokens: int | None = _in("")
     priority: int | None = _in("")
+    # A StructuredOutput as a dict in its JSON form: {"json_schema": {...}}, {"regex": "..."},
+    # {"choice": {"choices": [...]}}, {"json_object": True}, {"grammar": "..."}...
+    structured_output: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ def _set_params(request: generation_pb2.GenerateRequest, params: GenerateParams)
             _set_field(getattr(request, part) if part else request, param.name, value)
     if params.time_limit is not None:
         request.stopping.time_limit_ms = round(params.time_limit * 1000)
+    if params.structured_output is not None:
+        json_format.ParseDict(params.structured_output, request.structured_output)
 
 
 def generate_request(
