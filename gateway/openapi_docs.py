@@ -71,6 +71,30 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's Response (``/v1/responses``): output items are messages, reasoning and
+    function calls; the request's parameters are echoed beside them."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    error: dict | None
+    incomplete_details: dict | None
+    model: str
+    output: list[dict]
+    usage: ResponseUsage | None
+    model_config = {"extra": "allow"}
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -124,6 +148,26 @@ def generation(model: type[BaseModel]) -> dict:
             "model": model,
             "description": "The whole answer, or with stream: true server-sent events.",
             "content": {"text/event-stream": {"schema": SSE_EVENT}},
+        },
+    }
+
+
+# A Responses API stream: typed events, no "[DONE]".
+RESPONSE_EVENT: dict = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "additionalProperties": False,
+}
+
+
+def response_events(model: type[BaseModel]) -> dict:
+    """``/v1/responses``: ``model`` as JSON, or with "stream": true typed events."""
+    return {
+        200: {
+            "model": model,
+            "description": "The response, or with stream: true its server-sent events.",
+            "content": {"text/event-stream": {"schema": RESPONSE_EVENT}},
         },
     }
 
