@@ -96,7 +96,12 @@ def usage(result: Usage | None, reasoning_tokens: int) -> dict:
     prompt, generated = (result.prompt_tokens, result.completion_tokens) if result else (0, 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": result.cached_tokens if result else 0},
+        # Prefix caching is automatic: no input is written to a cache by request (OpenAI's
+        # explicit cache writes), so none is counted.
+        "input_tokens_details": {
+            "cached_tokens": result.cached_tokens if result else 0,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": generated,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt + generated,

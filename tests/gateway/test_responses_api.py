@@ -6,6 +6,7 @@ for the same messages, conversations continued with previous_response_id, store 
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterator
 
 import httpx
@@ -13,8 +14,13 @@ import openai
 import pytest
 from envoy_support import Replica, ServerLoop
 from gateway_support import RunningGateway, running_gateway
+from openai.lib.streaming.responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
 
-from llmrpc.clients import Client, FinishReason
+from llmrpc.clients import Client, FinishReason, ToolCall, Usage
+from llmrpc.gateway import responses_api_output as out
+from llmrpc.gateway.responses_api_input import ResponsesRequest
+from llmrpc.gateway.responses_api_stream import ResponseEvents
 
 GREEDY = {"model": "", "temperature": 0.0, "max_output_tokens": 6}
 QUESTION = "What is the capital of France?"
@@ -36,6 +42,28 @@ def sdk(gateway) -> openai.OpenAI:
 def grpc_client(replica):
     with Client(replica.address) as client:
         yield client
+
+
+# The SDK's event classes by type: each event is validated against its class in full (the
+# SDK itself only constructs them, so a missing field would surface later, in a user's code).
+EVENT_CLASSES = {
+    typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+    for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+}
+
+
+def sse_events(text: str) -> list:
+    """The SDK's events from a Responses stream, checking the framing on the way:
+    ``event: TYPE`` then ``data: JSON`` with that type, no ``[DONE]``."""
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "" and "[DONE]" not in text
+    events = []
+    for block in blocks[:-1]:
+        event_line, data_line = block.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {data['type']}"
+        events.append(EVENT_CLASSES[data["type"]].model_validate(data))
+    return events
 
 
 def direct_chat(grpc_client, messages):
@@ -157,7 +185,7 @@ def test_a_streamed_response_sends_openais_events(sdk):
     assert sdk.responses.retrieve(final.id).output_text == whole.output_text
 
 
-def test_the_stream_helper_parses_every_event(sdk):
+def test_the_stream_helper_parses_every_event(sdk):  # the stream ends incomplete: no final
     with sdk.responses.stream(input=QUESTION, **GREEDY) as stream:
         events = list(stream)
     _check_sequence(events)
@@ -165,17 +193,47 @@ def test_the_stream_helper_parses_every_event(sdk):
     assert text_events[-1].snapshot == events[-4].text  # the helper accumulated the deltas
 
 
-def test_stream_framing_is_typed_events_without_done(gateway):
-    body = {"input": QUESTION, "stream": True, **GREEDY}
+def test_every_answer_validates_as_the_sdks_types(gateway):
+    body = {"input": QUESTION, "instructions": "Answer briefly.", **GREEDY}
     reply = httpx.post(gateway.url + "/v1/responses", json=body, timeout=60)
+    Response.model_validate(reply.json())
+    reply = httpx.post(gateway.url + "/v1/responses", json={**body, "stream": True}, timeout=60)
     assert reply.status_code == 200
     assert reply.headers["content-type"].startswith("text/event-stream")
-    blocks = reply.text.split("\n\n")
-    assert blocks[-1] == "" and "[DONE]" not in reply.text
-    for block in blocks[:-1]:
-        event_line, data_line = block.split("\n")
-        name = event_line.removeprefix("event: ")
-        assert json.loads(data_line.removeprefix("data: "))["type"] == name
+    _check_sequence(sse_events(reply.text))
+
+
+def _scripted_events(request: dict, script) -> str:
+    """The stream the gateway writes for a scripted run of deltas (reasoning, text, calls):
+    what a model under --reasoning-parser and --tool-call-parser gives, which a
+    random-weight model does not."""
+    stream = ResponseEvents(out.envelope(ResponsesRequest(**request), "resp_1", "m"))
+    chunks = stream.start()
+    for kind, value in script:
+        chunks += stream.tool_call(value) if kind == "call" else stream.text(value, kind)
+    chunks += stream.finish(FinishReason.STOP_TOKEN, out.usage(Usage(9, 7, 0), 3))
+    return b"".join(chunks).decode()
+
+
+def test_reasoning_and_calls_stream_as_the_sdk_accumulates_them():
+    call = ToolCall("call_7", "get_weather", '{"city": "Paris"}')
+    texts = [("reasoning", "Let me "), ("reasoning", "think."), ("message", "Checking")]
+    script = [*texts, ("message", "."), ("call", call)]
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    events = sse_events(_scripted_events({"input": "Weather?", "tools": [tool]}, script))
+    state = ResponseStreamState(input_tools=[tool], text_format=openai.omit)
+    parsed = [e for event in events for e in state.handle_event(event)]
+    final = parsed[-1].response
+    assert parsed[-1].type == "response.completed" and final.status == "completed"
+    reasoning, message, function_call = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Let me think."
+    assert message.content[0].text == "Checking." and final.output_text == "Checking."
+    assert (function_call.name, function_call.call_id) == ("get_weather", "call_7")
+    assert json.loads(function_call.arguments) == {"city": "Paris"}
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1, 2]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert final.usage.output_tokens_details.reasoning_tokens == 3
 
 
 @pytest.mark.parametrize(
