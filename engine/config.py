@@ -219,9 +219,30 @@ class CompilationConfig:
         return 0 if self.enforce_eager else self.requested_level
 
 
+GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    """``--guided-decoding-*``: the grammar engine of structured output and its JSON defaults."""
+
+    backend: str = "auto"  # xgrammar, and guidance for what xgrammar cannot build
+    disable_fallback: bool = False  # auto: xgrammar alone
+    disable_any_whitespace: bool = False  # JSON without optional whitespace
+    disable_additional_properties: bool = False  # guidance: objects closed to unnamed keys
+
+    def __post_init__(self) -> None:
+        if self.backend not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(
+                f"--guided-decoding-backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)}"
+                f", got {self.backend!r}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

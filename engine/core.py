@@ -5,13 +5,14 @@ Synchronous and single-threaded; ``AsyncEngine`` drives it from a thread of its 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
 import torch
 from torch import nn
 
-from llmrpc.engine import loader
+from llmrpc.engine import loader, structured_output
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.device import (
@@ -21,6 +22,7 @@ from llmrpc.engine.device import (
     resolve_device,
 )
 from llmrpc.engine.generation_config import sampling_defaults
+from llmrpc.engine.grammar_step import GrammarStep
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.memory import release_free_memory
@@ -40,6 +42,7 @@ from llmrpc.engine.request import (
 )
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
+from llmrpc.engine.structured_output import Grammar, GrammarCompiler
 from llmrpc.engine.threads import ThreadBudget, configure_engine_threads, idle_core_budget
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
@@ -238,6 +241,13 @@ class EngineCore:
             self.eos_token_ids,
         )
         self.output_processor = OutputProcessor(self.tokenizer, model_config.seed)
+        self.structured_config = config.structured_output
+        self.grammar_compiler = None
+        if self.tokenizer is not None:
+            self.grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids
+            )
+        self.grammar_step = GrammarStep(self.hf_config.vocab_size)
         self._generation_rate = RateMeter()
         self._prompt_rate = RateMeter()
         # The fastest pace seen: an optimistic estimate, so no request is dropped that might
@@ -367,13 +377,14 @@ class EngineCore:
             block_size=self.kv_manager.block_size,
             num_kv_blocks=self.kv_manager.num_blocks,
             model_dir=str(self.model_dir),
+            structured_output=self.structured_config,
         )
 
     @property
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             num_free_blocks=self.kv_manager.num_free_blocks,
             num_total_blocks=self.kv_manager.num_blocks,
             prefix_cache_hit_rate=self.kv_manager.num_prefix_hits
@@ -399,11 +410,30 @@ class EngineCore:
         taken = self.output_processor.children.keys() | self.scheduler.requests.keys()
         if request_id in taken or any(r.request_id in taken for r in requests):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if params.structured_output is not None:
+            self._attach_grammars(requests, params)
         self.output_processor.add(request_id, requests)
         for request in requests:
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob
             self.scheduler.add_request(request)
+
+    def _attach_grammars(self, requests: list[Request], params: SamplingParams) -> None:
+        """Compile the requests' structured output (one grammar for the n samples), off this
+        thread; the scheduler holds them until it is ready."""
+        if self.grammar_compiler is None:
+            raise InvalidRequestError(
+                "structured_output",
+                "needs a tokenizer; this server runs with --skip-tokenizer-init",
+            )
+        spec = params.structured_output
+        if not spec.backend:  # not checked by a frontend
+            config = self.structured_config
+            spec = structured_output.check(spec, config.backend, not config.disable_fallback)
+        compiled = self.grammar_compiler.submit(spec)
+        stop_ids = self.eos_token_ids | set(params.stop_token_ids)
+        for request in requests:
+            request.grammar = Grammar(spec, compiled, stop_ids)
 
     def abort_requests(self, request_ids) -> list[RequestOutput]:
         """Finish the live requests among ``request_ids`` at once, freeing their KV blocks."""
@@ -442,9 +472,10 @@ class EngineCore:
         """One step of the batch. A fault that belongs to one request finishes that request with
         ``FinishReason.ERROR``; only a failed forward pass (or scheduling) raises."""
         started = time.monotonic()
-        dropped = self._drop_hopeless_waiting(started)
+        dropped = self._drop_hopeless_waiting(started) + self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            self._wait_for_a_grammar()
             return dropped
         self._prompt_rate.add(
             sum(
@@ -456,8 +487,10 @@ class EngineCore:
             threads = self.thread_budget.threads_now()
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
+        masks = self.grammar_step.start(scheduled.scheduled)  # while the forward pass runs
         model_output = self.runner.execute(scheduled, self.kv_manager.block_ids)
         failed: dict[Request, str] = {}
+        self.grammar_step.finish(masks, model_output.logits.device, failed)
         self._record_prompt_logprobs(model_output.prompt_logits, failed)
         requests = model_output.sampled_requests
         sampled = self._sample(model_output.logits, requests, failed)
@@ -471,6 +504,8 @@ class EngineCore:
             tokens = dict(zip(ids, sampled.token_ids, strict=True))
             logprobs = dict(zip(ids, sampled.logprobs, strict=True))
         updated = self.scheduler.update_from_output(scheduled, tokens, failed)
+        self.grammar_step.advance(requests, updated, failed)
+        updated = [request for request in updated if request not in failed]
         outputs = [self._process_new_token(r, logprobs[r.request_id], failed) for r in updated]
         elapsed = max(time.monotonic() - started, 1e-6)
         pace = scheduled.num_scheduled_tokens / elapsed
@@ -506,6 +541,19 @@ class EngineCore:
             for request in requests:  # no single culprit: the whole sampled batch fails
                 failed[request] = "sampling the batch failed"
         return None
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled; fail those whose compile failed."""
+        if not self.scheduler.compiling:
+            return []
+        failed = {r: r.grammar.error() for r in self.scheduler.compiled()}
+        return self._fail_requests(failed)
+
+    def _wait_for_a_grammar(self, timeout: float = 0.01) -> None:
+        """With nothing to compute but grammars compiling: a short wait, not a busy loop."""
+        futures = {request.grammar.compiled for request in self.scheduler.compiling}
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def _fail_requests(self, failed: dict[Request, str]) -> list[RequestOutput]:
         outputs = []

@@ -3,7 +3,9 @@ channel) read and raise without loading the core, its model or torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from llmrpc.engine.config import StructuredOutputConfig
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,8 @@ class ModelInfo:
     num_kv_blocks: int
     sampling_defaults: dict  # SamplingParams field -> server default (generation config)
     model_dir: str = ""  # the folder the weights were loaded from (a .gguf file's converted one)
+    # how requests' structured output is checked and built (--guided-decoding-*)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 @dataclass(frozen=True)

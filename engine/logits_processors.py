@@ -1,9 +1,9 @@
 """Per-request logits rules applied before sampling, with vLLM's semantics.
 
-Order: the hard constraints (allowed tokens, bad words), min_tokens, logit bias, then penalties.
-Each works in place on a ``[num_requests, vocab_size]`` float32 tensor and skips the requests
-that do not use it. Per step, each rule costs the vocabulary row or less, never the length of the
-list the client gave: tensors are built once per request, bad words are followed through an
+Order: the hard constraints (structured output, allowed tokens, bad words), min_tokens, logit bias,
+then penalties. Each works in place on a ``[num_requests, vocab_size]`` float32 tensor and skips the
+requests that do not use it. Per step, each rule costs the vocabulary row or less, never the length
+of the list the client gave: tensors are built once per request, bad words are followed through an
 automaton (engine/matching.py).
 """
 
@@ -26,6 +26,7 @@ class HardConstraints:
 
     allowed_mask: torch.Tensor | None  # [vocab_size] bool; None: every token
     banned: list[int]  # bad-word tokens banned at this step
+    grammar_mask: torch.Tensor | None = None  # [vocab_size] bool: what structured output allows
 
     def permitted(self, like: torch.Tensor) -> torch.Tensor:
         if self.allowed_mask is None:
@@ -33,6 +34,10 @@ class HardConstraints:
         else:
             mask = self.allowed_mask.clone()
         mask[self.banned] = False
+        if self.grammar_mask is not None:
+            both = mask & self.grammar_mask
+            # the grammar wins: a token outside it would end the request with an error
+            mask = both if bool(both.any()) else self.grammar_mask.clone()
         return mask
 
 
@@ -61,8 +66,11 @@ def _apply_hard_constraints(row: torch.Tensor, request: Request) -> HardConstrai
     tokens win: the sampler must return some token, and only they are certain."""
     allowed = request.params.allowed_token_ids
     banned = _banned_tokens(request)
-    if allowed is None and not banned:
+    grammar = request.grammar_mask
+    if allowed is None and not banned and grammar is None:
         return None
+    if grammar is not None:
+        row.masked_fill_(~grammar, NEG_INF)
     allowed_mask = None
     if allowed is None:
         keeps_some = len(set(banned)) < row.shape[0]
@@ -75,7 +83,7 @@ def _apply_hard_constraints(row: torch.Tensor, request: Request) -> HardConstrai
         banned = []
     if banned:
         row[banned] = NEG_INF
-    return HardConstraints(allowed_mask, banned)
+    return HardConstraints(allowed_mask, banned, grammar)
 
 
 def _banned_tokens(request: Request) -> list[int]:

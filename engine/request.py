@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from llmrpc.engine.matching import SuffixTracker
+    from llmrpc.engine.structured_output import Grammar
 
 
 class InvalidRequestError(ValueError):
@@ -57,6 +60,19 @@ _FLOAT_FIELDS = (
 )
 
 
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """A constraint on the output's form (``engine/structured_output.py``)."""
+
+    kind: str  # json_schema, json_object, regex, choice, grammar or structural_tag
+    value: str = ""  # the schema's or structural tag's JSON text, the regex, the grammar
+    choices: tuple[str, ...] = ()
+    any_whitespace: bool = True  # JSON: optional whitespace allowed
+    additional_properties: bool = True  # JSON, guidance backend: unnamed properties allowed
+    reasoning_end: tuple[int, ...] = ()  # applies once the output has these tokens in a row
+    backend: str = ""  # xgrammar or guidance, chosen by structured_output.check
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
@@ -87,6 +103,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     deadline: float | None = None  # time.monotonic() when the caller stops waiting
+    structured_output: StructuredOutputSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -267,6 +284,10 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] = []  # filled while the prompt is computed
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
+        # Set by the engine from params.structured_output (engine/structured_output.py), and
+        # per step, for a request that samples under it, the tokens its grammar allows.
+        self.grammar: Grammar | None = None
+        self.grammar_mask: torch.Tensor | None = None  # [vocab_size] bool
 
     @property
     def num_tokens(self) -> int:

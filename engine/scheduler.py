@@ -42,14 +42,38 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Waiting for their structured output's grammar to compile; they queue once it has,
+        # so a long compile holds up no other request.
+        self.compiling: list[Request] = []
 
     def add_request(self, request: Request) -> None:
-        self.waiting.add(request)
+        if request.grammar is not None and not request.grammar.ready:
+            self.compiling.append(request)
+        else:
+            self.waiting.add(request)
         self.requests[request.request_id] = request
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.compiling)
+
+    def compiled(self) -> list[Request]:
+        """Move the requests whose grammar is ready to the queue; returns those whose grammar
+        failed to compile (still unfinished, for the caller to fail)."""
+        failed, still = [], []
+        for request in self.compiling:
+            if not request.grammar.ready:
+                still.append(request)
+            elif request.grammar.error() is not None:
+                failed.append(request)
+            else:
+                self.waiting.add(request)
+        self.compiling = still + failed  # failed ones leave through finish_request
+        return failed
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -177,6 +201,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.compiling:
+            self.compiling.remove(request)
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED

@@ -1,0 +1,84 @@
+"""The structured-output part of an engine step.
+
+The token bitmask of each constrained request that samples this step depends only on the tokens
+it has already accepted, so it is written on a worker thread while the forward pass runs
+(``start``), then turned into one ``[vocab_size]`` bool mask per request on the logits' device
+(``finish``), which the logits processors apply as a hard constraint. After sampling,
+``advance`` moves each matcher on by its new token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import torch
+
+from llmrpc.engine.request import Request
+from llmrpc.engine.structured_output import allocate_bitmask, bitmask_to_bool
+
+
+@dataclass
+class PendingMasks:
+    requests: list[Request]
+    bitmask: torch.Tensor  # [len(requests), words] int32
+    errors: dict[Request, str]
+    done: concurrent.futures.Future
+
+
+@torch.inference_mode()  # as the step that made the bitmask
+def _fill(requests: list[Request], bitmask: torch.Tensor, errors: dict) -> None:
+    for row, request in enumerate(requests):
+        try:
+            request.grammar.fill(bitmask, row)
+        except Exception as error:  # noqa: BLE001 - this request's own fault
+            errors[request] = f"computing the structured output's token mask failed: {error!r}"
+
+
+def _samples(request: Request, num_scheduled: int) -> bool:
+    grammar = request.grammar
+    active = grammar is not None and grammar.active
+    return active and request.num_computed_tokens + num_scheduled >= request.num_tokens
+
+
+class GrammarStep:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="token-mask")
+
+    def start(self, scheduled: list[tuple[Request, int]]) -> PendingMasks | None:
+        """Begin the masks of the constrained requests that will sample this step."""
+        requests = [request for request, num in scheduled if _samples(request, num)]
+        if not requests:
+            return None
+        bitmask = allocate_bitmask(len(requests), self.vocab_size)
+        errors: dict[Request, str] = {}
+        done = self._pool.submit(_fill, requests, bitmask, errors)
+        return PendingMasks(requests, bitmask, errors, done)
+
+    def finish(self, pending: PendingMasks | None, device: torch.device, failed: dict) -> None:
+        """Wait for the masks and give each request its own (``request.grammar_mask``)."""
+        if pending is None:
+            return
+        pending.done.result()
+        failed.update(pending.errors)
+        masks = bitmask_to_bool(pending.bitmask.to(device, non_blocking=True), self.vocab_size)
+        for row, request in enumerate(pending.requests):
+            request.grammar_mask = masks[row]
+
+    def advance(self, sampled: list[Request], updated: list[Request], failed: dict) -> None:
+        """Feed each constrained request's new token to its matcher; a token the grammar
+        refuses fails its request (``failed``)."""
+        for request in sampled:
+            request.grammar_mask = None
+        for request in updated:
+            if request.grammar is not None and request not in failed:
+                try:
+                    error = request.grammar.accept(request.output_token_ids)
+                except Exception as exc:  # noqa: BLE001 - this request's own fault
+                    error = f"advancing the structured output failed: {exc!r}"
+                if error is not None:
+                    failed[request] = error
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)

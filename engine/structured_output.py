@@ -1,0 +1,339 @@
+"""Structured output: every token drawn from those that keep the output a valid prefix of a JSON
+schema, regex, choice, grammar or structural tag.
+
+Two grammar engines from PyPI: xgrammar and llguidance (``guidance``). ``auto`` uses xgrammar,
+and llguidance for a constraint xgrammar cannot build (a Lark grammar, a schema feature it
+lacks), unless fallback is off. Both give the same per-step token bitmask (int32, one bit per
+vocabulary id), so the engine does not care which one a request has.
+
+Life of a constraint:
+- ``check`` (in the server, off the event loop, before the request is queued) builds the
+  grammar without a tokenizer: a bad schema, regex or grammar is an ``InvalidRequestError``
+  naming its field. It returns the spec with the backend that will serve it.
+- ``GrammarCompiler.submit`` (in the engine) compiles it against the vocabulary on a thread of
+  its own, cached by its text, so a compile never holds up a step; the request joins the
+  scheduler once its grammar is ready.
+- Per step, ``fill_bitmasks`` writes the rows of the requests that sample (on a worker thread,
+  while the forward pass runs), ``Grammar.accept`` advances each matcher by its sampled token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+from dataclasses import replace
+
+import torch
+
+from llmrpc.engine.request import InvalidRequestError, StructuredOutputSpec
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "xgrammar", "guidance")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_CONSTRAINT_CHARS = 262_144  # a schema's JSON text, a regex, a grammar: 256 Ki characters
+MAX_CHOICES = 1024
+_COMPILED_CACHE_BYTES = 256 * 2**20
+
+
+def _field(spec: StructuredOutputSpec) -> str:
+    """The request field a spec came from (gRPC's names: the server maps them to its own)."""
+    return (
+        "structured_output.choice.choices"
+        if spec.kind == "choice"
+        else f"structured_output.{spec.kind}"
+    )
+
+
+def check(spec: StructuredOutputSpec, backend: str, fallback: bool = True) -> StructuredOutputSpec:
+    """``spec`` with the backend that will serve it (``xgrammar`` or ``guidance``); raises
+    ``InvalidRequestError`` naming the field when no allowed backend can build it."""
+    if spec.kind not in KINDS:
+        raise InvalidRequestError("structured_output", f"unknown kind {spec.kind!r}")
+    _check_size(spec)
+    order = {"auto": ("xgrammar", "guidance") if fallback else ("xgrammar",)}.get(
+        backend, (backend,)
+    )
+    first_error = None
+    for name in order:
+        try:
+            _BUILDERS[name](spec)
+        except Exception as error:  # noqa: BLE001 - the grammar engine's own message
+            first_error = first_error or f"{_message(error)} ({name})"
+            continue
+        return replace(spec, backend=name)
+    raise InvalidRequestError(_field(spec), f"cannot be used: {first_error}")
+
+
+def _check_size(spec: StructuredOutputSpec) -> None:
+    if spec.kind == "choice":
+        if not spec.choices:
+            raise InvalidRequestError(_field(spec), "give at least one choice")
+        if len(spec.choices) > MAX_CHOICES:
+            raise InvalidRequestError(_field(spec), f"at most {MAX_CHOICES} choices")
+        if any(not choice for choice in spec.choices):
+            raise InvalidRequestError(_field(spec), "a choice must not be empty")
+    size = len(spec.value) + sum(map(len, spec.choices))
+    if size > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequestError(
+            _field(spec), f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}"
+        )
+
+
+def _message(error: Exception) -> str:
+    # xgrammar prefixes its messages with a time and a C++ source position
+    text = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+# --- what each backend builds from a spec -------------------------------------------------------
+
+
+def _choice_ebnf(choices: tuple[str, ...]) -> str:
+    # JSON string literals are EBNF string literals (the same escapes)
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+def _choice_lark(choices: tuple[str, ...]) -> str:
+    return "start: " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def _xgrammar_build(spec: StructuredOutputSpec, compiler=None):
+    """The xgrammar ``Grammar`` (``compiler`` None) or ``CompiledGrammar`` of ``spec``."""
+    import xgrammar
+
+    kind, value = spec.kind, spec.value
+    if kind in ("json_schema", "json_object"):
+        schema = value if kind == "json_schema" else _ANY_OBJECT
+        options = {"any_whitespace": spec.any_whitespace, "strict_mode": True}
+        if compiler is None:
+            return xgrammar.Grammar.from_json_schema(schema, **options)
+        return compiler.compile_json_schema(schema, **options)
+    if kind == "regex":
+        return (
+            xgrammar.Grammar.from_regex(value)
+            if compiler is None
+            else compiler.compile_regex(value)
+        )
+    if kind == "structural_tag":
+        if compiler is None:
+            return xgrammar.Grammar.from_structural_tag(value)
+        return compiler.compile_structural_tag(value)
+    ebnf = _choice_ebnf(spec.choices) if kind == "choice" else value
+    return xgrammar.Grammar.from_ebnf(ebnf) if compiler is None else compiler.compile_grammar(ebnf)
+
+
+def _closed_objects(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    if closed.get("type") == "object" or "properties" in closed:
+        closed.setdefault("additionalProperties", False)
+    return closed
+
+
+def _guidance_grammar(spec: StructuredOutputSpec) -> str:
+    import llguidance
+
+    kind = spec.kind
+    if kind in ("json_schema", "json_object"):
+        schema = json.loads(spec.value) if kind == "json_schema" else {"type": "object"}
+        if not spec.additional_properties:
+            schema = _closed_objects(schema)
+        defaults = {"whitespace_flexible": spec.any_whitespace}
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec.choices))
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(spec.value)
+    raise ValueError("structural tags need the xgrammar backend")
+
+
+def _guidance_build(spec: StructuredOutputSpec) -> str:
+    import llguidance
+
+    grammar = _guidance_grammar(spec)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
+_BUILDERS = {"xgrammar": _xgrammar_build, "guidance": _guidance_build}
+
+
+# --- in the engine ----------------------------------------------------------------------------
+
+
+class GrammarCompiler:
+    """Compiles checked specs against the model's vocabulary on a thread of its own."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._xgrammar = None  # built on first use: reading the vocabulary takes ~0.2 s
+        self._guidance = None
+        self._guidance_cache: dict[str, str] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    def submit(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
+        return self._pool.submit(self._compile, spec)
+
+    def _compile(self, spec: StructuredOutputSpec):
+        if spec.backend == "guidance":
+            return self._guidance_tokenizer(), _guidance_build(spec)
+        return _xgrammar_build(spec, self._xgrammar_compiler())
+
+    def _xgrammar_compiler(self):
+        if self._xgrammar is None:
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
+            self._xgrammar = xgrammar.GrammarCompiler(
+                info, max_threads=1, cache_limit_bytes=_COMPILED_CACHE_BYTES
+            )
+        return self._xgrammar
+
+    def _guidance_tokenizer(self):
+        if self._guidance is None:
+            import llguidance.hf
+
+            self._guidance = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+            )
+        return self._guidance
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Grammar:
+    """One request's constraint: its compiled grammar (once ready) and its matcher."""
+
+    def __init__(
+        self, spec: StructuredOutputSpec, compiled: concurrent.futures.Future, stop_ids
+    ) -> None:
+        self.spec = spec
+        self.compiled = compiled
+        self.stop_ids = sorted(stop_ids)
+        self.active = not spec.reasoning_end  # with a reasoning end: once the output has it
+        self._matcher = None
+
+    @property
+    def ready(self) -> bool:
+        return self.compiled.done()
+
+    def error(self) -> str | None:
+        """Why the grammar cannot be used (its compile failed), or None."""
+        if not self.ready:
+            return None
+        error = self.compiled.exception()
+        return None if error is None else f"compiling the structured output failed: {error!r}"
+
+    def _get_matcher(self):
+        if self._matcher is None:
+            compiled = self.compiled.result()
+            if self.spec.backend == "guidance":
+                import llguidance
+
+                tokenizer, grammar = compiled
+                matcher = llguidance.LLMatcher(tokenizer, grammar)
+                self._matcher = _GuidanceMatcher(matcher, self.stop_ids)
+            else:
+                import xgrammar
+
+                self._matcher = _XgrammarMatcher(
+                    xgrammar.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids)
+                )
+        return self._matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._get_matcher().fill(bitmask, row)
+
+    def accept(self, output_token_ids: list[int]) -> str | None:
+        """Advance by the output's last token; why it broke the grammar, or None."""
+        if not self.active:
+            end = self.spec.reasoning_end
+            self.active = tuple(output_token_ids[-len(end) :]) == end
+            return None
+        matcher = self._get_matcher()
+        if matcher.terminated():  # complete; ignore_eos may go on past its stop token
+            return None
+        token_id = output_token_ids[-1]
+        if not matcher.accept(token_id):
+            return f"token {token_id} breaks the structured output"
+        return None
+
+
+class _XgrammarMatcher:
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class _GuidanceMatcher:
+    def __init__(self, matcher, stop_ids: list[int]) -> None:
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        self.matcher = matcher
+        self.stop_ids = stop_ids
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+
+        if self.matcher.is_stopped():  # complete with nothing left to add: only a stop token
+            bitmask[row] = 0
+            for token_id in self.stop_ids:
+                bitmask[row, token_id // 32] |= _bit(token_id % 32)
+            return
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.consume_token(token_id)
+
+    def terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def _bit(position: int) -> int:
+    """Bit ``position`` of an int32 as a Python int (bit 31 is the sign bit)."""
+    return -(2**31) if position == 31 else 1 << position
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """``[num_rows, ceil(vocab_size / 32)]`` int32, every bit set (every token allowed)."""
+    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:
+    for row, grammar in enumerate(grammars):
+        grammar.fill(bitmask, row)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, words]`` int32 bitmask -> ``[rows, vocab_size]`` bool, True where allowed."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -1,0 +1,212 @@
+"""Structured output on the engine, with a random-weight model: its free output is noise, so
+every output that validates was made to by the grammar.
+
+One engine per backend for the module; each test runs its requests in one batch, mixing
+constrained and free ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+from engine_utils import make_core, run_to_completion
+
+from llmrpc.engine import structured_output
+from llmrpc.engine.request import (
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputSpec,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "pet": {"enum": ["cat", "dog", None]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+}
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir):
+    return make_core(tiny_llama_dir)
+
+
+def _params(spec: StructuredOutputSpec | None, seed: int, **fields) -> SamplingParams:
+    fields.setdefault("max_tokens", 160)
+    return SamplingParams(seed=seed, structured_output=spec, **fields)
+
+
+def _run(core, params: list[SamplingParams], prompt=(1, 2, 3)) -> list:
+    requests = {f"r{i}": (list(prompt), p) for i, p in enumerate(params)}
+    outputs = run_to_completion(core, requests)
+    return [outputs[f"r{i}"] for i in range(len(params))]
+
+
+def _json_spec(**options) -> StructuredOutputSpec:
+    return StructuredOutputSpec("json_schema", json.dumps(SCHEMA), **options)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_fifty_seeded_samples_all_validate_in_a_mixed_batch(core, backend):
+    options = {"any_whitespace": False, "additional_properties": False}
+    spec = structured_output.check(_json_spec(**options), backend)
+    constrained = [_params(spec, seed) for seed in range(50)]
+    free = [_params(None, seed, max_tokens=20) for seed in range(6)]
+    outputs = _run(core, constrained + free)
+    for output in outputs[:50]:
+        assert output.finish_reason is FinishReason.EOS, output.text
+        jsonschema.validate(json.loads(output.text), SCHEMA)
+    texts = [output.text for output in outputs[50:]]
+    assert all(output.finish_reason is FinishReason.LENGTH for output in outputs[50:])
+    assert sum(_parses(text) for text in texts) == 0, "free output of noise parsed as JSON"
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_regex_and_choice_always_match(core, backend):
+    regex = r"(red|green|blue)-[0-9]{2,4}"
+    choices = ("yes", 'a "quoted" one', "línea\nnueva")
+    regex_spec = structured_output.check(StructuredOutputSpec("regex", regex), backend)
+    choice_spec = structured_output.check(StructuredOutputSpec("choice", choices=choices), backend)
+    params = [_params(regex_spec, s) for s in range(10)] + [
+        _params(choice_spec, s) for s in range(10)
+    ]
+    outputs = _run(core, params)
+    for output in outputs[:10]:
+        assert re.fullmatch(regex, output.text), output.text
+    assert {output.text for output in outputs[10:]} <= set(choices)
+
+
+def test_ebnf_grammar_output_parses(core):
+    grammar = 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9] | "(" expr ")"'
+    spec = structured_output.check(StructuredOutputSpec("grammar", grammar), "auto")
+    assert spec.backend == "xgrammar"
+    for output in _run(core, [_params(spec, s, max_tokens=40) for s in range(8)]):
+        if output.finish_reason is FinishReason.EOS:
+            assert re.fullmatch(r"[0-9()+]+", output.text)
+            eval(output.text, {"__builtins__": {}})  # digits, + and parentheses only: it parses
+
+
+def test_a_lark_grammar_falls_back_to_guidance_unless_fallback_is_off():
+    lark = 'start: "a" b\nb: "b"+'
+    spec = structured_output.check(StructuredOutputSpec("grammar", lark), "auto")
+    assert spec.backend == "guidance"
+    with pytest.raises(InvalidRequestError) as error:
+        structured_output.check(StructuredOutputSpec("grammar", lark), "auto", fallback=False)
+    assert error.value.field == "structured_output.grammar"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (
+            StructuredOutputSpec("json_schema", '{"type": "nonsense"}'),
+            "structured_output.json_schema",
+        ),
+        (StructuredOutputSpec("regex", "a(b"), "structured_output.regex"),
+        (StructuredOutputSpec("grammar", "root ::= "), "structured_output.grammar"),
+        (StructuredOutputSpec("choice", choices=()), "structured_output.choice.choices"),
+        (StructuredOutputSpec("choice", choices=("a", "")), "structured_output.choice.choices"),
+        (StructuredOutputSpec("regex", "a" * 300_000), "structured_output.regex"),
+    ],
+)
+def test_bad_constraints_name_their_field(spec, field):
+    with pytest.raises(InvalidRequestError) as error:
+        structured_output.check(spec, "auto")
+    assert error.value.field == field
+
+
+def test_n_samples_each_keep_their_own_matcher(core):
+    spec = structured_output.check(_json_spec(any_whitespace=False), "xgrammar")
+    core.add_request(
+        "n", [5, 6, 7], SamplingParams(n=4, seed=3, max_tokens=160, structured_output=spec)
+    )
+    texts = {}
+    while core.has_unfinished_requests:
+        for output in core.step():
+            texts[output.index] = texts.get(output.index, "") + output.text
+    assert len(set(texts.values())) == 4
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_json_object_builds_on_both_backends(backend):
+    spec = structured_output.check(StructuredOutputSpec("json_object"), backend)
+    assert spec.backend == backend
+
+
+def test_the_grammar_waits_for_the_end_of_reasoning(core):
+    # A one-token end of reasoning, pushed by a bias: the output is free until it, then held
+    # to the choice (the bias cannot push it again: the grammar has no room for it).
+    (end,) = core.tokenizer.encode(" Paris", add_special_tokens=False)
+    spec = structured_output.check(
+        StructuredOutputSpec("choice", choices=("yes", "no"), reasoning_end=(end,)), "xgrammar"
+    )
+    ended = _params(spec, 0, max_tokens=30, logit_bias={end: 100.0})
+    never_ends = _params(spec, 1, max_tokens=30, bad_words=["Paris"])
+    outputs = _run(core, [ended, never_ends])
+    assert outputs[0].finish_reason is FinishReason.EOS
+    assert outputs[0].token_ids[0] == end
+    assert outputs[0].text in (" Parisyes", " Parisno")
+    assert outputs[1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_compiling_grammar_holds_up_no_other_request_and_can_be_aborted(core):
+    release = threading.Event()
+    core.grammar_compiler._pool.submit(release.wait)  # the compile thread is busy until set
+    spec = structured_output.check(StructuredOutputSpec("regex", "[ab]{3}"), "xgrammar")
+    core.add_request("held", [1, 2], _params(spec, 0))
+    core.add_request("aborted", [1, 2], _params(spec, 1))
+    core.add_request("free", [1, 2], _params(None, 2, max_tokens=5))
+    assert core.stats.num_waiting == 3
+    outputs = {}
+    while "free" not in outputs or not outputs["free"].finished:
+        for output in core.step():
+            outputs[output.request_id] = output
+    assert set(outputs) == {"free"}, "a request under a compiling grammar was computed"
+    (aborted,) = core.abort_requests(["aborted"])
+    assert aborted.finish_reason is FinishReason.ABORT
+    release.set()
+    texts = ""
+    while core.has_unfinished_requests:
+        texts += "".join(output.text for output in core.step())
+    assert re.fullmatch("[ab]{3}", texts)
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+
+
+def test_preempted_constrained_requests_resume_their_grammar(tiny_llama_dir, core):
+    # 12 blocks of 16 tokens hold about 3 of the 16 requests at full length: most are
+    # recomputed at least once, their matchers kept where their outputs stand.
+    spec = structured_output.check(_json_spec(any_whitespace=False), "xgrammar")
+    params = [_params(spec, seed, max_tokens=60) for seed in range(16)]
+    expected = _run(core, params)
+    tight = make_core(tiny_llama_dir, num_blocks=12, max_model_len=128, max_num_batched_tokens=64)
+    preempted = set()
+    schedule = tight.scheduler.schedule
+
+    def spying_schedule():
+        output = schedule()
+        preempted.update(r.request_id for r in output.preempted)
+        return output
+
+    tight.scheduler.schedule = spying_schedule
+    outputs = _run(tight, params)
+    assert len(preempted) >= 4
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
