@@ -4,8 +4,9 @@ Every field OpenAI defines is either honoured or refused with a 400 naming it; a
 does not define is a 400 too (``extra="forbid"``). The input becomes OpenAI-shaped chat messages
 for the gRPC API: ``instructions`` first as a system message, then the stored conversation of
 ``previous_response_id``, then the input items (developer messages are system messages: chat
-templates know no developer role). Reasoning items sent back are accepted and left out of the
-prompt, as chat templates leave out earlier turns' reasoning.
+templates know no developer role). A reasoning item sent back becomes the
+``reasoning_content`` of the assistant message after it; the chat template decides whether the
+model sees it (most show it only within the turn in progress, between tool calls).
 """
 
 from __future__ import annotations
@@ -249,15 +250,23 @@ class Conversation:
     def __init__(self) -> None:
         self.messages: list[dict] = []
         self.origins: list[str] = []
+        self._reasoning: str | None = None  # a reasoning item's, for the next assistant message
 
     def add(self, message: dict, origin: str) -> None:
+        if self._reasoning is not None and message["role"] == "assistant":
+            message = {**message, "reasoning_content": self._reasoning}
+        self._reasoning = None  # reasoning belongs to the answer right after it, if any
         self.messages.append(message)
         self.origins.append(origin)
 
+    def add_reasoning(self, text: str) -> None:
+        self._reasoning = text
+
     def add_call(self, call: dict, origin: str) -> None:
-        """A function call joins the assistant message before it, as chat's tool_calls do."""
+        """A function call joins the assistant message before it, as chat's tool_calls do.
+        Messages are replaced, never changed: stored conversations share them."""
         last = self.messages[-1] if self.messages else None
-        if last is None or last["role"] != "assistant":
+        if last is None or last["role"] != "assistant" or self._reasoning is not None:
             self.add({"role": "assistant", "content": ""}, origin)
             last = self.messages[-1]
         self.messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
@@ -275,7 +284,14 @@ def _add_item(conversation: Conversation, item, param: str) -> None:
     elif isinstance(item, FunctionCallOutputItem):
         text = content_text(item.output, f"{param}.output")
         conversation.add({"role": "tool", "tool_call_id": item.call_id, "content": text}, param)
-    # ReasoningItem: not part of the prompt (see the module's docstring)
+    elif isinstance(item, ReasoningItem):
+        conversation.add_reasoning(_reasoning_text(item))
+
+
+def _reasoning_text(item: ReasoningItem) -> str:
+    """The reasoning's text, else its summary's (what OpenAI's reasoning models return)."""
+    parts = item.content or item.summary
+    return "".join(str(part.get("text", "")) for part in parts)
 
 
 def input_conversation(body: ResponsesRequest) -> Conversation:

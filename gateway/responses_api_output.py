@@ -169,18 +169,24 @@ def output_items(text: str, reasoning: str, calls: list[ToolCall], status: str) 
     return items
 
 
+def _texts(output: list[dict], kind: str) -> str:
+    items = (item for item in output if item["type"] == kind)
+    return "".join(part["text"] for item in items for part in item["content"])
+
+
 def assistant_message(output: list[dict]) -> dict:
-    """The output as the assistant's chat message in the stored conversation (its reasoning
-    left out, as chat templates leave out earlier turns' reasoning)."""
-    text = "".join(
-        part["text"] for item in output if item["type"] == "message" for part in item["content"]
-    )
+    """The output as the assistant's chat message in the stored conversation; its reasoning
+    as ``reasoning_content``, which the chat template shows or not."""
+    text = _texts(output, "message")
     calls = [
         {"id": i["call_id"], "type": "function", "function": _function(i)}
         for i in output
         if i["type"] == "function_call"
     ]
     message: dict = {"role": "assistant", "content": text}
+    reasoning = _texts(output, "reasoning")
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return message

@@ -19,7 +19,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from llmrpc.clients import Client, FinishReason, ToolCall, Usage
 from llmrpc.gateway import responses_api_output as out
-from llmrpc.gateway.responses_api_input import ResponsesRequest
+from llmrpc.gateway.responses_api_input import ResponsesRequest, input_conversation
 from llmrpc.gateway.responses_api_stream import ResponseEvents
 
 GREEDY = {"model": "", "temperature": 0.0, "max_output_tokens": 6}
@@ -267,3 +267,31 @@ def test_server_errors_name_the_responses_parameter(sdk):
     with pytest.raises(openai.BadRequestError) as caught:
         sdk.responses.create(input=QUESTION, stream=True, **{**GREEDY, "top_p": 7.0})
     assert caught.value.body["param"] == "top_p"
+
+
+def test_items_from_an_earlier_turn_become_chat_messages():
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    thought = [{"type": "reasoning_text", "text": "Hm."}]
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": "Go."},
+        {"type": "reasoning", "summary": [], "content": thought},
+        call,
+        {**call, "call_id": "call_2"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "x"}]},
+        {"role": "user", "content": "Next."},
+    ]
+    conversation = input_conversation(ResponsesRequest(input=items))
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for i in (1, 2)
+    ]
+    assert conversation.messages == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": "", "reasoning_content": "Hm.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+        {"role": "user", "content": "Next."},  # reasoning with no answer after it: dropped
+    ]
+    assert conversation.origins == ["input[0]", "input[1]", "input[3]", "input[5]", "input[7]"]
