@@ -21,6 +21,7 @@ from llmrpc.server.errors import (
     InvalidArgument,
     Unavailable,
 )
+from llmrpc.server.structured_output import engine_spec
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2, tokenization_pb2
 
 # An unset stopping.max_tokens: vLLM's SamplingParams default, cut to the room the context leaves.
@@ -181,6 +182,9 @@ def sampling_params(
     # queue or reaches the engine's thread (sizes first, so a huge list is refused in O(1)).
     with engine_errors(request):
         params.validate()
+        if request.HasField("structured_output"):
+            config = model_info.structured_output
+            params.structured_output = engine_spec(request.structured_output, config)
     return params
 
 
