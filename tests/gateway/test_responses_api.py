@@ -6,13 +6,17 @@ for the same messages, conversations continued with previous_response_id, store 
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import time
 import typing
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from envoy_support import Replica, ServerLoop
+from engine_pace import num_live_requests
+from envoy_support import Replica, ServerLoop, wait_for
 from gateway_support import RunningGateway, running_gateway
 from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
@@ -295,3 +299,40 @@ def test_items_from_an_earlier_turn_become_chat_messages():
         {"role": "user", "content": "Next."},  # reasoning with no answer after it: dropped
     ]
     assert conversation.origins == ["input[0]", "input[1]", "input[3]", "input[5]", "input[7]"]
+
+
+def _read_until(sock: socket.socket, marker: bytes) -> None:
+    sock.settimeout(15.0)
+    received = b""
+    while marker not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_hanging_up_ends_the_request_in_the_engine(gateway, slow_engine, caplog, stream):
+    caplog.set_level(logging.WARNING)
+    body = {"input": QUESTION, "max_output_tokens": 400, "stream": stream}
+    content = json.dumps(body).encode()
+    head = (
+        "POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(content)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", gateway.server.port)) as sock:
+        sock.sendall(head.encode() + content)
+        wait_for(
+            lambda: num_live_requests(slow_engine) >= 1,
+            "the request to reach the engine",
+            timeout=15.0,
+        )
+        if stream:
+            _read_until(sock, b"event: response.output_text.delta")
+    wait_for(
+        lambda: num_live_requests(slow_engine) == 0,
+        "the engine to drop the abandoned request",
+        timeout=15.0,
+    )
+    time.sleep(0.3)  # what the gateway logs after the abort, it logs by now
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not problems, [r.getMessage() + (r.exc_text or "") for r in problems]
