@@ -41,6 +41,7 @@ RESPONSES_PARAMS: dict[str, str | None] = {
     **{field: "input" if name == "messages" else name for field, name in CHAT_PARAMS.items()},
     "stopping.max_tokens": "max_output_tokens",
     "structured_output": "text.format",
+    "structured_output.json_schema": "text.format.schema",
     "chat.tools": "tools",
     "chat.tool_choice": "tool_choice",
     "chat.parallel_tool_calls": "parallel_tool_calls",

@@ -336,3 +336,40 @@ def test_hanging_up_ends_the_request_in_the_engine(gateway, slow_engine, caplog,
     time.sleep(0.3)  # what the gateway logs after the abort, it logs by now
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not problems, [r.getMessage() + (r.exc_text or "") for r in problems]
+
+
+CITY = {"type": "string", "enum": ["Paris", "Rome"]}
+CITY_FORMAT = {"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}
+
+
+def test_text_format_json_schema_holds_the_output(sdk):
+    response = sdk.responses.create(input=QUESTION, text=CITY_FORMAT, **GREEDY)
+    assert response.status == "completed" and response.completed_at is not None
+    assert json.loads(response.output_text) in CITY["enum"]
+    assert response.text.format.type == "json_schema" and response.text.format.name == "city"
+    # Completed, so the stream helper has a final response to give.
+    with sdk.responses.stream(input=QUESTION, text=CITY_FORMAT, **GREEDY) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == response.output_text and final.status == "completed"
+
+
+def test_text_format_json_object_starts_an_object(sdk):
+    free = sdk.responses.create(input=QUESTION, **GREEDY).output_text
+    text = {"format": {"type": "json_object"}}
+    held = sdk.responses.create(input=QUESTION, text=text, **GREEDY).output_text
+    assert held.startswith("{") and not free.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({**CITY_FORMAT["format"], "schema": {"type": "nonsense"}}, "text.format.schema"),
+        ({"type": "json_schema", "name": "x"}, "text.format.schema"),
+        ({"type": "grammar"}, "text.format.type"),
+    ],
+)
+def test_a_bad_text_format_is_a_400_naming_it(gateway, fmt, param):
+    body = {"input": QUESTION, **GREEDY, "text": {"format": fmt}}
+    reply = httpx.post(gateway.url + "/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
