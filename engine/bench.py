@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
+from llmrpc.engine import structured_output
 from llmrpc.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -29,7 +30,7 @@ from llmrpc.engine.config import (
 )
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.quantization import QuantizedLinear
-from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.request import SamplingParams, StructuredOutputSpec
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear
 
 _WARMUP_OUTPUT_LEN = 4
@@ -43,6 +44,12 @@ generate() on the same weights and dtype, in the same process, and the ratio of 
 throughputs is printed. Prompts are random token ids of exactly --input-len tokens and outputs
 exactly --output-len tokens (EOS ignored; min_new_tokens for Transformers), greedy on both
 sides, so both do the same work.
+
+With --json-schema FILE, --structured-fraction of the prompts (every other one by default) are
+held to that schema (EOS still ignored: past the schema's end they may only repeat a stop token),
+and --baseline free runs the same prompts on the same engine with none held, so the ratio is
+the cost of structured output. The schema's compile time (checked, then compiled against the
+vocabulary, uncached) is printed too.
 
 Each side first runs the same batch shape untimed, on other prompts and a few output tokens:
 PyTorch's CPU kernels pay a large one-time cost for each new shape, which is not throughput.
@@ -107,7 +114,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB for the cache.")
     parser.add_argument(
-        "--baseline", choices=("transformers",), help="Also run this baseline and print the ratio."
+        "--baseline",
+        choices=("transformers", "free"),
+        help="Also run this baseline and print the ratio (free: no --json-schema).",
+    )
+    parser.add_argument("--json-schema", type=Path, help="Hold prompts to this JSON schema file.")
+    parser.add_argument(
+        "--structured-fraction",
+        type=float,
+        default=0.5,
+        help="With --json-schema: the fraction of prompts held to it (default 0.5).",
     )
     parser.add_argument(
         "--baseline-batch-size",
@@ -131,9 +147,15 @@ def _compilation(text: str) -> CompilationConfig:
 class EngineSide:
     """The engine core, driven step by step in this thread."""
 
-    name = "engine"
-
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, core: EngineCore | None = None) -> None:
+        """With ``core``: that engine, free of any schema (``--baseline free``)."""
+        self.name = "engine" if core is None else "free"
+        self.structured = None
+        self.fraction = args.structured_fraction
+        if core is not None:
+            self.core = core
+            self._num_runs = 0
+            return
         self.core = EngineCore(
             EngineConfig(
                 model=ModelConfig(
@@ -157,12 +179,24 @@ class EngineSide:
         )
         self._num_runs = 0
 
+    def hold_to(self, schema_file: Path) -> float:
+        """Hold a fraction of the prompts to this schema; returns its compile time in seconds."""
+        spec = StructuredOutputSpec("json_schema", schema_file.read_text(), any_whitespace=False)
+        self.core.grammar_compiler.warmed.result()
+        start = time.perf_counter()
+        self.structured = structured_output.check(spec, self.core.structured_config.backend)
+        self.core.grammar_compiler.submit(self.structured).result()
+        return time.perf_counter() - start
+
     def run(self, prompts: list[list[int]], output_len: int) -> int:
         """Queue every prompt, step until all finish; the number of output tokens."""
         self.core.reset_prefix_cache()
         self._num_runs += 1
+        held = 0
         for index, prompt in enumerate(prompts):
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            if self.structured is not None and held < self.fraction * (index + 1):
+                params.structured_output, held = self.structured, held + 1
             self.core.add_request(f"run{self._num_runs}-{index}", prompt, params)
         num_output_tokens = 0
         while self.core.has_unfinished_requests:
@@ -253,7 +287,7 @@ def measure(sides: list, prompts, warmup_prompts, output_len: int, repeats: int)
 
 def format_table(results: dict) -> str:
     rows = [("", "req/s", "output tok/s", "total tok/s", "seconds")]
-    for name in ("engine", "transformers"):
+    for name in ("engine", "transformers", "free"):
         if name in results:
             r = results[name]
             rows.append(
@@ -270,8 +304,11 @@ def format_table(results: dict) -> str:
         "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
         for row in rows
     ]
+    baseline = "free" if "free" in results else "transformers"
     if "ratio" in results:
-        lines.append(f"engine / transformers output throughput: {results['ratio']:.2f}x")
+        lines.append(f"engine / {baseline} output throughput: {results['ratio']:.2f}x")
+    if "schema_compile_ms" in results:
+        lines.append(f"JSON schema compile: {results['schema_compile_ms']:.1f} ms")
     return "\n".join(lines)
 
 
@@ -288,24 +325,30 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.baseline == "free" and args.json_schema is None:
+        raise ValueError("--baseline free compares against --json-schema: give one")
     engine = EngineSide(args)
     core = engine.core
     sides = [engine]
+    compile_s = engine.hold_to(args.json_schema) if args.json_schema else None
     if args.baseline == "transformers":
         sides.append(
             TransformersSide(core.model_dir, core.dtype, args.baseline_batch_size, core.device)
         )
+    elif args.baseline == "free":
+        sides.append(EngineSide(args, core))
     vocab_size = core.hf_config.vocab_size
     prompts, warmup_prompts = (
         random_prompts(args.num_prompts, args.input_len, vocab_size, seed)
         for seed in (args.seed, args.seed + 1)
     )
     results = measure(sides, prompts, warmup_prompts, args.output_len, args.repeats)
-    if "transformers" in results:
-        ratio = (
-            results["engine"]["output_throughput"] / results["transformers"]["output_throughput"]
-        )
+    baseline = sides[1].name if len(sides) > 1 else None
+    if baseline is not None:
+        ratio = results["engine"]["output_throughput"] / results[baseline]["output_throughput"]
         results["ratio"] = ratio
+    if compile_s is not None:
+        results["schema_compile_ms"] = compile_s * 1000
     results["config"] = {
         **{k: v for k, v in vars(args).items() if k not in ("output_json", "compilation_config")},
         "compilation_level": core.compilation.level,

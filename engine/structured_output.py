@@ -185,6 +185,8 @@ class GrammarCompiler:
         self._guidance = None
         self._guidance_cache: dict[str, str] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # the vocabulary's tables, built now so the first request need not wait for them
+        self.warmed = self._pool.submit(self._xgrammar_compiler)
 
     def submit(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
         return self._pool.submit(self._compile, spec)

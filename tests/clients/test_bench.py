@@ -268,6 +268,23 @@ def test_throughput_against_the_transformers_baseline(tiny_llama_dir, tmp_path):
     assert results["config"]["dtype"] == "float32"
 
 
+def test_throughput_with_half_the_prompts_held_to_a_schema_against_none(tiny_llama_dir, tmp_path):
+    out, schema = tmp_path / "result.json", tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+    result = bench(
+        "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32", "--num-prompts", "4",
+        "--input-len", "8", "--output-len", "6", "--kv-cache-memory", "0.05",
+        "--json-schema", str(schema), "--baseline", "free", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "engine / free output throughput:" in result.stdout
+    results = json.loads(out.read_text())
+    assert results["engine"]["output_tokens"] == results["free"]["output_tokens"] == 24
+    assert results["schema_compile_ms"] > 0
+    missing = bench("throughput", "--model", str(tiny_llama_dir), "--baseline", "free")
+    assert missing.returncode == common.EXIT_USAGE and "--json-schema" in missing.stderr
+
+
 def test_throughput_of_a_quantized_engine(tiny_llama_dir, tmp_path):
     out = tmp_path / "result.json"
     result = bench(
