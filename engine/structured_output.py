@@ -183,7 +183,6 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._xgrammar = None  # built on first use: reading the vocabulary takes ~0.2 s
         self._guidance = None
-        self._guidance_cache: dict[str, str] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # the vocabulary's tables, built now so the first request need not wait for them
         self.warmed = self._pool.submit(self._xgrammar_compiler)

@@ -210,3 +210,20 @@ def test_preempted_constrained_requests_resume_their_grammar(tiny_llama_dir, cor
     outputs = _run(tight, params)
     assert len(preempted) >= 4
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+def test_a_structural_tag_holds_its_spans(core):
+    # a tag whose content is a regex (JSON content would allow whitespace without end)
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "content": {"type": "regex", "pattern": "[a-z]{1,8}=[0-9]{1,3}"},
+            "end": "</call>",
+        },
+    }
+    spec = structured_output.check(StructuredOutputSpec("structural_tag", json.dumps(tag)), "auto")
+    assert spec.backend == "xgrammar"
+    for output in _run(core, [_params(spec, seed, max_tokens=40) for seed in range(4)]):
+        assert re.fullmatch(r"<call>[a-z]{1,8}=[0-9]{1,3}</call>", output.text), output.text
