@@ -9,7 +9,6 @@ import json
 import logging
 import socket
 import time
-import typing
 from collections.abc import Iterator
 
 import httpx
@@ -18,13 +17,10 @@ import pytest
 from engine_pace import num_live_requests
 from envoy_support import Replica, ServerLoop, wait_for
 from gateway_support import RunningGateway, running_gateway
-from openai.lib.streaming.responses import ResponseStreamState
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response
+from responses_support import sse_events
 
-from llmrpc.clients import Client, FinishReason, ToolCall, Usage
-from llmrpc.gateway import responses_api_output as out
-from llmrpc.gateway.responses_api_input import ResponsesRequest, input_conversation
-from llmrpc.gateway.responses_api_stream import ResponseEvents
+from llmrpc.clients import Client, FinishReason
 
 GREEDY = {"model": "", "temperature": 0.0, "max_output_tokens": 6}
 QUESTION = "What is the capital of France?"
@@ -46,28 +42,6 @@ def sdk(gateway) -> openai.OpenAI:
 def grpc_client(replica):
     with Client(replica.address) as client:
         yield client
-
-
-# The SDK's event classes by type: each event is validated against its class in full (the
-# SDK itself only constructs them, so a missing field would surface later, in a user's code).
-EVENT_CLASSES = {
-    typing.get_args(cls.model_fields["type"].annotation)[0]: cls
-    for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
-}
-
-
-def sse_events(text: str) -> list:
-    """The SDK's events from a Responses stream, checking the framing on the way:
-    ``event: TYPE`` then ``data: JSON`` with that type, no ``[DONE]``."""
-    blocks = text.split("\n\n")
-    assert blocks[-1] == "" and "[DONE]" not in text
-    events = []
-    for block in blocks[:-1]:
-        event_line, data_line = block.split("\n")
-        data = json.loads(data_line.removeprefix("data: "))
-        assert event_line == f"event: {data['type']}"
-        events.append(EVENT_CLASSES[data["type"]].model_validate(data))
-    return events
 
 
 def direct_chat(grpc_client, messages):
@@ -207,39 +181,6 @@ def test_every_answer_validates_as_the_sdks_types(gateway):
     _check_sequence(sse_events(reply.text))
 
 
-def _scripted_events(request: dict, script) -> str:
-    """The stream the gateway writes for a scripted run of deltas (reasoning, text, calls):
-    what a model under --reasoning-parser and --tool-call-parser gives, which a
-    random-weight model does not."""
-    stream = ResponseEvents(out.envelope(ResponsesRequest(**request), "resp_1", "m"))
-    chunks = stream.start()
-    for kind, value in script:
-        chunks += stream.tool_call(value) if kind == "call" else stream.text(value, kind)
-    chunks += stream.finish(FinishReason.STOP_TOKEN, out.usage(Usage(9, 7, 0), 3))
-    return b"".join(chunks).decode()
-
-
-def test_reasoning_and_calls_stream_as_the_sdk_accumulates_them():
-    call = ToolCall("call_7", "get_weather", '{"city": "Paris"}')
-    texts = [("reasoning", "Let me "), ("reasoning", "think."), ("message", "Checking")]
-    script = [*texts, ("message", "."), ("call", call)]
-    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
-    events = sse_events(_scripted_events({"input": "Weather?", "tools": [tool]}, script))
-    state = ResponseStreamState(input_tools=[tool], text_format=openai.omit)
-    parsed = [e for event in events for e in state.handle_event(event)]
-    final = parsed[-1].response
-    assert parsed[-1].type == "response.completed" and final.status == "completed"
-    reasoning, message, function_call = final.output
-    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Let me think."
-    assert message.content[0].text == "Checking." and final.output_text == "Checking."
-    assert (function_call.name, function_call.call_id) == ("get_weather", "call_7")
-    assert json.loads(function_call.arguments) == {"city": "Paris"}
-    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1, 2]
-    kinds = [e.type for e in events]
-    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
-    assert final.usage.output_tokens_details.reasoning_tokens == 3
-
-
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -271,34 +212,6 @@ def test_server_errors_name_the_responses_parameter(sdk):
     with pytest.raises(openai.BadRequestError) as caught:
         sdk.responses.create(input=QUESTION, stream=True, **{**GREEDY, "top_p": 7.0})
     assert caught.value.body["param"] == "top_p"
-
-
-def test_items_from_an_earlier_turn_become_chat_messages():
-    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
-    thought = [{"type": "reasoning_text", "text": "Hm."}]
-    items = [
-        {"role": "developer", "content": "Use tools."},
-        {"role": "user", "content": "Go."},
-        {"type": "reasoning", "summary": [], "content": thought},
-        call,
-        {**call, "call_id": "call_2"},
-        {"type": "function_call_output", "call_id": "call_1", "output": "1"},
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "x"}]},
-        {"role": "user", "content": "Next."},
-    ]
-    conversation = input_conversation(ResponsesRequest(input=items))
-    calls = [
-        {"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-        for i in (1, 2)
-    ]
-    assert conversation.messages == [
-        {"role": "system", "content": "Use tools."},
-        {"role": "user", "content": "Go."},
-        {"role": "assistant", "content": "", "reasoning_content": "Hm.", "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "call_1", "content": "1"},
-        {"role": "user", "content": "Next."},  # reasoning with no answer after it: dropped
-    ]
-    assert conversation.origins == ["input[0]", "input[1]", "input[3]", "input[5]", "input[7]"]
 
 
 def _read_until(sock: socket.socket, marker: bytes) -> None:
