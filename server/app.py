@@ -34,6 +34,7 @@ from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
 from llmrpc.server.loopback import HandlerRegistry, LoopbackChannel
 from llmrpc.server.options import effective_config
+from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.ports import check_can_listen
 from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
@@ -236,6 +237,7 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
         logs=frontend.logs,
         admission=AdmissionControl(frontend.limits.max_waiting_requests),
         trust_request_chat_template=frontend.trust_request_chat_template,
+        output_parsers=OutputParsers.from_config(frontend.parsing),
     )
     health = Health(SERVICE_NAMES)
     calls = CallsInFlight()

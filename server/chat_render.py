@@ -2,7 +2,8 @@
 
 The request's options reach the template as Transformers' ``apply_chat_template`` takes them:
 ``add_generation_prompt`` (default true, false when continuing), ``continue_final_message``,
-extra template variables (``chat_template_kwargs``, e.g. ``tools`` or ``enable_thinking``), and
+``tools`` (OpenAI-shaped dicts), extra template variables (``chat_template_kwargs``, e.g.
+``enable_thinking``), messages with their tool calls, tool results and reasoning, and
 the content format: a string, or OpenAI's list of text parts for templates that iterate over a
 message's content (detected from the template unless the request says). Templates run in
 Jinja's sandbox, as Transformers renders them.
@@ -19,6 +20,7 @@ from google.protobuf import json_format
 from jinja2 import TemplateError
 
 from llmrpc.server.errors import InvalidArgument
+from llmrpc.server.tool_calling import template_tool_calls, template_tools
 from llmrpc.v1 import common_pb2
 
 # apply_chat_template's own parameters: not template variables.
@@ -93,26 +95,56 @@ def _uses_parts(chat: common_pb2.Chat, template: str) -> bool:
     return bool(_ITERATES_CONTENT.search(template))
 
 
+def _check_roles(message: common_pb2.ChatMessage, index: int) -> None:
+    path = f"chat.messages[{index}]"
+    if message.tool_calls and message.role != "assistant":
+        raise InvalidArgument(f"{path}.tool_calls", "only assistant messages make tool calls")
+    if message.tool_call_id and message.role != "tool":
+        raise InvalidArgument(f"{path}.tool_call_id", "only tool messages answer a tool call")
+
+
+def _message(message: common_pb2.ChatMessage, index: int, as_parts: bool) -> dict:
+    """One message as templates read it: OpenAI's shape, with a call's arguments as a dict and
+    the reasoning under both names templates use (as vLLM gives them)."""
+    _check_roles(message, index)
+    content: str | list = message.content
+    if as_parts:
+        content = [{"type": "text", "text": message.content}]
+        if message.tool_calls and not message.content:
+            content = []  # calls alone: no empty text part
+    rendered: dict = {"role": message.role, "content": content}
+    if message.tool_calls:
+        rendered["tool_calls"] = template_tool_calls(message)
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name:
+        rendered["name"] = message.name
+    if message.HasField("reasoning_content"):
+        rendered["reasoning_content"] = rendered["reasoning"] = message.reasoning_content
+    return rendered
+
+
 def _messages(chat: common_pb2.Chat, as_parts: bool) -> list[dict]:
     if not chat.messages:
         raise InvalidArgument("chat.messages", "must hold at least one message")
-    if as_parts:
-        return [
-            {"role": m.role, "content": [{"type": "text", "text": m.content}]}
-            for m in chat.messages
-        ]
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    return [_message(m, i, as_parts) for i, m in enumerate(chat.messages)]
 
 
 def _template_kwargs(chat: common_pb2.Chat) -> dict:
-    if not chat.HasField("chat_template_kwargs"):
-        return {}
-    kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
+    kwargs = {}
+    if chat.HasField("chat_template_kwargs"):
+        kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
     clashing = sorted(_RESERVED & kwargs.keys())
     if clashing:
         raise InvalidArgument(
             "chat.chat_template_kwargs", f"{', '.join(clashing)} cannot be set here"
         )
+    if chat.tools:
+        if "tools" in kwargs:
+            raise InvalidArgument(
+                "chat.chat_template_kwargs", "tools cannot be set here as well as in chat.tools"
+            )
+        kwargs["tools"] = template_tools(chat)
     return kwargs
 
 

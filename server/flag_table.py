@@ -22,14 +22,16 @@ from llmrpc.server.flags import (
     refused,
     works,
 )
+from llmrpc.server.reasoning_parsers import reasoning_parser_names
 from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
+from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
 ONE_DEVICE = "needs several devices or processes; this build runs one engine, in one process"
 LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 STRUCTURED = "needs structured output (guided decoding), which this build does not support"
-TOOLS = "needs tool calling, which this build does not support"
+TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
 POOLING = "needs pooling (embedding) models; this build serves text generation only"
 TRACING = "needs OpenTelemetry tracing, which this build does not support"
@@ -202,13 +204,17 @@ _FRONTEND = _group(
     refused("--lora-modules", None, str, LORA, nargs="+"),
     works("--return-tokens-as-token-ids", False, None, "rest.return_tokens_as_token_ids",
           "REST logprob tokens written as token_id:N."),
-    refused("--enable-auto-tool-choice", False, None, TOOLS),
-    refused("--tool-call-parser", None, str, TOOLS),
-    refused("--tool-parser-plugin", "", str, TOOLS),
-    refused("--exclude-tools-when-tool-choice-none", False, None,
-            "would leave tools out of prompts whose tool_choice is none; this build always "
-            "passes them to the chat template"),
-    refused("--tool-server", None, str, TOOLS),
+    works("--enable-auto-tool-choice", False, None, "parsing.enable_auto_tool_choice",
+          "Chat tool_choice auto: calls read by --tool-call-parser."),
+    works("--tool-call-parser", None, str, "parsing.tool_call_parser",
+          f"Tool-call format: {', '.join(tool_parser_names())}, or a plugin's.",
+          metavar="NAME"),
+    works("--tool-parser-plugin", "", str, "parsing.tool_parser_plugin",
+          "Python file registering tool parsers.", metavar="FILE"),
+    works("--exclude-tools-when-tool-choice-none", False, None,
+          "parsing.exclude_tools_when_tool_choice_none",
+          "No tools in prompts of tool_choice none."),
+    refused("--tool-server", None, str, TOOL_SERVER),
     works("--enable-prompt-tokens-details", False, None, "rest.enable_prompt_tokens_details",
           "usage.prompt_tokens_details.cached_tokens in REST responses."),
     works("--enable-force-include-usage", False, None, "rest.enable_force_include_usage",
@@ -370,8 +376,13 @@ _STRUCTURED_OUTPUT = _group(
     refused("--guided-decoding-disable-fallback", False, None, STRUCTURED),
     refused("--guided-decoding-disable-any-whitespace", False, None, STRUCTURED),
     refused("--guided-decoding-disable-additional-properties", False, None, STRUCTURED),
-    refused("--reasoning-parser", "", str, NOT_SUPPORTED),
-    refused("--enable-reasoning", False, None, NOT_SUPPORTED),
+    works("--reasoning-parser", "", str, "parsing.reasoning_parser",
+          f"Chat reasoning_content format: {', '.join(reasoning_parser_names())}, or a plugin's.",
+          metavar="NAME"),
+    works("--reasoning-parser-plugin", "", str, "parsing.reasoning_parser_plugin",
+          "Python file registering reasoning parsers.", metavar="FILE"),
+    inert("--enable-reasoning", False, None,
+          "is deprecated in vLLM: --reasoning-parser alone splits reasoning"),
 )  # fmt: skip
 
 _PARALLELISM = _group(

@@ -33,7 +33,15 @@ from llmrpc.engine.config import (
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
-from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig, RestConfig, TLSConfig
+from llmrpc.server.output_parsing import OutputParsers
+from llmrpc.server.settings import (
+    FrontendConfig,
+    LimitsConfig,
+    LogConfig,
+    ParsingConfig,
+    RestConfig,
+    TLSConfig,
+)
 
 FLAGS_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
 _JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
@@ -44,7 +52,13 @@ _ENGINE_PARTS = {
     "scheduler": SchedulerConfig,
     "compilation": CompilationConfig,
 }
-_FRONTEND_PARTS = {"tls": TLSConfig, "limits": LimitsConfig, "logs": LogConfig, "rest": RestConfig}
+_FRONTEND_PARTS = {
+    "tls": TLSConfig,
+    "limits": LimitsConfig,
+    "logs": LogConfig,
+    "rest": RestConfig,
+    "parsing": ParsingConfig,
+}
 SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
 # What a --config file's keys name: the long flags (booleans take true or false there).
 _CONFIG_KEYS = [flag.name for flag in FLAGS if flag.name != "--config"]
@@ -217,6 +231,8 @@ def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
     fields["model"]["served_model_name"] = fields["model"]["served_model_name"] or ()
     engine = EngineConfig(**{part: cls(**fields[part]) for part, cls in _ENGINE_PARTS.items()})
     parts = {part: cls(**fields[part]) for part, cls in _FRONTEND_PARTS.items()}
+    # Plugins load now, so a bad file or parser name stops start-up before anything is bound.
+    OutputParsers.from_config(parts["parsing"])
     return engine, FrontendConfig(**fields["frontend"], **parts)
 
 

@@ -1,6 +1,6 @@
 """GenerationService and TokenizationService: thin handlers over the engine client
 (``EngineClient``: the engine core on a thread or in a process of its own); conversion lives in
-``convert``.
+``convert``, the reading of chat outputs (reasoning, tool calls) in ``output_parsing``.
 
 A call whose client cancels or whose deadline passes has its handler task cancelled by grpc.aio;
 ``aclosing`` then closes the engine's output stream, which aborts the request and frees its KV
@@ -13,10 +13,11 @@ import logging
 import time
 from contextlib import aclosing
 
-from llmrpc.server import convert
+from llmrpc.server import convert, output_parsing
 from llmrpc.server.chat_render import check_request_template
 from llmrpc.server.errors import Internal, handle_errors
 from llmrpc.server.logs import current_request_id, log_output, log_request
+from llmrpc.server.output_parsing import ResponseParsing
 from llmrpc.server.state import ServerState
 from llmrpc.v1 import generation_pb2_grpc, tokenization_pb2_grpc
 
@@ -30,41 +31,54 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _prepare(self, request, context, engine):
         self.state.model_name(request.model)
         check_request_template(request.chat, self.state.trust_request_chat_template)
-        # Tokenizing and chat rendering grow with the input: off the event loop.
-        prompt, params = await engine.run_tokenizer(
-            _to_engine_request, request, engine.model_info, _deadline(context)
+        # Tokenizing, chat rendering and the tools' checks grow with the input: off the loop.
+        prompt, params, plan = await engine.run_tokenizer(
+            _to_engine_request,
+            request,
+            engine.model_info,
+            _deadline(context),
+            self.state.output_parsers,
         )
         logs = self.state.logs
         if logs.enable_log_requests:
             text = request.text if request.WhichOneof("input") == "text" else None
             log_request(text, prompt, params, logs.max_log_len)
-        return current_request_id(), prompt, params
+        parsing = ResponseParsing(plan) if plan is not None else None
+        return current_request_id(), prompt, params, parsing
 
     @handle_errors
     async def Generate(self, request, context):
-        return (await self._generate(request, context)).unary_response()
+        outputs, parsing = await self._generate(request, context)
+        response = outputs.unary_response()
+        if parsing is not None:
+            parsing.unary(response)
+        return response
 
     @handle_errors
     async def GenerateStream(self, request, context):
         await self._generate(request, context, stream_to=context)
 
-    async def _generate(self, request, context, stream_to=None) -> convert.OutputAccumulator:
-        """Run one request to its end; with ``stream_to``, write each delta as it comes."""
+    async def _generate(self, request, context, stream_to=None):
+        """Run one request to its end; with ``stream_to``, write each delta as it comes.
+        Returns the outputs and how chat outputs are read (None: as they are)."""
         engine = self.state.require_engine()
         # A place in the queue first: a request waiting for a tokenizer worker waits too.
         num_samples = max(request.sampling.n, 1) if request.sampling.HasField("n") else 1
         with self.state.admission.admit(engine, num_samples), convert.engine_errors(request):
-            request_id, prompt, params = await self._prepare(request, context, engine)
+            request_id, prompt, params, parsing = await self._prepare(request, context, engine)
             outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
                     _raise_engine_failure(output)
                     outputs_so_far.add(output)
                     if stream_to is not None:
-                        await stream_to.write(outputs_so_far.stream_response(output))
+                        response = outputs_so_far.stream_response(output)
+                        if parsing is not None:
+                            parsing.stream(response)
+                        await stream_to.write(response)
         if self.state.logs.enable_log_outputs:
             log_output(outputs_so_far.samples[0], self.state.logs.max_log_len)
-        return outputs_so_far
+        return outputs_so_far, parsing
 
 
 def _deadline(context) -> float | None:
@@ -89,7 +103,8 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
         engine = self.state.require_engine()
         self.state.model_name(request.model)
         check_request_template(request.chat, self.state.trust_request_chat_template)
-        return await engine.run_tokenizer(_tokenize, request, engine.model_info)
+        parsers = self.state.output_parsers
+        return await engine.run_tokenizer(_tokenize, request, engine.model_info, parsers)
 
     @handle_errors
     async def Detokenize(self, request, context):
@@ -99,11 +114,16 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
 
 
 # Worker-side adapters: the worker's own tokenizer comes first.
-def _to_engine_request(tokenizer, request, model_info, deadline):
-    return convert.to_engine_request(request, tokenizer, model_info, deadline)
+def _to_engine_request(tokenizer, request, model_info, deadline, parsers):
+    """``(prompt, params, plan)``: the engine's request, and how its outputs are read."""
+    plan = output_parsing.plan_request(request, parsers)
+    request = output_parsing.prepared_request(request, plan)
+    prompt, params = convert.to_engine_request(request, tokenizer, model_info, deadline)
+    return prompt, params, plan
 
 
-def _tokenize(tokenizer, request, model_info):
+def _tokenize(tokenizer, request, model_info, parsers):
+    request = output_parsing.prepared_tokenize_request(request, parsers)
     return convert.tokenize(request, tokenizer, model_info)
 
 

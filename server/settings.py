@@ -125,6 +125,26 @@ class RestConfig:
 
 
 @dataclass(frozen=True)
+class ParsingConfig:
+    """Parsing of chat outputs: tool calls (``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--tool-parser-plugin``, ``--exclude-tools-when-tool-choice-none``) and reasoning
+    (``--reasoning-parser``, ``--reasoning-parser-plugin``). Parser names are checked against
+    the registries once the plugins are loaded (``output_parsing.OutputParsers``)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    tool_parser_plugin: str = ""  # a Python file registering tool parsers; "": none
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str = ""  # "": outputs are not split
+    reasoning_parser_plugin: str = ""
+
+    def __post_init__(self) -> None:
+        # As vLLM: auto tool choice is nothing without a parser to read the calls.
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+
+@dataclass(frozen=True)
 class FrontendConfig:
     """Everything about the gRPC server that is not the engine."""
 
@@ -144,6 +164,7 @@ class FrontendConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logs: LogConfig = field(default_factory=LogConfig)
     rest: RestConfig = field(default_factory=RestConfig)
+    parsing: ParsingConfig = field(default_factory=ParsingConfig)
 
     def __post_init__(self) -> None:
         _check_port("--grpc-port", self.grpc_port)

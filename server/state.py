@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from llmrpc.server.auth import RequestOwners
 from llmrpc.server.errors import NotFound, Unavailable
 from llmrpc.server.limits import AdmissionControl
+from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.settings import LogConfig
 from llmrpc.v1 import admin_pb2, generation_pb2, tokenization_pb2
 
@@ -40,6 +41,7 @@ class ServerState:
     admission: AdmissionControl = field(default_factory=lambda: AdmissionControl(None))
     owners: RequestOwners = field(default_factory=RequestOwners)  # who started each live call
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    output_parsers: OutputParsers = field(default_factory=OutputParsers)  # tools, reasoning
     engine: object | None = None
 
     def require_engine(self):
