@@ -6,15 +6,19 @@ published defaults apply (proto3 ``optional`` tells "unset" from zero).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from google.protobuf import json_format
 
 from llmrpc.v1 import common_pb2, generation_pb2, tokenization_pb2
 
-# A chat message: {"role": ..., "content": ...}, the OpenAI shape.
-ChatMessages = Sequence[Mapping[str, str]]
+# A chat message in the OpenAI shape: {"role": ..., "content": ...}, and on an assistant message
+# "tool_calls" ([{"id", "type", "function": {"name", "arguments"}}]) and "reasoning_content", on a
+# tool message "tool_call_id", on any "name".
+ChatMessages = Sequence[Mapping[str, Any]]
 Prompt = str | Sequence[int]
 
 
@@ -52,6 +56,7 @@ class GenerateParams:
     include_stop_str_in_output: bool | None = _in("stopping")
     time_limit: float | None = None  # seconds; set as stopping.time_limit_ms
     skip_special_tokens: bool | None = _in("output")
+    spaces_between_special_tokens: bool | None = _in("output")
     logprobs: int | None = _in("output")
     prompt_logprobs: int | None = _in("output")
     add_special_tokens: bool | None = _in("")
@@ -72,26 +77,94 @@ class ChatOptions:
     chat_template: str | None = None  # a Jinja template instead of the server's
     chat_template_kwargs: Mapping[str, object] | None = None  # extra template variables
     content_format: str | None = None  # "string" or "openai"; None: detected from the template
+    # Tools in OpenAI's shape: [{"type": "function", "function": {"name", "description",
+    # "parameters", "strict"}}]; None: no tools.
+    tools: Sequence[Mapping[str, Any]] | None = None
+    # "none", "auto", "required", or one function: {"type": "function", "function": {"name":
+    # ...}} (or the Responses API's {"type": "function", "name": ...}); None: auto with tools.
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call per output
 
 
 _CONTENT_FORMATS = {
     "string": common_pb2.Chat.CONTENT_FORMAT_STRING,
     "openai": common_pb2.Chat.CONTENT_FORMAT_OPENAI,
 }
+_TOOL_CHOICE_MODES = {
+    "none": common_pb2.ToolChoice.MODE_NONE,
+    "auto": common_pb2.ToolChoice.MODE_AUTO,
+    "required": common_pb2.ToolChoice.MODE_REQUIRED,
+}
+
+
+def _tool_call_proto(call: Mapping[str, Any], index: int) -> common_pb2.ToolCall:
+    function = call.get("function") or {}
+    arguments = function.get("arguments", "")
+    if not isinstance(arguments, str):  # a dict, as some clients send it
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return common_pb2.ToolCall(
+        id=call.get("id") or "",
+        type=call.get("type") or "function",
+        function=common_pb2.FunctionCall(name=function.get("name") or "", arguments=arguments),
+        index=index,
+    )
+
+
+def message_proto(message: Mapping[str, Any]) -> common_pb2.ChatMessage:
+    """One OpenAI-shaped chat message (see ``ChatMessages``) as the proto."""
+    proto = common_pb2.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        tool_call_id=message.get("tool_call_id") or "",
+        name=message.get("name") or "",
+        tool_calls=[_tool_call_proto(c, i) for i, c in enumerate(message.get("tool_calls") or ())],
+    )
+    if message.get("reasoning_content") is not None:
+        proto.reasoning_content = message["reasoning_content"]
+    return proto
+
+
+def tool_proto(tool: Mapping[str, Any]) -> common_pb2.Tool:
+    function = tool.get("function") or {}
+    proto = common_pb2.Tool(type=tool.get("type") or "function")
+    proto.function.name = function.get("name") or ""
+    proto.function.description = function.get("description") or ""
+    if function.get("parameters") is not None:
+        proto.function.parameters.update(function["parameters"])
+    if function.get("strict") is not None:
+        proto.function.strict = function["strict"]
+    return proto
+
+
+def tool_choice_proto(choice: str | Mapping[str, Any]) -> common_pb2.ToolChoice:
+    if isinstance(choice, str):
+        if choice not in _TOOL_CHOICE_MODES:
+            raise ValueError(f"tool_choice must be none, auto, required or a function: {choice!r}")
+        return common_pb2.ToolChoice(mode=_TOOL_CHOICE_MODES[choice])
+    name = (choice.get("function") or {}).get("name", choice.get("name"))
+    if not isinstance(name, str):
+        raise ValueError(f"a function tool_choice needs the function's name: {choice!r}")
+    return common_pb2.ToolChoice(function_name=name)
 
 
 def chat_proto(messages: ChatMessages, options: ChatOptions | None = None) -> common_pb2.Chat:
-    chat = common_pb2.Chat(
-        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-    )
+    chat = common_pb2.Chat(messages=[message_proto(m) for m in messages])
     options = options or ChatOptions()
-    for name in ("add_generation_prompt", "continue_final_message", "chat_template"):
+    for name in (
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "parallel_tool_calls",
+    ):
         if getattr(options, name) is not None:
             setattr(chat, name, getattr(options, name))
     if options.chat_template_kwargs is not None:
         chat.chat_template_kwargs.update(options.chat_template_kwargs)
     if options.content_format is not None:
         chat.content_format = _CONTENT_FORMATS[options.content_format]
+    chat.tools.extend(tool_proto(tool) for tool in options.tools or ())
+    if options.tool_choice is not None:
+        chat.tool_choice.CopyFrom(tool_choice_proto(options.tool_choice))
     return chat
 
 

@@ -37,7 +37,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))
     call = CompletionCall(gateway, body, request_id(request), model)
-    names = param_names(body)
+    names = {**param_names(body), **call.param_names}
     if body.stream:
         return await first_then_rest(request, call.chunks(), names)
     try:
@@ -73,7 +73,7 @@ class CompletionCall:
         self.gateway = gateway
         self.pool = gateway.pool
         self.body = body
-        self.params = completion_params(body)
+        self.params, self.param_names = completion_params(body)
         self.prompts = _prompts(body.prompt)
         self.request_id = rid
         self.model = model

@@ -1,15 +1,29 @@
 """Request bodies of the OpenAI API (and vLLM's extensions of it) as pydantic models.
 
 Responses are built as plain dicts in ``responses``: they are written once per streamed delta,
-where a model's validation would cost more than the JSON itself. Unknown request fields are
-ignored, as vLLM does.
+where a model's validation would cost more than the JSON itself. Every request field OpenAI or
+vLLM defines that the gateway knows is declared: honoured, or refused with a 400 saying why when
+set to a value that would change anything. Unknown fields are a 400 naming them, never dropped
+unread (vLLM ignores them, so a misspelt ``guided_json`` would pass unnoticed).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from llmrpc.gateway.structured_output import StructuredFields
 
 # The gRPC API's number types bound what a request can carry (a larger integer cannot be put in
 # the message; a float beyond float32 would arrive as infinity): a 400 naming the parameter here.
@@ -44,15 +58,95 @@ Prompt = Annotated[
 ]
 
 
-class StreamOptions(BaseModel):
+def _unknown_fields(model: type[BaseModel], data: Any) -> Any:
+    """A 400 naming each field the model does not declare: a parameter this server would
+    otherwise drop unread (a typo, or a feature it lacks) must not pass as if honoured."""
+    if not isinstance(data, dict):
+        return data
+    known = {name for name, info in model.model_fields.items()} | {
+        info.alias for info in model.model_fields.values() if info.alias
+    }
+    unknown = [name for name in data if name not in known]
+    if not unknown:
+        return data
+    errors = [
+        InitErrorDetails(
+            type=PydanticCustomError(
+                "extra_forbidden",
+                "unknown parameter: this server neither honours nor ignores it (check its name)",
+            ),
+            loc=(name,),
+            input=data[name],
+        )
+        for name in unknown
+    ]
+    raise ValidationError.from_exception_data(model.__name__, errors)
+
+
+class StrictModel(BaseModel):
+    """A request object whose unknown fields are a 400 naming them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data: Any) -> Any:
+        return _unknown_fields(cls, data)
+
+
+def refused(reason: str, *accepted: Any) -> AfterValidator:
+    """A declared field this server does not support: unset (None) and ``accepted`` values are
+    fine (they change nothing); any other value is a 400 giving ``reason``."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in accepted:
+            raise PydanticCustomError("unsupported", reason)
+        return value
+
+    return AfterValidator(check)
+
+
+def _nothing(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def empty_only(reason: str) -> AfterValidator:
+    """Like ``refused``, for fields whose empty values ([] or {}) are fine too."""
+
+    def check(value: Any) -> Any:
+        if not _nothing(value):
+            raise PydanticCustomError("unsupported", reason)
+        return value
+
+    return AfterValidator(check)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # OpenAI pads streamed chunks against size side channels; nothing here depends on it.
+    include_obfuscation: bool | None = None
 
 
-class SamplingFields(BaseModel):
-    """Parameters shared by completions and chat completions."""
+MAX_METADATA_PAIRS = 16
+MAX_ID_CHARS = 256  # user, safety_identifier, prompt_cache_key
+ShortStr = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
 
-    model_config = ConfigDict(extra="ignore")
+_TIERS = ("auto", "default")
+_BEAM = "beam search is not supported: sample n outputs instead"
+_MULTIMODAL = "multimodal inputs are not supported by this server"
+_NO_STORE = "this server stores no completions (store: false)"
+_KV_TRANSFER = "disaggregated serving (KV transfer) is not supported by this server"
+
+
+class SamplingFields(StrictModel, StructuredFields):
+    """Parameters shared by completions and chat completions: OpenAI's and vLLM's, each one
+    honoured, or refused by a 400 saying why when set to a value that would change anything.
+    Unknown parameters are a 400 too."""
 
     model: str | None = None
     n: Annotated[UInt32, Field(ge=1)] = 1
@@ -66,7 +160,18 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Float32] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    user: str | None = None
+    # Labels for the caller's own bookkeeping (OpenAI's abuse monitoring, stored completions):
+    # accepted within bounds; they change nothing in the output.
+    user: ShortStr | None = None
+    safety_identifier: ShortStr | None = None
+    metadata: Metadata | None = None
+    store: Annotated[bool | None, refused(_NO_STORE, False)] = None
+    service_tier: Annotated[
+        str | None,
+        refused(
+            "this server has one service tier (auto, default); see priority", "auto", "default"
+        ),
+    ] = None
     # vLLM's extensions
     top_k: Int32 | None = None
     min_p: Float32 | None = None
@@ -76,6 +181,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[UInt32] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: Annotated[UInt32, Field(ge=1)] | None = None
     priority: Int32 | None = None
@@ -83,6 +189,35 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: UInt32 | None = None
     return_tokens_as_token_ids: bool | None = None
+    request_id: Annotated[
+        str | None, refused("send the request id in the X-Request-Id header instead")
+    ] = None
+    use_beam_search: Annotated[bool | None, refused(_BEAM, False)] = None
+    length_penalty: Annotated[float | None, refused(_BEAM, 1.0)] = None
+    cache_salt: Annotated[
+        str | None,
+        refused("the prefix cache is shared by all requests: per-request salts are not supported"),
+    ] = None
+    kv_transfer_params: Annotated[dict[str, Any] | None, empty_only(_KV_TRANSFER)] = None
+    vllm_xargs: Annotated[
+        dict[str, Any] | None, empty_only("this server takes no custom sampling extensions")
+    ] = None
+    logits_processors: Annotated[
+        list[Any] | None, empty_only("custom logits processors are not supported by this server")
+    ] = None
+    return_token_ids: Annotated[
+        bool | None, refused("token ids in responses are not supported; see logprobs", False)
+    ] = None
+    guided_decoding_backend: Annotated[
+        str | None, refused("the backend is the server's --guided-decoding-backend")
+    ] = None
+    guided_whitespace_pattern: Annotated[
+        str | None, refused("a whitespace pattern is not supported; see structured_outputs")
+    ] = None
+    prompt_embeds: Annotated[
+        Any, refused("prompt embeddings are not supported: send text or token ids")
+    ] = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, empty_only(_MULTIMODAL)] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -100,17 +235,61 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id...
+class FunctionCallIn(StrictModel):
+    name: str
+    arguments: str | dict[str, Any] = ""  # a JSON object in text (some clients send the object)
 
+
+class ToolCallIn(StrictModel):
+    """A call an assistant message made (as OpenAI returned it, sent back in the history)."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+    index: int | None = None  # present when a client rebuilt the call from stream deltas
+
+
+class ChatMessage(StrictModel):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
+    reasoning_content: str | None = None  # assistant messages: their reasoning...
+    reasoning: str | None = None  # ...under vLLM's newer name
+    # What OpenAI's own answers carry, sent back with the history: fine when empty.
+    refusal: Annotated[
+        str | None, refused("refusal: send the refusal as the message's content instead", "")
+    ] = None
+    annotations: Annotated[list[Any] | None, empty_only("annotations are not supported")] = None
+    audio: Annotated[Any, refused("audio messages are not supported by this server")] = None
+    function_call: Annotated[
+        Any, refused("function_call is deprecated: send the call in tool_calls")
+    ] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
 
-    type: str
+
+class ChatTool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -118,27 +297,49 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: UInt32 | None = None
     max_completion_tokens: UInt32 | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True
+    modalities: Annotated[
+        list[str] | None, refused("this server answers in text only", ["text"])
+    ] = None
+    prediction: Annotated[Any, refused("predicted outputs are not supported by this server")] = None
+    web_search_options: Annotated[Any, refused("web search is not supported by this server")] = None
+    verbosity: Annotated[
+        str | None, refused("verbosity is not supported: bound the answer with max_tokens")
+    ] = None
+    functions: Annotated[
+        list[Any] | None, empty_only("functions is deprecated: send tools instead")
+    ] = None
+    prompt_cache_key: ShortStr | None = None  # a routing hint; the prefix cache needs none
+    echo: Annotated[bool | None, refused("echo is not supported for chat", False)] = None
+    thinking_token_budget: Annotated[
+        int | None, refused("a thinking token budget is not supported; see max_tokens")
+    ] = None
+    media_io_kwargs: Annotated[dict[str, Any] | None, empty_only(_MULTIMODAL)] = None
     # vLLM's chat extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for templates that take them (RAG)
 
 
-class TokenizeCompletion(BaseModel):
+class TokenizeCompletion(StrictModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChat(BaseModel):
+class TokenizeChat(StrictModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -164,6 +365,6 @@ TokenizeBody = Annotated[
 ]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[UInt32]

@@ -12,9 +12,11 @@ from llmrpc.gateway.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     SamplingFields,
 )
 from llmrpc.gateway.settings import ApiSettings
+from llmrpc.gateway.structured_output import structured_output
 
 # Request fields passed to the gRPC API as they are (GenerateParams has the same names).
 _DIRECT = (
@@ -33,6 +35,7 @@ _DIRECT = (
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "spaces_between_special_tokens",
     "add_special_tokens",
     "truncate_prompt_tokens",
     "priority",
@@ -59,7 +62,16 @@ def sampling_params(request: SamplingFields, max_tokens: int | None) -> dict:
     return {name: value for name, value in params.items() if value is not None}
 
 
-def completion_params(request: CompletionRequest) -> dict:
+def _structured(request: SamplingFields, params: dict) -> dict[str, str]:
+    """Adds the request's structured output to ``params``; returns the names of its errors."""
+    spec, names = structured_output(request)
+    if spec is not None:
+        params["structured_output"] = spec
+    return names
+
+
+def completion_params(request: CompletionRequest) -> tuple[dict, dict[str, str]]:
+    """The client's generation parameters, and the gRPC field paths -> parameters they add."""
     if request.suffix is not None:
         raise invalid("suffix", "suffix (insertion) is not supported by this server's models")
     if request.best_of is not None and request.best_of != request.n:
@@ -71,12 +83,11 @@ def completion_params(request: CompletionRequest) -> dict:
             params["prompt_logprobs"] = request.logprobs
     if request.prompt_logprobs is not None:
         params["prompt_logprobs"] = request.prompt_logprobs
-    return params
+    return params, _structured(request, params)
 
 
-def chat_params(request: ChatCompletionRequest) -> dict:
-    if request.response_format is not None and request.response_format.type != "text":
-        raise invalid("response_format", "structured output is not supported by this build")
+def chat_params(request: ChatCompletionRequest) -> tuple[dict, dict[str, str]]:
+    """The client's generation parameters, and the gRPC field paths -> parameters they add."""
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
     max_tokens = request.max_completion_tokens
@@ -87,7 +98,7 @@ def chat_params(request: ChatCompletionRequest) -> dict:
         params["logprobs"] = request.top_logprobs or 0
     if request.prompt_logprobs is not None:
         params["prompt_logprobs"] = request.prompt_logprobs
-    return params
+    return params, _structured(request, params)
 
 
 def _content(message: ChatMessage, index: int) -> str:
@@ -107,24 +118,40 @@ def _content(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(messages)]
+def _message(message: ChatMessage, index: int) -> dict:
+    """One message as the gRPC client takes it (OpenAI's shape)."""
+    out: dict = {"role": message.role, "content": _content(message, index)}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude={"index"}) for call in message.tool_calls]
+    for name in ("tool_call_id", "name"):
+        if getattr(message, name) is not None:
+            out[name] = getattr(message, name)
+    reasoning = message.reasoning_content
+    if reasoning is None:
+        reasoning = message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    return out
 
 
-def _template_kwargs(request, tools: list | None) -> dict | None:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _template_kwargs(request) -> dict | None:
     kwargs = dict(request.chat_template_kwargs or {})
-    if tools:
-        kwargs.setdefault("tools", tools)
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:  # as vLLM: templates read it, and thinking follows it
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
+    if getattr(request, "documents", None):
+        kwargs.setdefault("documents", request.documents)
     return kwargs or None
 
 
-def _check_tools(request: ChatCompletionRequest) -> None:
-    if request.tools and request.tool_choice not in ("none",):
-        raise invalid(
-            "tool_choice",
-            "tool calling (tool_choice auto, required or a named tool) is not supported by "
-            'this build; send tool_choice "none" to show the tools to the model only',
-        )
+def _tool_choice(request) -> str | dict | None:
+    choice = getattr(request, "tool_choice", None)
+    return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 def chat_options(request, settings: ApiSettings) -> ChatOptions:
@@ -134,17 +161,17 @@ def chat_options(request, settings: ApiSettings) -> ChatOptions:
             "continue_final_message",
             "continue_final_message and add_generation_prompt cannot both be true",
         )
-    tools = None
-    if isinstance(request, ChatCompletionRequest):
-        _check_tools(request)
-        tools = request.tools
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
     content_format = settings.chat_template_content_format
     return ChatOptions(
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message or None,
         chat_template=request.chat_template or settings.chat_template,
-        chat_template_kwargs=_template_kwargs(request, tools),
+        chat_template_kwargs=_template_kwargs(request),
         content_format=None if content_format == "auto" else content_format,
+        tools=tools or None,
+        tool_choice=_tool_choice(request),
+        parallel_tool_calls=getattr(request, "parallel_tool_calls", None),
     )
 
 
