@@ -12,13 +12,12 @@ import uuid
 import grpc
 import pytest
 import pytest_asyncio
-from google.protobuf import json_format, struct_pb2
-from scripted_outputs import TOOL_TEMPLATE, script
+from scripted_outputs import TOOL_TEMPLATE, forced_output, script
 from server_utils import field_violations, frontend_config, tiny_engine_config
 
 from llmrpc.server.app import start_server
 from llmrpc.server.settings import ParsingConfig
-from llmrpc.server.tool_calling import ToolMode, ToolPlan, forced_schema, tool_plan
+from llmrpc.server.tool_calling import ToolMode, ToolPlan, forced_schema
 from llmrpc.v1 import common_pb2, generation_pb2, tokenization_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -175,28 +174,9 @@ async def test_tool_choice_none_leaves_the_text_as_it_is(server, generation):
 # --- forced calls -----------------------------------------------------------------------------
 
 
-def in_schema_order(value, schema: dict):
-    """``value`` with each object's keys in the order of its schema's properties: the grammar
-    holds an object to that order, and a Struct (how schemas travel) does not keep the order
-    they were written in."""
-    if isinstance(value, list):
-        return [in_schema_order(item, schema.get("items", {})) for item in value]
-    if not isinstance(value, dict):
-        return value
-    branches = schema.get("anyOf", [])
-    name = [value.get("name")]
-    branch = next((b for b in branches if b["properties"]["name"]["enum"] == name), schema)
-    properties = branch.get("properties", {})
-    return {key: in_schema_order(value[key], properties[key]) for key in properties if key in value}
-
-
 async def forced(server, value, choice: common_pb2.ToolChoice, cut: int | None = None):
     """A request under ``choice`` scripted to generate ``value`` as the grammar allows it."""
-    chat = common_pb2.Chat(tools=TOOLS, tool_choice=choice)
-    plan = tool_plan(chat, auto_tool_choice=True)
-    schema = struct_pb2.Struct()
-    schema.update(forced_schema(chat, plan))  # as the server builds it
-    text = json.dumps(in_schema_order(value, json_format.MessageToDict(schema)))
+    text = forced_output(common_pb2.Chat(tools=TOOLS, tool_choice=choice), value)
     return await scripted(server, text, choice=choice, cut=cut), text
 
 
