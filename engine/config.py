@@ -235,7 +235,7 @@ class StructuredOutputConfig:
         if self.backend not in GUIDED_DECODING_BACKENDS:
             raise ValueError(
                 f"--guided-decoding-backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)}"
-                f", got {self.backend!r}"
+                f", got {self.backend!r} (outlines and lm-format-enforcer are not in this build)"
             )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from llmrpc.gateway.errors import invalid
 
@@ -27,9 +27,10 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs`` field: one constraint and its JSON options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    json: dict[str, Any] | str | None = None
+    # "json" on the wire; a field named so would shadow BaseModel.json
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -92,9 +93,9 @@ def _from_response_format(fmt: ResponseFormat) -> tuple[str, dict] | None:
 
 def _from_structured_outputs(spec: StructuredOutputs) -> list[tuple[str, dict]]:
     found = []
-    if spec.json is not None:
+    if spec.json_schema is not None:
         param = "structured_outputs.json"
-        found.append((param, {"json_schema": _schema(spec.json, param)}))
+        found.append((param, {"json_schema": _schema(spec.json_schema, param)}))
     if spec.regex is not None:
         found.append(("structured_outputs.regex", {"regex": spec.regex}))
     if spec.choice is not None:

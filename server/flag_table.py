@@ -30,7 +30,6 @@ from llmrpc.server.tool_parsers import tool_parser_names
 ONE_DEVICE = "needs several devices or processes; this build runs one engine, in one process"
 LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
-STRUCTURED = "needs structured output (guided decoding), which this build does not support"
 TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
 POOLING = "needs pooling (embedding) models; this build serves text generation only"
@@ -239,14 +238,10 @@ _FRONTEND = _group(
           "may use %%(request_id)s."),
     works("--disable-frontend-multiprocessing", False, None,
           "frontend.disable_frontend_multiprocessing",
-          "Run the engine core (model, scheduler, sampling, detokenization, stop matching) on a "
-          "thread of the server's process, where its Python shares one GIL with gRPC, the REST "
-          "gateway and the tokenizer workers. Default: the engine core runs in a process of its "
-          "own, exchanging msgpack messages with the server over local ZeroMQ sockets: measured "
-          "on 2 cores (the packaged model in bf16, 128-token streams) it served 1, 8 and 32 "
-          "streams at least as fast as the thread, for about 0.4 GB more resident memory (a "
-          "second Python process). If the engine process dies, the server reports NOT_SERVING "
-          "and exits 1; the engine process exits when the server's process does."),
+          "Run the engine core on a thread of the server's process, sharing one GIL with gRPC, "
+          "REST and the tokenizers. Default: a process of its own, over local ZeroMQ sockets "
+          "(as fast on 2 cores, 0.4 GB more memory); if it dies the server reports NOT_SERVING "
+          "and exits 1."),
     refused("--api-server-count", 1, int,
             "runs several API server processes; this build serves gRPC and REST from one "
             "process"),
@@ -290,17 +285,10 @@ _MODEL = _group(
           "is powers of 1000, upper case powers of 1024. Default: the model's own (its "
           "attention window, if shorter)."),
     works(("--quantization", "-q"), None, str, "model.quantization",
-          "Weight-only quantization when the model loads: int8 (per output channel, "
-          "symmetric), int4 (asymmetric, in groups of 32 inputs) or gguf (a .gguf --model "
-          "served from its own Q4_0, Q4_1 and Q8_0 blocks, its other tensors dequantized). "
-          "Linear layers are packed, lm_head and an embedding tied to it included (int4: those "
-          "with inputs a multiple of 32 and outputs of 16). The packed kernels compute in "
-          "bfloat16 when a layer takes at most 32 (int8) or 128 (int4, gguf) tokens at once, "
-          "or 1024 where our int4 kernel runs (a CPU with AVX512-BF16 and AVX512-VNNI; it "
-          "quantizes the activations to int8 per 32, as llama.cpp does); more tokens, and "
-          "--dtype float16 or float32, dequantize the layer's weight for the step (float32: "
-          "exact, and 5-30x slower than unquantized). Default: none (a .gguf --model is "
-          "dequantized to --dtype).",
+          "Weight-only quantization when the model loads: int8 (per output channel), int4 "
+          "(groups of 32 inputs) or gguf (a .gguf --model served from its Q4_0, Q4_1 and Q8_0 "
+          "blocks). Linear layers and lm_head are packed; the README says when each kernel "
+          "runs and when a step dequantizes. Default: none (a .gguf is dequantized to --dtype).",
           choices=QUANTIZATION_METHODS),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),
@@ -371,11 +359,16 @@ _LOADING = _group(
 
 _STRUCTURED_OUTPUT = _group(
     "structured output and reasoning",
-    refused("--guided-decoding-backend", "auto", str, STRUCTURED,
-            choices=("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")),
-    refused("--guided-decoding-disable-fallback", False, None, STRUCTURED),
-    refused("--guided-decoding-disable-any-whitespace", False, None, STRUCTURED),
-    refused("--guided-decoding-disable-additional-properties", False, None, STRUCTURED),
+    works("--guided-decoding-backend", "auto", str, "structured_output.backend",
+          "Structured output: xgrammar, guidance, or auto (xgrammar, then guidance).",
+          metavar="NAME"),
+    works("--guided-decoding-disable-fallback", False, None, "structured_output.disable_fallback",
+          "auto: xgrammar alone."),
+    works("--guided-decoding-disable-any-whitespace", False, None,
+          "structured_output.disable_any_whitespace", "JSON without optional whitespace."),
+    works("--guided-decoding-disable-additional-properties", False, None,
+          "structured_output.disable_additional_properties",
+          "guidance: JSON objects closed to unnamed properties (xgrammar's always are)."),
     works("--reasoning-parser", "", str, "parsing.reasoning_parser",
           f"Chat reasoning_content format: {', '.join(reasoning_parser_names())}, or a plugin's.",
           metavar="NAME"),

@@ -29,6 +29,7 @@ from llmrpc.engine.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputConfig,
 )
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
@@ -51,6 +52,7 @@ _ENGINE_PARTS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "compilation": CompilationConfig,
+    "structured_output": StructuredOutputConfig,
 }
 _FRONTEND_PARTS = {
     "tls": TLSConfig,

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pytest
 
 from llmrpc.common.args import OneLineErrorParser
+from llmrpc.engine.config import StructuredOutputConfig
 from llmrpc.server import options
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, human_readable_int, json_value
@@ -406,3 +407,16 @@ def test_engine_flags_reach_the_engine_config():
 def test_swap_preemption_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="--preemption-mode swap is refused"):
         options.build_configs(parse("--preemption-mode", "swap"))
+
+
+def test_guided_decoding_flags_reach_the_engine_and_a_missing_backend_says_so():
+    engine, _ = options.build_configs(
+        parse(
+            "--guided-decoding-backend", "guidance", "--guided-decoding-disable-fallback",
+            "--guided-decoding-disable-any-whitespace",
+            "--guided-decoding-disable-additional-properties",
+        )
+    )  # fmt: skip
+    assert engine.structured_output == StructuredOutputConfig("guidance", True, True, True)
+    with pytest.raises(ValueError, match="outlines and lm-format-enforcer are not in this build"):
+        options.build_configs(parse("--guided-decoding-backend", "outlines"))

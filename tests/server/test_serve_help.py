@@ -61,8 +61,9 @@ def test_plain_help_lists_the_working_flags_then_the_others_in_brief(capsys):
 def test_plain_help_is_well_below_the_full_listing(capsys):
     plain = serve_help_text(capsys, "--help").count("\n")
     full = serve_help_text(capsys, "--help=all").count("\n")
-    # 0.59 until -O and --enforce-eager became working flags (shown in full here), 0.60 since
-    assert plain < 0.62 * full
+    # 0.59 until -O and --enforce-eager became working flags (shown in full here), 0.60 since;
+    # 0.65 since the ten flags of tool calling, reasoning and structured output work
+    assert plain < 0.66 * full
     assert serve_help_text(capsys, "-h") == serve_help_text(capsys, "--help")
 
 
