@@ -25,9 +25,10 @@ from llmrpc.gateway.param_names import CHAT_PARAMS
 from llmrpc.gateway.responses_api_input import (
     Conversation,
     ResponsesRequest,
+    chat_tool_choice,
+    chat_tools,
     input_conversation,
     refuse_unhonoured,
-    uses_tool_messages,
 )
 from llmrpc.gateway.responses_api_store import ResponseStore, store_of
 from llmrpc.gateway.responses_api_stream import ResponseEvents
@@ -44,6 +45,7 @@ RESPONSES_PARAMS: dict[str, str | None] = {
     "structured_output.json_schema": "text.format.schema",
     "chat.tools": "tools",
     "chat.tool_choice": "tool_choice",
+    "chat.tool_choice.function_name": "tool_choice.name",
     "chat.parallel_tool_calls": "parallel_tool_calls",
 }
 
@@ -111,12 +113,16 @@ def _prompt(body: ResponsesRequest, history: tuple[dict, ...]) -> tuple[Conversa
     return prompt, [*history, *own.messages]
 
 
-def _param_names(prompt: Conversation) -> dict[str, str | None]:
+def _param_names(prompt: Conversation, body: ResponsesRequest) -> dict[str, str | None]:
     names = dict(RESPONSES_PARAMS)
-    for index, origin in enumerate(prompt.origins):
+    for index in range(len(body.tools or ())):  # chat's tools[i].function.x is tools[i].x here
+        names[f"chat.tools[{index}].function"] = f"tools[{index}]"
+    for index, (message, origin) in enumerate(zip(prompt.messages, prompt.origins, strict=True)):
         names[f"chat.messages[{index}]"] = origin
         if not origin.startswith("input"):  # no sub-fields of its own to name
             names[f"chat.messages[{index}].content"] = origin
+        elif message["role"] == "tool":  # a function_call_output's content is its output
+            names[f"chat.messages[{index}].content"] = f"{origin}.output"
     return names
 
 
@@ -136,20 +142,21 @@ class ResponseCall:
         self.store = store
         prompt, self.turn = _prompt(body, history)
         self.messages = prompt.messages
-        self.names = _param_names(prompt)
+        self.names = _param_names(prompt, body)
         self.kwargs = self._call_kwargs()
         self.envelope = out.envelope(body, out.new_id("resp"), model)
         self.timer = RequestTimer(gateway.metrics)
 
     def _chat_options(self) -> ChatOptions:
         api, body = self.gateway.api, self.body
-        if body.tools or uses_tool_messages(self.messages):
-            raise invalid("tools", "tools: function calling is not supported by this build yet")
         content_format = api.chat_template_content_format
         return ChatOptions(
             add_generation_prompt=True,
             chat_template=api.chat_template,
             content_format=None if content_format == "auto" else content_format,
+            tools=chat_tools(body.tools),
+            tool_choice=chat_tool_choice(body.tool_choice),
+            parallel_tool_calls=body.parallel_tool_calls,
         )
 
     def _call_kwargs(self) -> dict:

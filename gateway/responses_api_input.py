@@ -305,10 +305,6 @@ def input_conversation(body: ResponsesRequest) -> Conversation:
     return conversation
 
 
-def uses_tool_messages(messages: list[dict]) -> bool:
-    return any("tool_calls" in m or m["role"] == "tool" for m in messages)
-
-
 def chat_tools(tools: list[FunctionTool] | None) -> list[dict] | None:
     """Responses function tools in chat's shape: {"type": "function", "function": {...}}."""
     if not tools:
