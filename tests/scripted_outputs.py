@@ -80,8 +80,11 @@ def forced_output(chat, value) -> str:
     tool_choice required) as JSON the server's grammar for ``chat`` (a ``common_pb2.Chat``)
     accepts: each object's keys in the order of its schema's properties, which the grammar
     holds to, and which a Struct (how the schema travels) does not keep as written."""
+    chat = type(chat).FromString(chat.SerializeToString())  # as the server receives it
     schema = struct_pb2.Struct()
-    schema.update(forced_schema(chat, tool_plan(chat, auto_tool_choice=True)))  # as the server
+    schema.update(forced_schema(chat, tool_plan(chat, auto_tool_choice=True)))  # as it builds it
+    # json.dumps's separators (", " and ": ") are what the grammar takes with or without
+    # --guided-decoding-disable-any-whitespace (xgrammar's compact JSON has them too).
     return json.dumps(_in_schema_order(value, json_format.MessageToDict(schema)))
 
 
