@@ -426,11 +426,9 @@ class EngineCore:
                 "structured_output",
                 "needs a tokenizer; this server runs with --skip-tokenizer-init",
             )
-        spec = params.structured_output
-        if not spec.backend:  # not checked by a frontend
-            config = self.structured_config
-            spec = structured_output.check(spec, config.backend, not config.disable_fallback)
-        compiled = self.grammar_compiler.submit(spec)
+        spec, config = params.structured_output, self.structured_config
+        structured_output.check_form(spec)  # the rest of the checks run with the compile
+        compiled = self.grammar_compiler.submit(spec, config.backend, not config.disable_fallback)
         stop_ids = self.eos_token_ids | set(params.stop_token_ids)
         for request in requests:
             request.grammar = Grammar(spec, compiled, stop_ids)
@@ -546,8 +544,15 @@ class EngineCore:
         """Queue the requests whose grammar has compiled; fail those whose compile failed."""
         if not self.scheduler.compiling:
             return []
-        failed = {r: r.grammar.error() for r in self.scheduler.compiled()}
-        return self._fail_requests(failed)
+        outputs = []
+        for request in self.scheduler.compiled():
+            error = request.grammar.error()
+            logger.info("request %s refused: %s", request.request_id, error)
+            self.scheduler.finish_request(request, FinishReason.ERROR)
+            output = self.output_processor.error_output(request, error.message)
+            output.error_field = error.field  # the caller's to fix: INVALID_ARGUMENT
+            outputs.append(output)
+        return outputs
 
     def _wait_for_a_grammar(self, timeout: float = 0.01) -> None:
         """With nothing to compute but grammars compiling: a short wait, not a busy loop."""

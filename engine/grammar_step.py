@@ -15,7 +15,19 @@ from dataclasses import dataclass
 import torch
 
 from llmrpc.engine.request import Request
-from llmrpc.engine.structured_output import allocate_bitmask, bitmask_to_bool
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """``[num_rows, ceil(vocab_size / 32)]`` int32, every bit set (every token allowed)."""
+    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, words]`` int32 bitmask -> ``[rows, vocab_size]`` bool, True where allowed."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 @dataclass

@@ -224,6 +224,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far
     num_cached_tokens: int = 0
     error: str | None = None
+    error_field: str | None = None  # with error: the request's field at fault (its own input)
     index: int = 0  # which of the request's n samples this is
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first output only; None first
@@ -241,6 +242,7 @@ class RequestOutput:
             "num_output_tokens",
             "num_cached_tokens",
             "error",
+            "error_field",
         ):
             setattr(self, name, getattr(later, name))
 

@@ -23,10 +23,12 @@ import concurrent.futures
 import json
 import logging
 from dataclasses import replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmrpc.engine.request import InvalidRequestError, StructuredOutputSpec
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,18 @@ def _field(spec: StructuredOutputSpec) -> str:
     )
 
 
-def check(spec: StructuredOutputSpec, backend: str, fallback: bool = True) -> StructuredOutputSpec:
-    """``spec`` with the backend that will serve it (``xgrammar`` or ``guidance``); raises
-    ``InvalidRequestError`` naming the field when no allowed backend can build it."""
+def check_form(spec: StructuredOutputSpec) -> None:
+    """The checks that need no grammar engine (its kind, sizes, choices): cheap, and free of
+    torch, which xgrammar imports; ``InvalidRequestError`` naming the field."""
     if spec.kind not in KINDS:
         raise InvalidRequestError("structured_output", f"unknown kind {spec.kind!r}")
     _check_size(spec)
+
+
+def check(spec: StructuredOutputSpec, backend: str, fallback: bool = True) -> StructuredOutputSpec:
+    """``spec`` with the backend that will serve it (``xgrammar`` or ``guidance``); raises
+    ``InvalidRequestError`` naming the field when no allowed backend can build it."""
+    check_form(spec)
     order = {"auto": ("xgrammar", "guidance") if fallback else ("xgrammar",)}.get(
         backend, (backend,)
     )
@@ -187,13 +195,19 @@ class GrammarCompiler:
         # the vocabulary's tables, built now so the first request need not wait for them
         self.warmed = self._pool.submit(self._xgrammar_compiler)
 
-    def submit(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
-        return self._pool.submit(self._compile, spec)
+    def submit(
+        self, spec: StructuredOutputSpec, backend: str = "auto", fallback: bool = True
+    ) -> concurrent.futures.Future:
+        """A future of ``(spec, compiled)``: ``spec`` checked (``check``, unless it names its
+        backend already) and compiled; an ``InvalidRequestError`` when it cannot be built."""
+        return self._pool.submit(self._compile, spec, backend, fallback)
 
-    def _compile(self, spec: StructuredOutputSpec):
+    def _compile(self, spec: StructuredOutputSpec, backend: str, fallback: bool):
+        if not spec.backend:
+            spec = check(spec, backend, fallback)
         if spec.backend == "guidance":
-            return self._guidance_tokenizer(), _guidance_build(spec)
-        return _xgrammar_build(spec, self._xgrammar_compiler())
+            return spec, (self._guidance_tokenizer(), _guidance_build(spec))
+        return spec, _xgrammar_build(spec, self._xgrammar_compiler())
 
     def _xgrammar_compiler(self):
         if self._xgrammar is None:
@@ -236,17 +250,18 @@ class Grammar:
     def ready(self) -> bool:
         return self.compiled.done()
 
-    def error(self) -> str | None:
-        """Why the grammar cannot be used (its compile failed), or None."""
-        if not self.ready:
-            return None
-        error = self.compiled.exception()
-        return None if error is None else f"compiling the structured output failed: {error!r}"
+    def error(self) -> InvalidRequestError | None:
+        """Why the grammar cannot be used (it could not be built), or None; a failure that is
+        not the request's own is named ``structured_output`` too."""
+        error = self.compiled.exception() if self.ready else None
+        if error is None or isinstance(error, InvalidRequestError):
+            return error
+        return InvalidRequestError("structured_output", f"compiling it failed: {error!r}")
 
     def _get_matcher(self):
         if self._matcher is None:
-            compiled = self.compiled.result()
-            if self.spec.backend == "guidance":
+            spec, compiled = self.compiled.result()
+            if spec.backend == "guidance":
                 import llguidance
 
                 tokenizer, grammar = compiled
@@ -319,22 +334,3 @@ class _GuidanceMatcher:
 def _bit(position: int) -> int:
     """Bit ``position`` of an int32 as a Python int (bit 31 is the sign bit)."""
     return -(2**31) if position == 31 else 1 << position
-
-
-def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """``[num_rows, ceil(vocab_size / 32)]`` int32, every bit set (every token allowed)."""
-    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
-
-
-def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:
-    for row, grammar in enumerate(grammars):
-        grammar.fill(bitmask, row)
-
-
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[rows, words]`` int32 bitmask -> ``[rows, vocab_size]`` bool, True where allowed."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -315,8 +315,12 @@ def _set_matched_stop(response: generation_pb2.GenerateResponse, output: Request
 
 
 def engine_failure(output: RequestOutput) -> str | None:
-    """The engine's message if the request ended with FINISH_REASON_ERROR, else None."""
+    """The engine's message if the request ended with FINISH_REASON_ERROR, else None; raises
+    ``InvalidArgument`` when the engine found the fault in the request's own input (a
+    structured output it cannot build)."""
     if output.finished and output.finish_reason is FinishReason.ERROR:
+        if output.error_field is not None:
+            raise InvalidArgument(output.error_field, output.error or "cannot be served")
         return output.error or "the engine failed while serving the request"
     return None
 

@@ -1,8 +1,9 @@
-"""A GenerateRequest's ``structured_output`` -> the engine's ``StructuredOutputSpec``, checked.
+"""A GenerateRequest's ``structured_output`` -> the engine's ``StructuredOutputSpec``.
 
-The check builds the grammar (without the vocabulary, which only the engine compiles against),
-so a bad schema, regex or grammar is INVALID_ARGUMENT naming its field before the request takes
-a place in the queue. It runs where the request is converted: off the event loop.
+Here its form is checked (kind, sizes, choices); the grammar itself is built by the engine,
+with its compile, off the engine's step: xgrammar imports torch, which this process does
+without. A schema, regex or grammar that cannot be built ends the request before it is queued,
+as INVALID_ARGUMENT naming its field (``convert.engine_failure``).
 """
 
 from __future__ import annotations
@@ -74,4 +75,25 @@ def engine_spec(
         ),
         reasoning_end=reasoning_end,
     )
-    return structured_output.check(spec, config.backend, not config.disable_fallback)
+    structured_output.check_form(spec)
+    return spec
+
+
+def _last_at(ids: list[int], part: tuple[int, ...]) -> int:
+    """Where ``part`` last occurs in ``ids`` (-1: nowhere)."""
+    size = len(part)
+    for start in range(len(ids) - size, -1, -1):
+        if ids[start] == part[0] and tuple(ids[start : start + size]) == part:
+            return start
+    return -1
+
+
+def reasoning_end(prompt: list[int], tokenizer, open_tag: str, close_tag: str) -> tuple[int, ...]:
+    """What a chat request's structured output waits for under a reasoning parser: the token
+    ids of ``close_tag``, so the constraint holds the answer and not the thinking; none when
+    the prompt has already closed its reasoning (a template with thinking turned off writes an
+    empty think block), as the answer then comes first."""
+    close = tuple(tokenizer.encode(close_tag, add_special_tokens=False))
+    opened = tuple(tokenizer.encode(open_tag, add_special_tokens=False))
+    closed_at = _last_at(prompt, close)
+    return () if closed_at >= 0 and closed_at > _last_at(prompt, opened) else close
