@@ -60,12 +60,15 @@ Prompt = Annotated[
 
 def _unknown_fields(model: type[BaseModel], data: Any) -> Any:
     """A 400 naming each field the model does not declare: a parameter this server would
-    otherwise drop unread (a typo, or a feature it lacks) must not pass as if honoured."""
+    otherwise drop unread (a typo, or a feature it lacks) must not pass as if honoured. One sent
+    as null asks for nothing, as clients that write every field they know do: it is dropped."""
     if not isinstance(data, dict):
         return data
     known = {name for name, info in model.model_fields.items()} | {
         info.alias for info in model.model_fields.values() if info.alias
     }
+    if any(name not in known and value is None for name, value in data.items()):
+        data = {name: value for name, value in data.items() if name in known or value is not None}
     unknown = [name for name in data if name not in known]
     if not unknown:
         return data
@@ -124,8 +127,10 @@ def empty_only(reason: str) -> AfterValidator:
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    # OpenAI pads streamed chunks against size side channels; nothing here depends on it.
-    include_obfuscation: bool | None = None
+    # OpenAI pads streamed chunks against size side channels; chunks here are not padded.
+    include_obfuscation: Annotated[
+        bool | None, refused("stream obfuscation is not supported: chunks are not padded", False)
+    ] = None
 
 
 MAX_METADATA_PAIRS = 16
