@@ -11,12 +11,6 @@ object and a string as a quoted string).
 
 from __future__ import annotations
 
-import json
-
-from google.protobuf import json_format, struct_pb2
-
-from llmrpc.server.tool_calling import forced_schema, tool_plan
-
 _SCRIPTS = "_test_scripts"  # the core's dict: engine request id -> token ids to generate
 
 
@@ -59,33 +53,6 @@ async def script(engine, request_id: str, *texts: str, tokenizer=None) -> int:
         scripts = {f"{request_id}#{i}": ids for i, ids in enumerate(tokens)}
     await engine.call_in_core(script_outputs, scripts)
     return max(len(ids) for ids in tokens)
-
-
-def _in_schema_order(value, schema: dict):
-    if isinstance(value, list):
-        return [_in_schema_order(item, schema.get("items", {})) for item in value]
-    if not isinstance(value, dict):
-        return value
-    name = [value.get("name")]
-    branches = schema.get("anyOf", [])
-    branch = next((b for b in branches if b["properties"]["name"]["enum"] == name), schema)
-    properties = branch.get("properties", {})
-    return {
-        key: _in_schema_order(value[key], properties[key]) for key in properties if key in value
-    }
-
-
-def forced_output(chat, value) -> str:
-    """``value`` (the arguments of a named function, or the list of {"name", "parameters"} of
-    tool_choice required) as JSON the server's grammar for ``chat`` (a ``common_pb2.Chat``)
-    accepts: each object's keys in the order of its schema's properties, which the grammar
-    holds to, and which a Struct (how the schema travels) does not keep as written."""
-    chat = type(chat).FromString(chat.SerializeToString())  # as the server receives it
-    schema = struct_pb2.Struct()
-    schema.update(forced_schema(chat, tool_plan(chat, auto_tool_choice=True)))  # as it builds it
-    # json.dumps's separators (", " and ": ") are what the grammar takes with or without
-    # --guided-decoding-disable-any-whitespace (xgrammar's compact JSON has them too).
-    return json.dumps(_in_schema_order(value, json_format.MessageToDict(schema)))
 
 
 # Transformers renders with trim_blocks: a line break right after a tag is dropped, so the

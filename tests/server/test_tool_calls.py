@@ -1,23 +1,30 @@
 """Tool calling over gRPC: tools and the call history reach the chat template; the calls in a
 chat's output come back as ``tool_calls`` (whole, and streamed once each where they complete);
-tool_choice required or a function holds the output to the tools' schemas; bad tools are
-INVALID_ARGUMENT naming the field. The model's outputs are scripted (``scripted_outputs``): the
-real engine runs, its sampler's choices replaced for the scripted requests."""
+tool_choice required or a function holds the random-weight model's own output to the tools'
+schemas, and the calls it makes validate; bad tools are INVALID_ARGUMENT naming the field.
+Outputs under tool_choice auto are scripted (``scripted_outputs``): the real engine runs, its
+sampler's choices replaced for the scripted requests. (Forced outputs are not scripted: the
+grammar holds an object's keys to its schema's order, which a Struct does not keep.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
 import grpc
+import jsonschema
 import pytest
 import pytest_asyncio
-from scripted_outputs import TOOL_TEMPLATE, forced_output, script
+from google.protobuf import json_format
+from scripted_outputs import TOOL_TEMPLATE, script
 from server_utils import field_violations, frontend_config, tiny_engine_config
 
+from llmrpc.engine.config import StructuredOutputConfig
 from llmrpc.server.app import start_server
 from llmrpc.server.settings import ParsingConfig
-from llmrpc.server.tool_calling import ToolMode, ToolPlan, forced_schema
+from llmrpc.server.tool_calling import ToolMode, ToolPlan, forced_calls, forced_schema
+from llmrpc.server.tool_parsers import FunctionCall
 from llmrpc.v1 import common_pb2, generation_pb2, tokenization_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -41,7 +48,10 @@ async def server(tiny_llama_dir):
         exclude_tools_when_tool_choice_none=True,
     )
     frontend = frontend_config("thread", chat_template=TOOL_TEMPLATE, parsing=parsing)
-    running = await start_server(tiny_engine_config(tiny_llama_dir), frontend=frontend)
+    # --guided-decoding-disable-any-whitespace: a random model would spend its tokens on it.
+    structured = StructuredOutputConfig(disable_any_whitespace=True)
+    config = dataclasses.replace(tiny_engine_config(tiny_llama_dir), structured_output=structured)
+    running = await start_server(config, frontend=frontend)
     yield running
     await running.stop(grace=0)
 
@@ -171,49 +181,73 @@ async def test_tool_choice_none_leaves_the_text_as_it_is(server, generation):
     assert response.text == CALL and not response.tool_calls
 
 
-# --- forced calls -----------------------------------------------------------------------------
+# --- forced calls: the random-weight model's own tokens, held by the grammar ------------------
+
+# Values a random model finishes quickly (no free strings); the server writes compact JSON.
+CONVERT = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "exact": {"type": "boolean"}},
+    "required": ["unit", "exact"],
+}
+FORCED_TOOLS = [tool("convert", CONVERT), tool("reset", {"type": "object", "properties": {}})]
 
 
-async def forced(server, value, choice: common_pb2.ToolChoice, cut: int | None = None):
-    """A request under ``choice`` scripted to generate ``value`` as the grammar allows it."""
-    text = forced_output(common_pb2.Chat(tools=TOOLS, tool_choice=choice), value)
-    return await scripted(server, text, choice=choice, cut=cut), text
+def forced_request(choice: common_pb2.ToolChoice, seed: int, max_tokens: int = 120, **chat):
+    request = chat_request(f"forced-{uuid.uuid4().hex[:8]}", max_tokens, choice, tools=FORCED_TOOLS)
+    request.sampling.temperature, request.sampling.seed = 1.0, seed
+    for name, value in chat.items():
+        setattr(request.chat, name, value)
+    return request
 
 
-async def test_a_named_function_makes_its_call(server, generation):
-    choice = common_pb2.ToolChoice(function_name="get_weather")
-    request, _ = await forced(server, {"city": "Oslo", "days": 3}, choice)
-    response = await generation.Generate(request)
-    assert calls_of(response.tool_calls) == [(0, "get_weather", {"city": "Oslo", "days": 3})]
-    assert response.text == ""
-    request, _ = await forced(server, {"city": "Oslo"}, choice)
-    messages = await read_stream(generation, request)
-    assert "".join(m.text for m in messages) == ""
-    assert calls_of(messages[-1].tool_calls) == [(0, "get_weather", {"city": "Oslo"})]
+def valid_calls(tool_calls) -> list[str]:
+    """The calls' names, each call's arguments checked against its tool's schema."""
+    schemas = {
+        t.function.name: json_format.MessageToDict(t.function.parameters) for t in FORCED_TOOLS
+    }
+    for call in tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    return [call.function.name for call in tool_calls]
 
 
-async def test_required_makes_the_calls_of_its_json_array(server, generation):
+async def test_a_named_function_makes_its_call(generation):
+    choice = common_pb2.ToolChoice(function_name="convert")
+    for seed in range(2):
+        response = await generation.Generate(forced_request(choice, seed))
+        assert response.finish_reason == generation_pb2.FINISH_REASON_EOS
+        assert valid_calls(response.tool_calls) == ["convert"] and response.text == ""
+    messages = await read_stream(generation, forced_request(choice, seed=7))
+    assert "".join(m.text for m in messages) == ""  # held, then read as the call
+    assert valid_calls([c for m in messages for c in m.tool_calls]) == ["convert"]
+    assert messages[-1].tool_calls and messages[-1].finish_reason
+
+
+async def test_required_makes_the_calls_of_its_json_array(generation):
     required = common_pb2.ToolChoice(mode=common_pb2.ToolChoice.MODE_REQUIRED)
-    calls = [
-        {"name": "get_time", "parameters": {"zone": "UTC"}},
-        {"name": "get_weather", "parameters": {"city": "Rome"}},
-    ]
-    request, _ = await forced(server, calls, required)
-    response = await generation.Generate(request)
-    assert calls_of(response.tool_calls) == [
-        (0, "get_time", {"zone": "UTC"}),
-        (1, "get_weather", {"city": "Rome"}),
-    ]
-    assert all(c.id.startswith("call_") for c in response.tool_calls)
+    for seed in range(2):
+        request = forced_request(required, seed, parallel_tool_calls=False)
+        response = await generation.Generate(request)
+        assert response.finish_reason == generation_pb2.FINISH_REASON_EOS
+        assert len(valid_calls(response.tool_calls)) == 1 and response.text == ""
+        assert response.tool_calls[0].index == 0
 
 
-async def test_forced_output_cut_by_max_tokens_is_content(server, generation):
+async def test_forced_output_cut_by_max_tokens_is_content(generation):
     required = common_pb2.ToolChoice(mode=common_pb2.ToolChoice.MODE_REQUIRED)
-    calls = [{"name": "get_time", "parameters": {"zone": "UTC"}}]
-    request, text = await forced(server, calls, required, cut=5)
-    response = await generation.Generate(request)
+    response = await generation.Generate(forced_request(required, seed=1, max_tokens=3))
     assert response.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-    assert text.startswith(response.text) and response.text and not response.tool_calls
+    assert response.text.startswith("[") and not response.tool_calls
+
+
+async def test_forced_outputs_are_read_as_vllm_writes_them():
+    named, required = ToolPlan(ToolMode.NAMED, "f"), ToolPlan(ToolMode.REQUIRED)
+    assert forced_calls('{"x": [1, 2]}', named) == [FunctionCall("f", '{"x": [1, 2]}')]
+    two = '[{"name": "f", "parameters": {}}, {"parameters": {"a": "b"}, "name": "g"}]'
+    assert forced_calls(two, required) == [FunctionCall("f", "{}"), FunctionCall("g", '{"a": "b"}')]
+    for text, plan in (("[1]", named), ('{"name": "f"', required), ("[]", required)):
+        assert forced_calls(text, plan) is None  # content, as written
+    assert forced_calls('[{"name": "f", "parameters": NaN}]', required) is None
 
 
 async def test_forced_calls_refuse_a_structured_output_of_their_own(server, generation):
