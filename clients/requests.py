@@ -130,7 +130,7 @@ def tool_proto(tool: Mapping[str, Any]) -> common_pb2.Tool:
     proto.function.name = function.get("name") or ""
     proto.function.description = function.get("description") or ""
     if function.get("parameters") is not None:
-        proto.function.parameters.update(function["parameters"])
+        proto.function.parameters = _json_text(function["parameters"])
     if function.get("strict") is not None:
         proto.function.strict = function["strict"]
     return proto
@@ -189,6 +189,11 @@ def _set_field(message, name: str, value) -> None:
         getattr(message, name).extend([value] if isinstance(value, str) else value)
 
 
+def _json_text(value: object) -> str:
+    """A JSON schema given as a dict (or already as text) in the JSON text a proto carries."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _set_params(request: generation_pb2.GenerateRequest, params: GenerateParams) -> None:
     for param in fields(params):
         value, part = getattr(params, param.name), param.metadata.get("part")
@@ -197,7 +202,10 @@ def _set_params(request: generation_pb2.GenerateRequest, params: GenerateParams)
     if params.time_limit is not None:
         request.stopping.time_limit_ms = round(params.time_limit * 1000)
     if params.structured_output is not None:
-        json_format.ParseDict(params.structured_output, request.structured_output)
+        structured = dict(params.structured_output)
+        if "json_schema" in structured:  # JSON text on the wire: it keeps the key order
+            structured["json_schema"] = _json_text(structured["json_schema"])
+        json_format.ParseDict(structured, request.structured_output)
 
 
 def generate_request(

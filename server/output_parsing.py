@@ -13,6 +13,7 @@ completes, with its index. Malformed calls are content, never errors.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +119,7 @@ def prepared_request(request, plan: OutputPlan | None):
     prepared = generation_pb2.GenerateRequest()
     prepared.CopyFrom(request)
     if tools.forced:
-        prepared.structured_output.json_schema.update(forced_schema(request.chat, tools))
+        prepared.structured_output.json_schema = json.dumps(forced_schema(request.chat, tools))
     if exclude:
         del prepared.chat.tools[:]
     return prepared

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 
-from google.protobuf import json_format
-
 from llmrpc.engine import structured_output
 from llmrpc.engine.config import StructuredOutputConfig
 from llmrpc.engine.request import InvalidRequestError, StructuredOutputSpec
@@ -20,21 +18,15 @@ from llmrpc.v1 import common_pb2
 _KINDS = ", ".join(structured_output.KINDS)
 
 
-def _integral_floats_as_ints(value):
-    """A Struct's numbers are all doubles: ``"maxLength": 5.0`` back to ``5`` (the same JSON
-    number, but a grammar engine may want an integer there)."""
-    if isinstance(value, dict):
-        return {key: _integral_floats_as_ints(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_integral_floats_as_ints(item) for item in value]
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    return value
-
-
-def struct_json(struct) -> str:
-    """A ``google.protobuf.Struct`` as JSON text, integral numbers written as integers."""
-    return json.dumps(_integral_floats_as_ints(json_format.MessageToDict(struct)))
+def _check_json_object(text: str, field: str) -> None:
+    if len(text) > structured_output.MAX_CONSTRAINT_CHARS:
+        return  # check_form refuses it by its size, before parsing it
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise InvalidRequestError(field, f"not JSON: {error}") from None
+    if not isinstance(value, dict | bool):
+        raise InvalidRequestError(field, "a JSON schema is an object (or true or false)")
 
 
 def _option(message: common_pb2.StructuredOutput, name: str, default: bool) -> bool:
@@ -53,7 +45,8 @@ def engine_spec(
         raise InvalidRequestError("structured_output", f"set one of {_KINDS}")
     value, choices = "", ()
     if kind == "json_schema":
-        value = struct_json(message.json_schema)
+        value = message.json_schema
+        _check_json_object(value, "structured_output.json_schema")
     elif kind == "json_object":
         if not message.json_object:
             raise InvalidRequestError(

@@ -16,11 +16,8 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
-
-from google.protobuf import json_format
 
 from llmrpc.server.errors import InvalidArgument
 from llmrpc.server.tool_parsers import FunctionCall
@@ -55,23 +52,14 @@ class ToolPlan:
         return self.mode in (ToolMode.REQUIRED, ToolMode.NAMED)
 
 
-# --- Struct values as JSON ------------------------------------------------------------------
+# --- parameters ------------------------------------------------------------------------------
 
 
-def _ints_back(value: Any) -> Any:
-    """A Struct holds every number as a double: ``"minItems": 1`` comes back as 1.0. Integral
-    values are turned back into ints, so templates and schema readers see what was sent."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value) if abs(value) <= _LARGEST_INT else value
-    if isinstance(value, dict):
-        return {key: _ints_back(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_ints_back(item) for item in value]
-    return value
-
-
-def struct_dict(struct) -> dict[str, Any]:
-    return _ints_back(json_format.MessageToDict(struct))
+def parameters_dict(tool: common_pb2.Tool) -> dict[str, Any] | None:
+    """A tool's parameters schema (JSON text; checked by ``_check_tool``); None when unset."""
+    if not tool.function.HasField("parameters"):
+        return None
+    return json.loads(tool.function.parameters)
 
 
 # --- checks -----------------------------------------------------------------------------------
@@ -91,6 +79,13 @@ def _check_tool(tool: common_pb2.Tool, index: int, seen: set[str]) -> None:
     if name in seen:
         raise InvalidArgument(f"{path}.function.name", f"{name!r} names an earlier tool too")
     seen.add(name)
+    if tool.function.HasField("parameters"):
+        try:
+            parameters = json.loads(tool.function.parameters)
+        except (ValueError, RecursionError) as error:
+            raise InvalidArgument(f"{path}.function.parameters", f"not JSON: {error}") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"{path}.function.parameters", "must be a JSON object")
 
 
 def _check_tools(chat: common_pb2.Chat) -> None:
@@ -150,7 +145,7 @@ def template_tools(chat: common_pb2.Chat) -> list[dict[str, Any]]:
         if tool.function.description:
             function["description"] = tool.function.description
         if tool.function.HasField("parameters"):
-            function["parameters"] = struct_dict(tool.function.parameters)
+            function["parameters"] = parameters_dict(tool)
         if tool.function.HasField("strict"):
             function["strict"] = tool.function.strict
         tools.append({"type": "function", "function": function})
@@ -191,10 +186,7 @@ def template_tool_calls(message: common_pb2.ChatMessage) -> list[dict[str, Any]]
 
 def _parameters(tool: common_pb2.Tool) -> dict[str, Any]:
     # Missing or empty parameters still hold the arguments to a JSON object.
-    parameters = {}
-    if tool.function.HasField("parameters"):
-        parameters = struct_dict(tool.function.parameters)
-    return parameters or {"type": "object", "properties": {}}
+    return parameters_dict(tool) or {"type": "object", "properties": {}}
 
 
 def _hoisted_defs(chat: common_pb2.Chat, schemas: list[dict[str, Any]]) -> dict[str, Any]:

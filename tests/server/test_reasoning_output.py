@@ -86,7 +86,9 @@ def greet_tool() -> common_pb2.Tool:
     tool = common_pb2.Tool(type="function")
     tool.function.name = "greet"
     who = {"who": {"enum": ["you", "them"]}}  # a value a random model finishes at once
-    tool.function.parameters.update({"type": "object", "properties": who, "required": ["who"]})
+    tool.function.parameters = json.dumps(
+        {"type": "object", "properties": who, "required": ["who"]}
+    )
     return tool
 
 

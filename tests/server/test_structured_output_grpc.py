@@ -41,6 +41,8 @@ def request(structured: dict, seed: int = 0, **fields) -> generation_pb2.Generat
         stopping=common_pb2.StoppingCriteria(max_tokens=120),
         **fields,
     )
+    if isinstance(structured.get("json_schema"), dict):
+        structured = {**structured, "json_schema": json.dumps(structured["json_schema"])}
     json_format.ParseDict(structured, message.structured_output)
     return message
 
@@ -75,6 +77,7 @@ async def test_regex_and_choice_hold_beside_a_free_request(generation):
     ("structured", "field"),
     [
         ({"json_schema": {"type": "no-such-type"}}, "structured_output.json_schema"),
+        ({"json_schema": '{"type": '}, "structured_output.json_schema"),
         ({"regex": "(unclosed"}, "structured_output.regex"),
         ({"grammar": "root ::= ("}, "structured_output.grammar"),
         ({"choice": {"choices": []}}, "structured_output.choice.choices"),

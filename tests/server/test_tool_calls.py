@@ -16,7 +16,6 @@ import grpc
 import jsonschema
 import pytest
 import pytest_asyncio
-from google.protobuf import json_format
 from scripted_outputs import TOOL_TEMPLATE, script
 from server_utils import field_violations, frontend_config, tiny_engine_config
 
@@ -61,7 +60,7 @@ def tool(name: str, parameters: dict | None = None) -> common_pb2.Tool:
     proto.function.name = name
     proto.function.description = f"{name} of a place"
     if parameters is not None:
-        proto.function.parameters.update(parameters)
+        proto.function.parameters = json.dumps(parameters)
     return proto
 
 
@@ -202,9 +201,7 @@ def forced_request(choice: common_pb2.ToolChoice, seed: int, max_tokens: int = 1
 
 def valid_calls(tool_calls) -> list[str]:
     """The calls' names, each call's arguments checked against its tool's schema."""
-    schemas = {
-        t.function.name: json_format.MessageToDict(t.function.parameters) for t in FORCED_TOOLS
-    }
+    schemas = {t.function.name: json.loads(t.function.parameters) for t in FORCED_TOOLS}
     for call in tool_calls:
         assert call.id.startswith("call_") and call.type == "function"
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])

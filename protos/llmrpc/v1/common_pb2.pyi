@@ -66,9 +66,9 @@ class FunctionDefinition(_message.Message):
     STRICT_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
-    parameters: _struct_pb2.Struct
+    parameters: str
     strict: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class ToolChoice(_message.Message):
     __slots__ = ("mode", "function_name")
@@ -128,7 +128,7 @@ class StructuredOutput(_message.Message):
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     DISABLE_ADDITIONAL_PROPERTIES_FIELD_NUMBER: _ClassVar[int]
-    json_schema: _struct_pb2.Struct
+    json_schema: str
     json_object: bool
     regex: str
     choice: Choices
@@ -136,7 +136,7 @@ class StructuredOutput(_message.Message):
     structural_tag: str
     disable_any_whitespace: bool
     disable_additional_properties: bool
-    def __init__(self, json_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., disable_additional_properties: _Optional[bool] = ...) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., disable_additional_properties: _Optional[bool] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
