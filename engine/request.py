@@ -70,6 +70,7 @@ class StructuredOutputSpec:
     any_whitespace: bool = True  # JSON: optional whitespace allowed
     additional_properties: bool = True  # JSON, guidance backend: unnamed properties allowed
     reasoning_end: tuple[int, ...] = ()  # applies once the output has these tokens in a row
+    reasoning_start: int | None = None  # with reasoning_end: a first token that opens it
     backend: str = ""  # xgrammar or guidance, chosen by structured_output.check
 
 

@@ -243,8 +243,18 @@ class Grammar:
         self.spec = spec
         self.compiled = compiled
         self.stop_ids = sorted(stop_ids)
-        self.active = not spec.reasoning_end  # with a reasoning end: once the output has it
+        # Where the output stands: in its answer, held to the grammar ("answer"); in reasoning
+        # until it has spec.reasoning_end ("reasoning"); or at its first token, which may open
+        # reasoning with spec.reasoning_start or begin the answer ("either").
+        self.state = "answer"
+        if spec.reasoning_end:
+            self.state = "reasoning" if spec.reasoning_start is None else "either"
         self._matcher = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar holds the next token (alone, or with reasoning's opening)."""
+        return self.state != "reasoning"
 
     @property
     def ready(self) -> bool:
@@ -277,13 +287,22 @@ class Grammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._get_matcher().fill(bitmask, row)
+        if self.state == "either":
+            start = self.spec.reasoning_start
+            bitmask[row, start // 32] |= _bit(start % 32)
 
     def accept(self, output_token_ids: list[int]) -> str | None:
         """Advance by the output's last token; why it broke the grammar, or None."""
-        if not self.active:
+        if self.state == "reasoning":
             end = self.spec.reasoning_end
-            self.active = tuple(output_token_ids[-len(end) :]) == end
+            if tuple(output_token_ids[-len(end) :]) == end:
+                self.state = "answer"
             return None
+        if self.state == "either":
+            opened = output_token_ids[-1] == self.spec.reasoning_start
+            self.state = "reasoning" if opened else "answer"
+            if opened:
+                return None
         matcher = self._get_matcher()
         if matcher.terminated():  # complete; ignore_eos may go on past its stop token
             return None

@@ -64,6 +64,11 @@ class ReasoningParser(ABC):
     """
 
     initial_state: Hashable = "start"
+    # For structured output, which holds the answer alone: the tags, and whether an output
+    # starts in reasoning (the chat template opened it) or may open it with open_tag.
+    open_tag: str = OPEN_TAG
+    close_tag: str = CLOSE_TAG
+    starts_in_reasoning: bool = False
 
     @abstractmethod
     def step(self, text: str, pos: int, state: Hashable, final: bool) -> Step | None: ...
@@ -155,6 +160,8 @@ load_reasoning_parser_plugin = REGISTRY.load_plugin
 @register_reasoning_parser("deepseek_r1")
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """States: "start" (a ``<think>`` may open the output), "reasoning", "content"."""
+
+    starts_in_reasoning = True
 
     def step(self, text: str, pos: int, state: Hashable, final: bool) -> Step | None:
         if state == "start":

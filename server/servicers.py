@@ -19,6 +19,7 @@ from llmrpc.server.errors import Internal, handle_errors
 from llmrpc.server.logs import current_request_id, log_output, log_request
 from llmrpc.server.output_parsing import ResponseParsing
 from llmrpc.server.state import ServerState
+from llmrpc.server.structured_output import after_reasoning
 from llmrpc.v1 import generation_pb2_grpc, tokenization_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ def _to_engine_request(tokenizer, request, model_info, deadline, parsers):
     plan = output_parsing.plan_request(request, parsers)
     request = output_parsing.prepared_request(request, plan)
     prompt, params = convert.to_engine_request(request, tokenizer, model_info, deadline)
+    reasoning = plan.parsers.reasoning_parser if plan is not None else None
+    if reasoning is not None and params.structured_output is not None:
+        spec = params.structured_output
+        params.structured_output = after_reasoning(spec, prompt, tokenizer, reasoning)
     return prompt, params, plan
 
 

@@ -9,6 +9,7 @@ as INVALID_ARGUMENT naming its field (``convert.engine_failure``).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from llmrpc.engine import structured_output
 from llmrpc.engine.config import StructuredOutputConfig
@@ -75,18 +76,29 @@ def engine_spec(
 def _last_at(ids: list[int], part: tuple[int, ...]) -> int:
     """Where ``part`` last occurs in ``ids`` (-1: nowhere)."""
     size = len(part)
+    if not size:
+        return -1
     for start in range(len(ids) - size, -1, -1):
         if ids[start] == part[0] and tuple(ids[start : start + size]) == part:
             return start
     return -1
 
 
-def reasoning_end(prompt: list[int], tokenizer, open_tag: str, close_tag: str) -> tuple[int, ...]:
-    """What a chat request's structured output waits for under a reasoning parser: the token
-    ids of ``close_tag``, so the constraint holds the answer and not the thinking; none when
-    the prompt has already closed its reasoning (a template with thinking turned off writes an
-    empty think block), as the answer then comes first."""
-    close = tuple(tokenizer.encode(close_tag, add_special_tokens=False))
-    opened = tuple(tokenizer.encode(open_tag, add_special_tokens=False))
-    closed_at = _last_at(prompt, close)
-    return () if closed_at >= 0 and closed_at > _last_at(prompt, opened) else close
+def after_reasoning(
+    spec: StructuredOutputSpec, prompt: list[int], tokenizer, parser
+) -> StructuredOutputSpec:
+    """``spec`` holding the answer alone under a reasoning ``parser``: from the start when the
+    prompt has closed the reasoning (a template with thinking turned off writes an empty think
+    block); after the close tag when the output starts in reasoning (the parser says so, or
+    the prompt opened it); else the first token may open reasoning with the open tag, where
+    that tag is one token (a model without such a token does not think in tags)."""
+    close = tuple(tokenizer.encode(parser.close_tag, add_special_tokens=False))
+    opened = tuple(tokenizer.encode(parser.open_tag, add_special_tokens=False))
+    closed_at, opened_at = _last_at(prompt, close), _last_at(prompt, opened)
+    if closed_at > opened_at:
+        return spec
+    if parser.starts_in_reasoning or opened_at >= 0:
+        return replace(spec, reasoning_end=close)
+    if len(opened) == 1:
+        return replace(spec, reasoning_end=close, reasoning_start=opened[0])
+    return spec

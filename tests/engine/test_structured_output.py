@@ -227,3 +227,21 @@ def test_a_structural_tag_holds_its_spans(core):
     assert spec.backend == "xgrammar"
     for output in _run(core, [_params(spec, seed, max_tokens=40) for seed in range(4)]):
         assert re.fullmatch(r"<call>[a-z]{1,8}=[0-9]{1,3}</call>", output.text), output.text
+
+
+def test_the_first_token_may_open_reasoning_or_begin_the_answer(core):
+    # reasoning_start: a first token that opens reasoning (up to reasoning_end); any other
+    # first token begins the answer, held from there.
+    (start,) = core.tokenizer.encode(" London", add_special_tokens=False)
+    (end,) = core.tokenizer.encode(" Paris", add_special_tokens=False)
+    spec = StructuredOutputSpec(
+        "choice", choices=("yes", "no"), reasoning_end=(end,), reasoning_start=start
+    )
+    spec = structured_output.check(spec, "xgrammar")
+    thinks = _params(spec, 0, max_tokens=40, logit_bias={start: 100.0, end: 100.0})
+    answers = [_params(spec, seed, max_tokens=40) for seed in range(1, 5)]
+    outputs = _run(core, [thinks, *answers])
+    assert outputs[0].token_ids[0] == start and outputs[0].finish_reason is FinishReason.EOS
+    assert end in outputs[0].token_ids and outputs[0].text.endswith(("yes", "no"))
+    for output in outputs[1:]:
+        assert output.text in ("yes", "no")

@@ -13,7 +13,11 @@ import jsonschema
 import pytest
 from google.protobuf import json_format
 from server_utils import field_violations
+from transformers import AutoTokenizer
 
+from llmrpc.engine.request import StructuredOutputSpec
+from llmrpc.server.reasoning_parsers import get_reasoning_parser
+from llmrpc.server.structured_output import after_reasoning
 from llmrpc.v1 import common_pb2, generation_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -90,3 +94,29 @@ async def test_a_bad_constraint_is_invalid_argument_naming_its_field(generation,
         await generation.Generate(request(structured))
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violations(failure.value) == [field]
+
+
+@pytest.mark.parametrize(
+    ("parser", "prompt_tail", "expected"),
+    [
+        ("qwen3", "", "either"),  # the first token may open reasoning
+        ("qwen3", "<think>", "reasoning"),  # the template opened it
+        ("qwen3", "<think>\n\n</think>\n\n", "answer"),  # thinking turned off
+        ("deepseek_r1", "", "reasoning"),  # the output starts in reasoning
+        ("deepseek_r1", "<think>a</think>", "answer"),
+    ],
+)
+def test_a_reasoning_parser_holds_the_answer_alone(tiny_llama_dir, parser, prompt_tail, expected):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    prompt = tokenizer.encode("<|im_start|>assistant\n" + prompt_tail)
+    spec = after_reasoning(
+        StructuredOutputSpec("regex", "a+"), prompt, tokenizer, get_reasoning_parser(parser)
+    )
+    close = tuple(tokenizer.convert_tokens_to_ids(["</think>"]))
+    if expected == "answer":
+        assert spec.reasoning_end == () and spec.reasoning_start is None
+    else:
+        assert spec.reasoning_end == close
+        opens = spec.reasoning_start == tokenizer.convert_tokens_to_ids("<think>")
+        assert opens == (expected == "either")
