@@ -75,7 +75,8 @@ def _tool_call(call: ToolCall) -> dict:
 
 
 def _finish_reason(reason: FinishReason | None, made_calls: bool) -> str | None:
-    """OpenAI's: "tool_calls" when an output that ended normally made calls."""
+    """OpenAI's: "tool_calls" when an output that ended normally made calls the model chose
+    (a call forced by a named tool_choice ends with "stop", as OpenAI's does)."""
     shown = responses.finish_reason(reason)
     return "tool_calls" if made_calls and shown == "stop" else shown
 
@@ -95,6 +96,7 @@ class ChatCall:
         self.names = responses.TokenNames(as_ids)
         self.timer = RequestTimer(gateway.metrics)
         self.created = int(time.time())
+        self.named_choice = body.tool_choice is not None and not isinstance(body.tool_choice, str)
 
     def _logprobs(self, entries) -> dict | None:
         if not self.body.logprobs:
@@ -136,7 +138,9 @@ class ChatCall:
                 "index": sample.index,
                 "message": self._message(sample),
                 "logprobs": self._logprobs(sample.logprobs),
-                "finish_reason": _finish_reason(sample.finish_reason, bool(sample.tool_calls)),
+                "finish_reason": _finish_reason(
+                    sample.finish_reason, bool(sample.tool_calls) and not self.named_choice
+                ),
                 "stop_reason": responses.stop_reason(sample.finish_reason, sample.matched_stop),
             }
             for sample in completion.samples
@@ -206,7 +210,8 @@ class _ChatStream:
             chunks.append(self._chunk(delta.index, {"tool_calls": [arguments]}))
         if len(chunks) > 1 and not text:  # no content chunk when there is none to send
             chunks[1]["logprobs"] = chunks.pop(0)["logprobs"]
-        reason = _finish_reason(delta.finish_reason, delta.index in self.made_calls)
+        made_calls = delta.index in self.made_calls and not call.named_choice
+        reason = _finish_reason(delta.finish_reason, made_calls)
         if reason is not None:
             self.reasons.append(reason)
         chunks[-1]["finish_reason"] = reason

@@ -49,9 +49,18 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: str
+    function: dict  # {"name": ..., "arguments": JSON object text}
+
+
 class ChatMessageOut(BaseModel):
     role: str
-    content: str
+    content: str | None  # null when the answer is tool calls alone
+    tool_calls: list[ToolCallOut] | None = None  # chat requests with tools
+    reasoning_content: str | None = None  # under the server's --reasoning-parser
+    reasoning: str | None = None  # the same, under vLLM's current name
 
 
 class ChatChoice(BaseModel):
