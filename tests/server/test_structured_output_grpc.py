@@ -106,7 +106,9 @@ async def test_a_bad_constraint_is_invalid_argument_naming_its_field(generation,
         ("deepseek_r1", "<think>a</think>", "answer"),
     ],
 )
-def test_a_reasoning_parser_holds_the_answer_alone(tiny_llama_dir, parser, prompt_tail, expected):
+async def test_a_reasoning_parser_holds_the_answer_alone(
+    tiny_llama_dir, parser, prompt_tail, expected
+):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
     prompt = tokenizer.encode("<|im_start|>assistant\n" + prompt_tail)
