@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from engine_pace import restore_speed, slow_down
 from envoy_support import Replica, ServerLoop, tiny_engine_config
-from gateway_support import RunningGateway, running_gateway
+from gateway_support import RunningGateway, in_process_gateway, running_gateway
+
+from llmrpc.clients import Client
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,20 @@ def gateway(request, server_loop: ServerLoop, replica: Replica) -> Iterator[Runn
     through its in-process channel (as ``llmrpc serve`` runs it)."""
     if request.param == "network":
         started = running_gateway(server_loop, [replica.address])
+        with started as gateway:
+            yield gateway
     else:
-        channels = {"in-process": replica.running.loopback}
-        started = running_gateway(server_loop, ["in-process"], channels=channels)
-    with started as gateway:
-        yield gateway
+        yield from in_process_gateway(server_loop, replica)
+
+
+@pytest.fixture(scope="module")
+def sdk(gateway: RunningGateway) -> openai.OpenAI:
+    """The OpenAI SDK against the module's gateway."""
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(replica: Replica) -> Iterator[Client]:
+    """The Python gRPC client against the module's replica."""
+    with Client(replica.address) as client:
+        yield client

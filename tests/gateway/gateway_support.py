@@ -102,3 +102,11 @@ def sse_json(body: bytes) -> list[dict]:
 
 def post(gateway: RunningGateway, path: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(gateway.url + path, json=body, timeout=60, **kwargs)
+
+
+def in_process_gateway(server_loop, replica) -> Iterator[RunningGateway]:
+    """A gateway in front of ``replica`` through its in-process channel alone (for a module's
+    own ``gateway`` fixture, where one way in is enough)."""
+    channels = {"in-process": replica.running.loopback}
+    with running_gateway(server_loop, ["in-process"], channels=channels) as started:
+        yield started

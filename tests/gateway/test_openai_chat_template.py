@@ -8,7 +8,6 @@ import pytest
 from envoy_support import tiny_engine_config
 from gateway_support import post, running_gateway
 
-from llmrpc.clients import Client
 from llmrpc.server.settings import FrontendConfig
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -25,12 +24,6 @@ def replica(server_loop, tiny_llama_dir):
     started = server_loop.start_replica(tiny_engine_config(tiny_llama_dir), frontend=frontend)
     yield started
     started.stop()
-
-
-@pytest.fixture(scope="module")
-def grpc_client(replica):
-    with Client(replica.address) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,9 @@ import openai
 import pytest
 from gateway_support import post, sse_data, sse_json
 
-from llmrpc.clients import Client
-
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def sdk(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(replica):
-    with Client(replica.address) as client:
-        yield client
 
 
 def test_models_are_the_replicas(sdk, grpc_client):

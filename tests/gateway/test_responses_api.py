@@ -14,13 +14,14 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from conftest import in_process_gateway
 from engine_pace import num_live_requests
 from envoy_support import Replica, ServerLoop, wait_for
-from gateway_support import RunningGateway, running_gateway
+from gateway_support import RunningGateway
 from openai.types.responses import Response
 from responses_support import sse_events
 
-from llmrpc.clients import Client, FinishReason
+from llmrpc.clients import FinishReason
 
 GREEDY = {"model": "", "temperature": 0.0, "max_output_tokens": 6}
 QUESTION = "What is the capital of France?"
@@ -28,20 +29,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def gateway(server_loop: ServerLoop, replica: Replica) -> Iterator[RunningGateway]:
-    channels = {"in-process": replica.running.loopback}
-    with running_gateway(server_loop, ["in-process"], channels=channels) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def sdk(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(replica):
-    with Client(replica.address) as client:
-        yield client
+    yield from in_process_gateway(server_loop, replica)
 
 
 def direct_chat(grpc_client, messages):

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from conftest import in_process_gateway
 from envoy_support import Replica, ServerLoop, tiny_engine_config
-from gateway_support import RunningGateway, running_gateway
+from gateway_support import RunningGateway
 from scripted_outputs import TOOL_TEMPLATE, script
 
-from llmrpc.clients import ChatOptions, Client
+from llmrpc.clients import ChatOptions
 from llmrpc.server.settings import FrontendConfig, ParsingConfig
 
 GREEDY = {"model": "", "temperature": 0.0, "max_output_tokens": 6}
@@ -56,20 +57,7 @@ def replica(server_loop: ServerLoop, tiny_llama_dir) -> Iterator[Replica]:
 
 @pytest.fixture(scope="module")
 def gateway(server_loop: ServerLoop, replica: Replica) -> Iterator[RunningGateway]:
-    channels = {"in-process": replica.running.loopback}
-    with running_gateway(server_loop, ["in-process"], channels=channels) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def sdk(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(replica):
-    with Client(replica.address) as client:
-        yield client
+    yield from in_process_gateway(server_loop, replica)
 
 
 @pytest.fixture
