@@ -91,6 +91,3 @@ class GrammarStep:
                     error = f"advancing the structured output failed: {exc!r}"
                 if error is not None:
                     failed[request] = error
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)

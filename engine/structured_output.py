@@ -98,13 +98,10 @@ def _message(error: Exception) -> str:
 # --- what each backend builds from a spec -------------------------------------------------------
 
 
-def _choice_ebnf(choices: tuple[str, ...]) -> str:
-    # JSON string literals are EBNF string literals (the same escapes)
-    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
-
-
-def _choice_lark(choices: tuple[str, ...]) -> str:
-    return "start: " + " | ".join(json.dumps(choice) for choice in choices)
+def _choice_rule(start: str, choices: tuple[str, ...]) -> str:
+    """A grammar whose ``start`` rule is one of ``choices`` (JSON string literals are EBNF's
+    and Lark's string literals too: the same escapes)."""
+    return f"{start} " + " | ".join(json.dumps(choice) for choice in choices)
 
 
 _ANY_OBJECT = '{"type": "object"}'
@@ -131,7 +128,7 @@ def _xgrammar_build(spec: StructuredOutputSpec, compiler=None):
         if compiler is None:
             return xgrammar.Grammar.from_structural_tag(value)
         return compiler.compile_structural_tag(value)
-    ebnf = _choice_ebnf(spec.choices) if kind == "choice" else value
+    ebnf = _choice_rule("root ::=", spec.choices) if kind == "choice" else value
     return xgrammar.Grammar.from_ebnf(ebnf) if compiler is None else compiler.compile_grammar(ebnf)
 
 
@@ -160,7 +157,7 @@ def _guidance_grammar(spec: StructuredOutputSpec) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
     if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec.choices))
+        return llguidance.LLMatcher.grammar_from_lark(_choice_rule("start:", spec.choices))
     if kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(spec.value)
     raise ValueError("structural tags need the xgrammar backend")
@@ -229,9 +226,6 @@ class GrammarCompiler:
                 self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
             )
         return self._guidance
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Grammar:
