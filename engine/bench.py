@@ -17,7 +17,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
-from llmrpc.engine import structured_output
 from llmrpc.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -48,8 +47,8 @@ sides, so both do the same work.
 With --json-schema FILE, --structured-fraction of the prompts (every other one by default) are
 held to that schema (EOS still ignored: past the schema's end they may only repeat a stop token),
 and --baseline free runs the same prompts on the same engine with none held, so the ratio is
-the cost of structured output. The schema's compile time (checked, then compiled against the
-vocabulary, uncached) is printed too.
+the cost of structured output. The schema's compile time (against the vocabulary, uncached) is
+printed too.
 
 Each side first runs the same batch shape untimed, on other prompts and a few output tokens:
 PyTorch's CPU kernels pay a large one-time cost for each new shape, which is not throughput.
@@ -184,8 +183,8 @@ class EngineSide:
         spec = StructuredOutputSpec("json_schema", schema_file.read_text(), any_whitespace=False)
         self.core.grammar_compiler.warmed.result()
         start = time.perf_counter()
-        self.structured = structured_output.check(spec, self.core.structured_config.backend)
-        self.core.grammar_compiler.submit(self.structured).result()  # checked above: compiled
+        backend = self.core.structured_config.backend
+        self.structured, _ = self.core.grammar_compiler.submit(spec, backend).result()
         return time.perf_counter() - start
 
     def run(self, prompts: list[list[int]], output_len: int) -> int:

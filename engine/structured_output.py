@@ -59,18 +59,24 @@ def check_form(spec: StructuredOutputSpec) -> None:
 def check(spec: StructuredOutputSpec, backend: str, fallback: bool = True) -> StructuredOutputSpec:
     """``spec`` with the backend that will serve it (``xgrammar`` or ``guidance``); raises
     ``InvalidRequestError`` naming the field when no allowed backend can build it."""
+    return first_buildable(spec, backend, fallback, lambda s: _BUILDERS[s.backend](s))[0]
+
+
+def first_buildable(spec: StructuredOutputSpec, backend: str, fallback: bool, build):
+    """``(spec with its backend, build(that spec))`` for the first backend ``build`` succeeds
+    with (``auto``: xgrammar, then guidance unless ``fallback`` is off); else an
+    ``InvalidRequestError`` naming the field, with the first backend's message."""
     check_form(spec)
     order = {"auto": ("xgrammar", "guidance") if fallback else ("xgrammar",)}.get(
         backend, (backend,)
     )
     first_error = None
     for name in order:
+        candidate = replace(spec, backend=name)
         try:
-            _BUILDERS[name](spec)
+            return candidate, build(candidate)
         except Exception as error:  # noqa: BLE001 - the grammar engine's own message
             first_error = first_error or f"{_message(error)} ({name})"
-            continue
-        return replace(spec, backend=name)
     raise InvalidRequestError(_field(spec), f"cannot be used: {first_error}")
 
 
@@ -200,11 +206,15 @@ class GrammarCompiler:
         return self._pool.submit(self._compile, spec, backend, fallback)
 
     def _compile(self, spec: StructuredOutputSpec, backend: str, fallback: bool):
-        if not spec.backend:
-            spec = check(spec, backend, fallback)
+        # An unchecked spec is checked by compiling it: building it first would do it twice.
+        if spec.backend:
+            return spec, self._build(spec)
+        return first_buildable(spec, backend, fallback, self._build)
+
+    def _build(self, spec: StructuredOutputSpec):
         if spec.backend == "guidance":
-            return spec, (self._guidance_tokenizer(), _guidance_build(spec))
-        return spec, _xgrammar_build(spec, self._xgrammar_compiler())
+            return self._guidance_tokenizer(), _guidance_build(spec)
+        return _xgrammar_build(spec, self._xgrammar_compiler())
 
     def _xgrammar_compiler(self):
         if self._xgrammar is None:
