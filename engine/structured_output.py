@@ -7,14 +7,16 @@ lacks), unless fallback is off. Both give the same per-step token bitmask (int32
 vocabulary id), so the engine does not care which one a request has.
 
 Life of a constraint:
-- ``check`` (in the server, off the event loop, before the request is queued) builds the
-  grammar without a tokenizer: a bad schema, regex or grammar is an ``InvalidRequestError``
-  naming its field. It returns the spec with the backend that will serve it.
+- ``check_form`` (in the server, off the event loop, and again in the engine) checks what needs
+  no grammar engine: its kind, sizes and choices. xgrammar imports torch, which the server
+  process does without.
 - ``GrammarCompiler.submit`` (in the engine) compiles it against the vocabulary on a thread of
-  its own, cached by its text, so a compile never holds up a step; the request joins the
-  scheduler once its grammar is ready.
-- Per step, ``fill_bitmasks`` writes the rows of the requests that sample (on a worker thread,
-  while the forward pass runs), ``Grammar.accept`` advances each matcher by its sampled token.
+  its own (xgrammar caches compiled grammars by their text), choosing the backend on the way
+  (``first_buildable``), so a compile never holds up a step; the request joins the scheduler
+  once its grammar is ready, or ends with an ``InvalidRequestError`` naming its field when no
+  backend can build it. ``check`` makes the same choice without a vocabulary.
+- Per step, ``grammar_step`` writes the bitmask rows of the requests that sample (on a worker
+  thread, while the forward pass runs); ``Grammar.accept`` advances each matcher by its token.
 """
 
 from __future__ import annotations
