@@ -68,6 +68,8 @@ def why_not_compiled(model: nn.Module) -> str | None:
     """Why ``model`` is not compiled here, or None."""
     if isinstance(model, TransformersForCausalLM):
         return "the Transformers implementation (--model-impl transformers) is not compiled"
+    if not getattr(model, "uses_kv_cache", True):
+        return "an encoder's steps are not decodes"
     if not cpu_ops.loaded():
         return "the C++ kernels are not loaded"
     if not register_fake_kernels():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.engine.pooling import check_pooling_flags
+
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MODEL_IMPLS = ("auto", "vllm", "transformers")  # "vllm": our native models, as vLLM names them
@@ -48,6 +50,11 @@ class ModelConfig:
     device: str = "auto"  # auto: CUDA where a device is visible, else the CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     batch_invariant: bool = False  # a request's tokens do not depend on the rest of the batch
+    # embeddings (engine/pooling.py): --runner, --convert, --task, --override-pooler-config
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    override_pooler_config: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for flag, value, choices in (
@@ -67,6 +74,7 @@ class ModelConfig:
                 f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
             )
         self._check_quantization()
+        check_pooling_flags(self.runner, self.convert, self.task, self.override_pooler_config)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
 

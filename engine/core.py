@@ -32,6 +32,7 @@ from llmrpc.engine.models import build_model
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output_processor import OutputProcessor
+from llmrpc.engine.pooler import EnginePooling
 from llmrpc.engine.quantization import QuantizedLinear, plan_quantization
 from llmrpc.engine.request import (
     FinishReason,
@@ -44,6 +45,7 @@ from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
 from llmrpc.engine.structured_output import Grammar, GrammarCompiler
 from llmrpc.engine.threads import ThreadBudget, configure_engine_threads, idle_core_budget
+from llmrpc.engine.timings import record_step, start_timings
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
 
@@ -193,6 +195,7 @@ class EngineCore:
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.kv_cache_dtype = _KV_CACHE_DTYPES.get(cache_config.cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
+        self.pooling = EnginePooling(model_config, self.hf_config, self.model_dir)
         self.device = resolve_device(model_config.device)
         self.attention_backend = resolve_attention_backend(
             model_config.attention_backend, self.device
@@ -229,7 +232,8 @@ class EngineCore:
             cache_config.enable_prefix_caching,
             cache_config.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
@@ -406,13 +410,18 @@ class EngineCore:
         """Queue a request (n samples); raises ``InvalidRequestError`` naming a wrong field."""
         if self.sleep_level:
             raise EngineStateError("the engine is asleep; wake it up first")
+        self.pooling.check(params)
         requests = self.input_processor.make_requests(request_id, prompt_token_ids, params)
+        if params.pooling is not None:
+            self.pooling.attach(requests, params)
         taken = self.output_processor.children.keys() | self.scheduler.requests.keys()
         if request_id in taken or any(r.request_id in taken for r in requests):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         if params.structured_output is not None:
             self._attach_grammars(requests, params)
         self.output_processor.add(request_id, requests)
+        if params.collect_timings:
+            start_timings(requests)
         for request in requests:
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob
@@ -486,12 +495,15 @@ class EngineCore:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         masks = self.grammar_step.start(scheduled.scheduled)  # while the forward pass runs
+        forward_started = time.time()
         model_output = self.runner.execute(scheduled, self.kv_manager.block_ids)
+        forward_s = time.time() - forward_started
         failed: dict[Request, str] = {}
         self.grammar_step.finish(masks, model_output.logits.device, failed)
         self._record_prompt_logprobs(model_output.prompt_logits, failed)
         requests = model_output.sampled_requests
         sampled = self._sample(model_output.logits, requests, failed)
+        execute_s = time.time() - forward_started
         if sampled is None:  # sampling failed as a batch: the innocent requests redo this step
             redo = set(requests)
             scheduled.scheduled = [(r, n) for r, n in scheduled.scheduled if r not in redo]
@@ -502,6 +514,8 @@ class EngineCore:
             tokens = dict(zip(ids, sampled.token_ids, strict=True))
             logprobs = dict(zip(ids, sampled.logprobs, strict=True))
         updated = self.scheduler.update_from_output(scheduled, tokens, failed)
+        record_step(scheduled.scheduled, updated, forward_started, forward_s, execute_s)
+        pooled = self.pooling.finish(self, model_output.pooled, failed)
         self.grammar_step.advance(requests, updated, failed)
         updated = [request for request in updated if request not in failed]
         outputs = [self._process_new_token(r, logprobs[r.request_id], failed) for r in updated]
@@ -509,7 +523,8 @@ class EngineCore:
         pace = scheduled.num_scheduled_tokens / elapsed
         self._peak_tokens_per_second = max(self._peak_tokens_per_second, pace)
         outputs = [output for output in outputs if output is not None]
-        return dropped + outputs + self._fail_requests(failed) + self._end_expired_requests()
+        outputs = dropped + outputs + pooled
+        return outputs + self._fail_requests(failed) + self._end_expired_requests()
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], failed: dict):
         """The batch's tokens; None when the batched sampler failed. Then each request is tried

@@ -40,7 +40,7 @@ class InputProcessor:
                     )
         if params.truncate_prompt_tokens is not None:
             prompt = prompt[-params.truncate_prompt_tokens :]
-        self._check_prompt(prompt)
+        self._check_prompt(prompt, room=0 if params.pooling is not None else 1)
         self._check_params(prompt, params)
         bad_words = None
         if params.bad_words:
@@ -56,15 +56,21 @@ class InputProcessor:
             requests.append(request)
         return requests
 
-    def _check_prompt(self, prompt: list[int]) -> None:
+    def _check_prompt(self, prompt: list[int], room: int) -> None:
+        """``room``: output tokens the context must leave (none for a pooling request)."""
         limits = self.limits
         if not prompt:
             raise InvalidRequestError("input", "the prompt is empty")
-        if len(prompt) >= limits.max_model_len:  # before reading the tokens: O(1) to refuse
+        if len(prompt) + room > limits.max_model_len:  # before reading the tokens: O(1)
             raise InvalidRequestError(
                 "input",
                 f"the prompt has {len(prompt)} tokens; the model's context length is "
-                f"{limits.max_model_len}, which leaves no room for output",
+                f"{limits.max_model_len}"
+                + (
+                    ", which leaves no room for output"
+                    if room
+                    else " (truncate_prompt_tokens cuts it)"
+                ),
             )
         if any(not 0 <= t < limits.vocab_size for t in prompt):
             raise InvalidRequestError("input", f"token ids must be in [0, {limits.vocab_size})")

@@ -217,7 +217,9 @@ class KVCacheManager:
         size = self.block_size
         while len(request.block_hashes) < request.num_tokens // size:
             index = len(request.block_hashes)
-            parent = request.block_hashes[-1] if index else None
+            # the chain starts from the request's LoRA adapter: no block is shared across adapters
+            lora = request.lora
+            parent = request.block_hashes[-1] if index else lora and ("lora", lora.lora_id)
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
             request.block_hashes.append(self.hash_block(parent, tokens))
 
@@ -226,8 +228,9 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the model can produce logits.
         """
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+        every_row = request.pooler_state is not None and request.pooler_state.needs_every_row
+        if not self.enable_caching or request.params.prompt_logprobs is not None or every_row:
+            return []  # prompt logprobs (and MEAN/CLS pooling) need every position computed
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -12,10 +12,12 @@ from torch import nn
 from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
 from llmrpc.engine.device import HostStaging
 from llmrpc.engine.models.llama import head_dim_of
+from llmrpc.engine.pooler import PoolSpan, gather
 from llmrpc.engine.request import Request
 from llmrpc.engine.scheduler import SchedulerOutput
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import FP8_DTYPES, AttentionMetadata, PrefillSeq
+from llmrpc.kernels.lora import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampled_requests: list[Request]
     prompt_spans: list[PromptLogitsSpan]
+    lora_batch: LoRABatch | None = None  # the LoRA slot of each row; None: no adapted row
+    pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling requests' rows
 
 
 @dataclass
@@ -65,6 +69,7 @@ class ModelOutput:
     logits: torch.Tensor  # [num_sampled, vocab_size] float32
     sampled_requests: list[Request]
     prompt_logits: list[tuple[PromptLogitsSpan, torch.Tensor]]  # [num_positions, vocab_size]
+    pooled: list[Request] = field(default_factory=list)  # pooling requests computed whole
 
 
 class ModelRunner:
@@ -83,6 +88,7 @@ class ModelRunner:
         self.backend = backend  # --attention-backend, resolved: torch or triton
         # --batch-invariant: every token takes one attention path, whatever the batch
         self.batch_invariant = batch_invariant
+        self.lora = None  # the engine's LoRAManager under --enable-lora
         self._staging = HostStaging(self._device)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
@@ -94,6 +100,8 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         # Zero-filled: masked-out slots of a gathered block must never hold NaN.
         shape, dtype = self._kv_shape, self._dtype
+        if not getattr(self._model, "uses_kv_cache", True):  # an encoder: blocks are bookkeeping
+            shape = (0,)
         device = self._device
         self.kv_caches = [
             (
@@ -180,18 +188,22 @@ class ModelRunner:
         model_input = self.prepare_input(output, block_ids)
         metadata = model_input.metadata
         inputs = (model_input.input_ids, model_input.positions, self.kv_caches, metadata)
+        if self.lora is not None:  # what the LoRA layers read during this forward
+            self.lora.context.batch = model_input.lora_batch
         hidden = None
         if self.compiled_decode is not None and metadata.decodes_only:
             hidden = self.compiled_decode(*inputs)  # None: run eager
         if hidden is None:
             hidden = self.model(*inputs)
+        pooled = gather(model_input.pool_spans, hidden)
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         num_sampled = len(model_input.sampled_requests)
         prompt_logits, start = [], num_sampled
         for span in model_input.prompt_spans:
             prompt_logits.append((span, logits[start : start + span.num_positions]))
             start += span.num_positions
-        return ModelOutput(logits[:num_sampled], model_input.sampled_requests, prompt_logits)
+        sampled = model_input.sampled_requests
+        return ModelOutput(logits[:num_sampled], sampled, prompt_logits, pooled)
 
     def prepare_input(
         self, output: SchedulerOutput, block_ids: Callable[[str], list[int]]
@@ -202,6 +214,7 @@ class ModelRunner:
         slots: list[int] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         prefills, logits_indices, sampled, prompt_rows, prompt_spans = [], [], [], [], []
+        pool_spans = []
         triton = self.backend == "triton"
         # The C++ decode kernel takes short prompt chunks one token per row; Triton's prefill
         # kernel takes every chunk of the step in one call.
@@ -240,13 +253,16 @@ class ModelRunner:
                     blocks[: -(-end // size)], dtype=torch.long, device=self._device
                 )
                 prefills.append(PrefillSeq(row, row + num_new, end, block_tensor))
-            if end == request.num_tokens:
+            if request.pooler_state is not None:
+                pool_spans.append(PoolSpan(request, row, start, end))
+            elif end == request.num_tokens:
                 logits_indices.append(row + num_new - 1)
                 sampled.append(request)
             span = _prompt_logits_span(request, start, end)
             if span is not None:
                 prompt_rows.extend(range(row, row + span.num_positions))
                 prompt_spans.append(span)
+        lora_batch = self._lora_batch(output)
         stage = self._staging.to_device
         metadata = AttentionMetadata(
             slot_mapping=stage("slot_mapping", slots),
@@ -272,7 +288,20 @@ class ModelRunner:
             logits_indices=stage("logits_indices", logits_indices + prompt_rows),
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
+            lora_batch=lora_batch,
+            pool_spans=pool_spans,
         )
+
+
+    def _lora_batch(self, output: SchedulerOutput) -> LoRABatch | None:
+        """Each row's LoRA slot (rows follow ``output.scheduled``); None: no adapted row."""
+        if self.lora is None:
+            return None
+        row_slots = []
+        for request, num_new in output.scheduled:
+            row_slots += [self.lora.slot_of(request)] * num_new
+        backend = "triton" if self.backend == "triton" else "torch"
+        return LoRABatch.from_row_slots(row_slots, self._device, backend)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -7,10 +7,15 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmrpc.engine.pooling import PoolingParams
+from llmrpc.engine.timings import RequestTimings
+
 if TYPE_CHECKING:
     import torch
 
+    from llmrpc.engine.lora_types import LoRARef
     from llmrpc.engine.matching import SuffixTracker
+    from llmrpc.engine.pooler import PoolerState
     from llmrpc.engine.structured_output import Grammar
 
 
@@ -105,6 +110,9 @@ class SamplingParams:
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     deadline: float | None = None  # time.monotonic() when the caller stops waiting
     structured_output: StructuredOutputSpec | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter (--enable-lora); None: the base model
+    collect_timings: bool = False  # record RequestTimings for the finished output (tracing)
+    pooling: PoolingParams | None = None  # set: an embedding request, prefill only, no sampling
 
     @property
     def greedy(self) -> bool:
@@ -229,6 +237,8 @@ class RequestOutput:
     index: int = 0  # which of the request's n samples this is
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first output only; None first
+    timings: RequestTimings | None = None  # the last output of a request timed for tracing
+    embedding: list[float] | None = None  # a pooling request's result (engine/pooler.py)
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same sample into this one (for a consumer that lags)."""
@@ -244,6 +254,8 @@ class RequestOutput:
             "num_cached_tokens",
             "error",
             "error_field",
+            "timings",
+            "embedding",
         ):
             setattr(self, name, getattr(later, name))
 
@@ -291,6 +303,10 @@ class Request:
         # per step, for a request that samples under it, the tokens its grammar allows.
         self.grammar: Grammar | None = None
         self.grammar_mask: torch.Tensor | None = None  # [vocab_size] bool
+        self.lora: LoRARef | None = None  # the adapter params.lora_name names, as resolved
+        self.timings: RequestTimings | None = None  # set when params.collect_timings
+        # A pooling request's pooler and what it has gathered (engine/pooler.py)
+        self.pooler_state: PoolerState | None = None
 
     @property
     def num_tokens(self) -> int:

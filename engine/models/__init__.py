@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmrpc.engine.models.bert import BertModel
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
@@ -15,6 +16,10 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # encoders: pooling only (engine/pooling.py ENCODER_ARCHITECTURES)
+    "BertModel": BertModel,
+    "BertForMaskedLM": BertModel,
+    "BertForPreTraining": BertModel,
 }
 
 

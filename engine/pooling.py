@@ -1,0 +1,140 @@
+"""Pooling (embeddings): what a request asks for, what the model does by default, and which
+runner a server is (``--runner``, ``--convert``, ``--task``, ``--override-pooler-config``).
+
+Torch-free: the server process builds ``PoolingParams`` and reads the flags; the pooler that
+turns a request's hidden rows into its embedding is ``engine/pooler.py``, on the engine side.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# Architectures that run as bidirectional encoders (engine/models/bert.py): they pool, never
+# generate, and take each sequence whole in one step.
+ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
+_OVERRIDE_KEYS = ("pooling_type", "normalize")
+_RUNNERS = ("auto", "generate", "pooling")
+_CONVERTS = ("auto", "none", "embed")
+_TASKS = (None, "auto", "generate", "embed", "embedding")
+_REFUSED_CONVERT = (
+    "classification and reward models are not supported yet: this build's pooling runner makes "
+    "embeddings (--convert embed)"
+)
+
+
+@dataclass
+class PoolingParams:
+    """One request's embedding options; None fields take the model's defaults."""
+
+    pooling_type: str | None = None  # LAST, MEAN or CLS
+    normalize: bool | None = None  # L2-normalize the (truncated) vector
+    dimensions: int | None = None  # Matryoshka: keep the first N values (before normalizing)
+
+    def validate(self, hidden_size: int) -> None:
+        from llmrpc.engine.request import InvalidRequestError  # request.py imports this module
+
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}")
+        if self.dimensions is not None and not 1 <= self.dimensions <= hidden_size:
+            raise InvalidRequestError(
+                "dimensions",
+                f"must be in [1, {hidden_size}] (the model's embedding size), got "
+                f"{self.dimensions}",
+            )
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """The model's pooling defaults, after ``--override-pooler-config``."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+
+def is_encoder(architectures) -> bool:
+    return any(name in ENCODER_ARCHITECTURES for name in architectures or ())
+
+
+def check_pooling_flags(runner: str, convert: str, task: str | None, overrides: dict) -> None:
+    """Refuse what the pooling runner does not do, naming the flag (``ModelConfig``)."""
+    if runner == "draft":
+        raise ValueError("--runner draft needs speculative decoding, not supported by this build")
+    if runner not in _RUNNERS:
+        raise ValueError(f"--runner must be one of {', '.join(_RUNNERS)}, got {runner!r}")
+    if convert in ("classify", "reward"):
+        raise ValueError(f"--convert {convert}: {_REFUSED_CONVERT}")
+    if convert not in _CONVERTS:
+        raise ValueError(f"--convert must be one of {', '.join(_CONVERTS)}, got {convert!r}")
+    if task not in _TASKS:
+        raise ValueError(
+            f"--task {task}: this build serves generate and embed (other tasks are not supported)"
+        )
+    unknown = sorted(set(overrides) - set(_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--override-pooler-config: unknown key(s) {', '.join(map(repr, unknown))}; this "
+            f"build takes {' and '.join(_OVERRIDE_KEYS)}"
+        )
+    kind = overrides.get("pooling_type")
+    if kind is not None and str(kind).upper() not in POOLING_TYPES:
+        raise ValueError(
+            f"--override-pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}"
+        )
+    if "normalize" in overrides and not isinstance(overrides["normalize"], bool):
+        raise ValueError("--override-pooler-config: normalize must be true or false")
+
+
+def resolve_runner(runner: str, convert: str, task: str | None, architectures) -> str:
+    """``"generate"`` or ``"pooling"``: what this server's model does."""
+    encoder = is_encoder(architectures)
+    wants_pooling = runner == "pooling" or convert == "embed" or task in ("embed", "embedding")
+    if encoder and (runner == "generate" or task == "generate"):
+        raise ValueError(
+            f"--runner generate: {', '.join(architectures)} is an encoder-only model; it serves "
+            "embeddings (--runner pooling), not text generation"
+        )
+    return "pooling" if encoder or wants_pooling else "generate"
+
+
+def model_pooler_config(model_dir: Path, encoder: bool, overrides: dict) -> PoolerConfig:
+    """The pooling a model's folder asks for, as vLLM reads it: sentence-transformers'
+    ``modules.json`` (its Pooling module's config, a Normalize module), else CLS for an
+    encoder and LAST for a decoder, both normalized; then ``--override-pooler-config``."""
+    pooling_type, normalize = ("CLS" if encoder else "LAST"), True
+    modules = _read_json(Path(model_dir) / "modules.json")
+    if isinstance(modules, list):
+        types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
+        normalize = "Normalize" in types
+        if "Pooling" in types:
+            config = _read_json(Path(model_dir) / types["Pooling"].get("path", "") / "config.json")
+            pooling_type = _sentence_transformers_pooling(config or {}, pooling_type)
+    pooling_type = str(overrides.get("pooling_type", pooling_type)).upper()
+    normalize = overrides.get("normalize", normalize)
+    return PoolerConfig(pooling_type, normalize)
+
+
+def _sentence_transformers_pooling(config: dict, default: str) -> str:
+    for key, kind in (
+        ("pooling_mode_mean_tokens", "MEAN"),
+        ("pooling_mode_cls_token", "CLS"),
+        ("pooling_mode_lasttoken", "LAST"),
+    ):
+        if config.get(key):
+            return kind
+    modes = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
+    if modes:
+        logger.warning("pooling %s is not supported; the model pools with %s", modes, default)
+    return default
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
