@@ -9,6 +9,7 @@ import torch
 
 from llmrpc.engine.detokenizer import IncrementalDetokenizer
 from llmrpc.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
+from llmrpc.engine.timings import detokenize_timed, finish_timings
 
 
 @dataclass
@@ -71,6 +72,8 @@ class OutputProcessor:
             tracked.pending_logprobs.append(logprobs)
         if not render or tracked.detokenizer is None:
             return None
+        if request.timings is not None:
+            return detokenize_timed(tracked.detokenizer, request)
         return tracked.detokenizer.add_token(request.output_token_ids[-1])
 
     def expired(self, now: float) -> list[str]:
@@ -96,6 +99,7 @@ class OutputProcessor:
             index=tracked.index,
             logprobs=self._take_logprobs(request, tracked),
             prompt_logprobs=self._take_prompt_logprobs(request, tracked),
+            timings=finish_timings(request) if finished else None,
         )
 
     def error_output(self, request: Request, message: str) -> RequestOutput:
@@ -114,6 +118,7 @@ class OutputProcessor:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=message,
+            timings=finish_timings(request),
             index=tracked.index if tracked is not None else 0,
         )
 
