@@ -1,0 +1,152 @@
+"""Embeddings in the engine: MiniLM (native BERT) against sentence-transformers, and a decoder
+LM used as an embedder against Transformers' hidden states, in batches with generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from embedding_models import minilm_dir, sentences
+from engine_utils import hf_greedy, make_core, run_to_completion
+from torch.nn import functional
+
+from llmrpc.engine.core_types import EngineStateError
+from llmrpc.engine.pooling import PoolingParams
+from llmrpc.engine.request import InvalidRequestError, SamplingParams
+
+MIN_COSINE = 0.9999
+
+
+def pooling(**options) -> SamplingParams:
+    return SamplingParams(max_tokens=None, pooling=PoolingParams(**options))
+
+
+def cosines(embeddings: list[list[float]], reference: torch.Tensor) -> torch.Tensor:
+    return functional.cosine_similarity(torch.tensor(embeddings), reference.float(), dim=1)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return make_core(minilm_dir(), num_blocks=512, max_model_len=None)
+
+
+@pytest.fixture(scope="module")
+def texts_and_reference():
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences(100)
+    model = SentenceTransformer(str(minilm_dir()), device="cpu")
+    return texts, model.encode(texts, convert_to_tensor=True)
+
+
+def _embed_all(core, prompts, params_of=lambda i: pooling(), stagger=False):
+    """Embeddings in prompt order; ``stagger``: one request joins per step (other mixes)."""
+    if not stagger:
+        requests = {str(i): (p, params_of(i)) for i, p in enumerate(prompts)}
+        outputs = run_to_completion(core, requests)
+    else:
+        outputs = {}
+        pending = list(enumerate(prompts))
+        while pending or core.has_unfinished_requests:
+            if pending:
+                i, prompt = pending.pop()
+                core.add_request(str(i), prompt, params_of(i))
+            outputs.update({o.request_id: o for o in core.step()})
+    assert all(outputs[str(i)].error is None for i in range(len(prompts)))
+    return [outputs[str(i)].embedding for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("stagger", [False, True], ids=["one-batch", "staggered"])
+def test_minilm_matches_sentence_transformers(minilm, texts_and_reference, stagger):
+    texts, reference = texts_and_reference
+    prompts = [minilm.tokenizer.encode(text) for text in texts]
+    got = cosines(_embed_all(minilm, prompts, stagger=stagger), reference)
+    assert got.min() >= MIN_COSINE, (got.argmin(), got.min())
+
+
+def test_minilm_dimensions_and_normalize(minilm, texts_and_reference):
+    texts, reference = texts_and_reference
+    prompts = [minilm.tokenizer.encode(text) for text in texts[:8]]
+    raw = torch.tensor(_embed_all(minilm, prompts, lambda i: pooling(normalize=False)))
+    assert (raw.norm(dim=1) - 1).abs().min() > 1e-3  # really not normalized
+    assert cosines(raw.tolist(), reference[:8]).min() >= MIN_COSINE
+    short = torch.tensor(_embed_all(minilm, prompts, lambda i: pooling(dimensions=32)))
+    assert short.shape == (8, 32)
+    torch.testing.assert_close(short, functional.normalize(raw[:, :32], dim=1))
+    with pytest.raises(InvalidRequestError) as error:
+        minilm.add_request("too-wide", prompts[0], pooling(dimensions=385))
+    assert error.value.field == "dimensions"
+
+
+def test_minilm_takes_a_full_context_and_refuses_generation(minilm):
+    prompt = [101] + [2023] * 510 + [102]  # 512 tokens: all of BERT's positions
+    (embedding,) = _embed_all(minilm, [prompt])
+    assert len(embedding) == 384
+    with pytest.raises(InvalidRequestError) as error:
+        minilm.add_request("too-long", prompt + [102], pooling())
+    assert error.value.field == "input"
+    with pytest.raises(EngineStateError, match="does not generate"):
+        minilm.add_request("generate", prompt[:5], SamplingParams(max_tokens=4))
+
+
+def _hf_hidden(model_dir, prompts) -> list[torch.Tensor]:
+    """Transformers' last hidden states (after the final norm), float32, one prompt at a time."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def decoder_case(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts = [tokenizer.encode(text) for text in sentences(12)]
+    prompts.append(tokenizer.encode(" ".join(sentences(10))))  # long: chunked below
+    return prompts, _hf_hidden(tiny_llama_dir, prompts)
+
+
+@pytest.mark.parametrize("chunk", [2048, 24], ids=["whole", "chunked"])
+def test_decoder_embeds_beside_generation(tiny_llama_dir, decoder_case, chunk):
+    """LAST and MEAN pooling of a generate-runner decoder, in the same steps as generating
+    requests; with a 24-token budget prompts are chunked, and the generating requests'
+    tokens are still Transformers' greedy tokens."""
+    prompts, hidden = decoder_case
+    core = make_core(tiny_llama_dir, max_num_batched_tokens=chunk)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = {f"gen{i}": (prompts[i], greedy) for i in range(3)}
+    for i, prompt in enumerate(prompts):
+        kind = "MEAN" if i % 2 else "LAST"
+        requests[str(i)] = (prompt, pooling(pooling_type=kind, normalize=False))
+    outputs = run_to_completion(core, requests)
+    for i, rows in enumerate(hidden):
+        expected = rows.mean(dim=0) if i % 2 else rows[-1]
+        torch.testing.assert_close(
+            torch.tensor(outputs[str(i)].embedding), expected, atol=1e-4, rtol=1e-4
+        )
+    expected_tokens = hf_greedy(tiny_llama_dir, prompts[:3], 6)
+    assert [outputs[f"gen{i}"].token_ids for i in range(3)] == expected_tokens
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks  # all freed
+
+
+def test_mean_pooling_after_a_prefix_hit(tiny_llama_dir, decoder_case):
+    """A prompt whose prefix is cached: LAST may use the hit, MEAN must compute every row."""
+    prompts, hidden = decoder_case
+    core = make_core(tiny_llama_dir)
+    long_prompt, rows = prompts[-1], hidden[-1]
+    run_to_completion(core, {"warm": (long_prompt, SamplingParams(max_tokens=1))})
+    outputs = run_to_completion(
+        core,
+        {
+            "mean": (long_prompt, pooling(pooling_type="MEAN", normalize=False)),
+            "last": (long_prompt, pooling()),
+        },
+    )
+    assert outputs["last"].num_cached_tokens > 0
+    assert outputs["mean"].num_cached_tokens == 0
+    torch.testing.assert_close(
+        torch.tensor(outputs["mean"].embedding), rows.mean(dim=0), atol=1e-4, rtol=1e-4
+    )
+    expected = functional.normalize(rows[-1], dim=0)  # a decoder's default: LAST, normalized
+    torch.testing.assert_close(torch.tensor(outputs["last"].embedding), expected)
