@@ -18,6 +18,7 @@ from llmrpc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
     common_pb2,
+    embedding_pb2,
     generation_pb2,
     generation_pb2_grpc,
     tokenization_pb2,
@@ -26,7 +27,7 @@ from llmrpc.v1 import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTOS_DIR = REPO_ROOT / "protos"
-API_FILES = (common_pb2, generation_pb2, tokenization_pb2, admin_pb2)
+API_FILES = (common_pb2, generation_pb2, tokenization_pb2, admin_pb2, embedding_pb2)
 
 # (service, method) -> (HTTP verb, path): the native REST surface, as Envoy and grpc-gateway see it.
 EXPECTED_ROUTES = {
@@ -43,6 +44,7 @@ EXPECTED_ROUTES = {
     ("AdminService", "Sleep"): ("post", "/v1/admin/sleep"),
     ("AdminService", "WakeUp"): ("post", "/v1/admin/wake_up"),
     ("AdminService", "IsSleeping"): ("get", "/v1/admin/is_sleeping"),
+    ("EmbeddingService", "Embed"): ("post", "/v1/embed"),
 }
 # Paths served by the OpenAI-compatible gateway (OpenAI's and vLLM's); ours must not shadow them.
 OPENAI_PATHS = (
@@ -85,7 +87,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def all_methods():
-    for module in (generation_pb2, tokenization_pb2, admin_pb2):
+    for module in (generation_pb2, tokenization_pb2, admin_pb2, embedding_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
             yield from service.methods
 
