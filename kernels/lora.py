@@ -30,7 +30,8 @@ class LoRABatch:
     seg_starts: torch.Tensor  # [num_segments + 1] int32 on the device: rows [s_i, s_{i+1})
     seg_slots: torch.Tensor  # [num_segments] int32: slot of each range; -1 = base model
     max_seg_len: int  # longest segment with a slot (Triton grid sizing)
-    slot_rows: list[tuple[int, torch.Tensor]]  # per slot in use (not -1): its rows, int64 [n]
+    # per slot in use (not -1): its rows, int64 [n], ascending, each row under one slot only
+    slot_rows: list[tuple[int, torch.Tensor]]
     backend: str = "torch"  # "torch" or "triton"
 
     @classmethod
@@ -112,6 +113,9 @@ def lora_expand(
 
 def lora_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     """The twin of ``lora_shrink``: per slot in use, gather its rows, one matmul, scatter."""
+    slot = _whole_batch_slot(batch, x.shape[0])
+    if slot is not None:
+        return x @ a_stacked[slot].T
     h = x.new_zeros(x.shape[0], a_stacked.shape[1])
     for slot, rows in batch.slot_rows:
         h.index_copy_(0, rows, x.index_select(0, rows) @ a_stacked[slot].T)
@@ -127,8 +131,22 @@ def lora_expand_torch(
 ) -> None:
     """The twin of ``lora_expand``: per slot in use, gather its rows of ``h``, one matmul (plus
     the bias, rounded in the dtype as a torch layer would), and ``index_add_`` into ``out``."""
+    whole = _whole_batch_slot(batch, h.shape[0])
+    if whole is not None:
+        out.add_(_delta(h, b_stacked, bias, whole))
+        return
     for slot, rows in batch.slot_rows:
-        delta = h.index_select(0, rows) @ b_stacked[slot].T
-        if bias is not None:
-            delta = delta + bias[slot]
-        out.index_add_(0, rows, delta)
+        out.index_add_(0, rows, _delta(h.index_select(0, rows), b_stacked, bias, slot))
+
+
+def _delta(h_rows, b_stacked, bias, slot) -> torch.Tensor:
+    delta = h_rows @ b_stacked[slot].T
+    return delta if bias is None else delta + bias[slot]
+
+
+def _whole_batch_slot(batch: LoRABatch, num_tokens: int) -> int | None:
+    """The slot when one slot has every row (its rows are then 0..T-1, in order: no gather or
+    scatter needed); else None. Read from shapes only: no host sync."""
+    if len(batch.slot_rows) == 1 and batch.slot_rows[0][1].shape[0] == num_tokens:
+        return batch.slot_rows[0][0]
+    return None

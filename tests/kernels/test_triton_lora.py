@@ -47,7 +47,7 @@ CASES = [
     pytest.param(("mixed", 64, 96, 8, False), id="mixed-64x96-r8"),
     pytest.param(("decode", 576, 192, 48, True), id="decode-576x192-r48-bias"),
     pytest.param(("prefill", 96, 1536, 16, True), id="prefill-96x1536-r16-bias"),
-    pytest.param(("one-slot", 1536, 64, 64, False), id="one-slot-1536x64-r64"),
+    pytest.param(("one-slot", 1536, 64, 64, True), id="one-slot-1536x64-r64-bias"),
     pytest.param(("mixed", 96, 576, 192, True), id="mixed-96x576-r192-bias"),
 ]
 
