@@ -196,6 +196,17 @@ class EngineClient:
     async def wake_up(self) -> None:
         await self._utility("wake_up")
 
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str = "") -> dict:
+        """Load the PEFT adapter at ``path`` as ``name`` (``engine/lora_manager.py``)."""
+        return await self._utility("load_lora_adapter", name, path, base_model_name)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._utility("unload_lora_adapter", name)
+
+    async def list_lora_adapters(self) -> list[dict]:
+        """The loaded adapters: name, path, base_model_name, id ([] with LoRA off)."""
+        return await self._utility("list_lora_adapters")
+
     def call_in_core(self, function: Callable, *args) -> asyncio.Future:
         """Run ``function(core, *args)`` where the engine core lives, between two steps, and
         return a future of its result (sent at once: commands sent later run after it).

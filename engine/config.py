@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.engine.lora_types import LoRAConfig
 from llmrpc.engine.pooling import check_pooling_flags
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -254,3 +255,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoRAConfig | None = None  # --enable-lora and its settings; None: LoRA is off

@@ -25,6 +25,8 @@ from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.grammar_step import GrammarStep
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
+from llmrpc.engine.lora_manager import build_lora_manager
+from llmrpc.engine.lora_types import LORA_OFF
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.metrics import RateMeter
 from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -211,6 +213,7 @@ class EngineCore:
             num_blocks = num_kv_blocks(cache_config, self.hf_config, self.kv_cache_dtype)
             check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         self.model = self._load_model()
+        self.lora = build_lora_manager(config, self.model, self.dtype)  # None: LoRA is off
         self.runner = ModelRunner(
             self.model,
             self.hf_config,
@@ -220,6 +223,7 @@ class EngineCore:
             self.attention_backend,
             model_config.batch_invariant,
         )
+        self.runner.lora = self.lora
         if profile:
             num_blocks = self._kv_blocks_on_device(config, num_tokens)
             check_capacity(config, self.max_model_len, num_blocks)
@@ -234,6 +238,7 @@ class EngineCore:
         )
         scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
+        self.scheduler.max_loras = config.lora.max_loras if config.lora else None
         self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
@@ -412,6 +417,10 @@ class EngineCore:
             raise EngineStateError("the engine is asleep; wake it up first")
         self.pooling.check(params)
         requests = self.input_processor.make_requests(request_id, prompt_token_ids, params)
+        if params.lora_name is not None:
+            lora = self._require_lora().resolve(params.lora_name)
+            for request in requests:
+                request.lora = lora
         if params.pooling is not None:
             self.pooling.attach(requests, params)
         taken = self.output_processor.children.keys() | self.scheduler.requests.keys()
@@ -484,6 +493,10 @@ class EngineCore:
         if not scheduled:
             self._wait_for_a_grammar()
             return dropped
+        if self.lora is not None:  # the step's adapters into slots
+            dropped += self._fail_requests(self.lora.prepare(scheduled, self.scheduler.running))
+            if not scheduled:
+                return dropped
         self._prompt_rate.add(
             sum(
                 max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
@@ -649,6 +662,20 @@ class EngineCore:
             self.scheduler.finish_request(request, FinishReason.STOP_STRING, stop)
         return self._output(request, [request.output_token_ids[-1]])
 
+    def _require_lora(self):
+        if self.lora is None:
+            raise EngineStateError(LORA_OFF)
+        return self.lora
+
+    def load_lora_adapter(self, name: str, path: str, base_model_name: str = "") -> dict:
+        return self._require_lora().add(name, path, base_model_name or None)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._require_lora().remove(name)
+
+    def list_lora_adapters(self) -> list[dict]:
+        return [] if self.lora is None else self.lora.list()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""
         return self.kv_manager.reset_prefix_cache()
@@ -673,6 +700,8 @@ class EngineCore:
     def wake_up(self) -> None:
         if self.sleep_level == 2:
             self.model = self.runner.model = self._load_model()
+            if self.lora is not None:  # the new model's layers, with empty slots
+                self.lora.attach(self.model)
         if self.sleep_level:
             self.runner.allocate_kv_cache()
             if self.sleep_level == 2 and self.compilation.level:

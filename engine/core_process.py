@@ -58,6 +58,7 @@ STATS_REFRESH_S = 1.0
 IDLE_TRIM_INTERVAL_S = 10.0
 # Utility commands a frontend may call by name (``Call.method``).
 UTILITIES = ("reset_prefix_cache", "sleep", "wake_up", "call_function")
+UTILITIES += ("load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 
 Receive = Callable[[float], object]  # timeout in seconds (0: do not wait) -> a message or None
 Send = Callable[[object], None]

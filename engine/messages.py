@@ -21,6 +21,7 @@ import msgspec
 
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.lora_types import LoRAAdapterExistsError, LoRAAdapterNotFoundError
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
 # --- figures and errors ---------------------------------------------------------------------
@@ -60,6 +61,8 @@ _ERROR_TYPES: dict[str, type[BaseException]] = {
     for cls in (
         EngineDeadError,
         EngineStateError,
+        LoRAAdapterNotFoundError,  # NOT_FOUND
+        LoRAAdapterExistsError,  # ALREADY_EXISTS
         FileNotFoundError,
         PermissionError,
         IsADirectoryError,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from llmrpc.engine.config import SchedulerConfig
 from llmrpc.engine.kv_cache import KVCacheManager
+from llmrpc.engine.lora_types import LoRAAdmission
 from llmrpc.engine.request import FinishReason, Request, RequestStatus
 from llmrpc.engine.request_queue import make_waiting_queue
 
@@ -34,9 +35,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        max_loras: int | None = None,  # --max-loras under --enable-lora
     ) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.waiting = make_waiting_queue(config.scheduling_policy)
@@ -118,8 +124,13 @@ class Scheduler:
         return 0
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, chunks) -> None:
+        loras = LoRAAdmission(self.max_loras, self.running) if self.max_loras else None
+        held = []  # their adapter finds no slot this step: they keep their place, others pass
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if loras is not None and not loras.admits(request):
+                held.append(self.waiting.pop())
+                continue
             hits = self.kv_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.kv_manager.block_size
             num_new = chunks.num_new_tokens(request, num_hit_tokens, budget)
@@ -134,6 +145,10 @@ class Scheduler:
             chunks.take(request, num_hit_tokens, num_new)
             output.scheduled.append((request, num_new))
             budget -= num_new
+            if loras is not None:
+                loras.admit(request)
+        for request in reversed(held):
+            self.waiting.add_preempted(request)
 
     def _preemption_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":  # the least urgent, latest arrival

@@ -1,0 +1,165 @@
+"""LoRA on the native Llama-family models: each adapted projection is wrapped, whatever module
+the loader left there (plain, packed, blocked or quantized), as ``out = base(x)`` plus the
+adapters' ``(x @ A.T) @ B.T``, added in place by the segmented kernels of ``kernels/lora.py``.
+
+Each wrapper holds ``--max-loras`` slots of stacked weights. The fused projections serve several
+checkpoint modules (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up): their slices' A are
+stacked along the rank (``a [S, n*R, in]``) and B is block-diagonal (``b [S, out, n*R]``), so one
+shrink and one expand serve the fused layer. The scaling is already in B (``engine/lora_peft``).
+
+The model runner sets the step's ``LoRABatch`` on the shared ``LoRAContext`` before the forward;
+when no row of the step uses an adapter it is None and the wrappers cost one attribute read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmrpc.engine.lora_peft import LoRAAdapter
+from llmrpc.engine.models.llama import LlamaForCausalLM
+from llmrpc.kernels.lora import LoRABatch, lora_expand, lora_shrink
+
+
+class LoRAContext:
+    """What every LoRA wrapper of a model reads during one forward pass."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None  # None: no row uses an adapter this step
+
+
+@dataclass(frozen=True)
+class FusedTarget:
+    """A projection of a decoder layer and the checkpoint modules it serves, in output order."""
+
+    block: str  # "self_attn" or "mlp"
+    attribute: str  # e.g. "qkv_proj"
+    modules: tuple[str, ...]  # e.g. ("q_proj", "k_proj", "v_proj")
+
+
+TARGETS = (
+    FusedTarget("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    FusedTarget("self_attn", "o_proj", ("o_proj",)),
+    FusedTarget("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    FusedTarget("mlp", "down_proj", ("down_proj",)),
+)
+
+
+def module_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of every checkpoint module LoRA may adapt."""
+    attn, config = model.layers[0].self_attn, model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (hidden, attn.q_size),
+        "k_proj": (hidden, attn.kv_size),
+        "v_proj": (hidden, attn.kv_size),
+        "o_proj": (attn.q_size, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus, for the rows of adapted requests, their slot's ``(x @ A.T) @ B.T``."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        shapes: list[tuple[int, int]],  # (in, out) of each slice, in output order
+        num_slots: int,
+        max_rank: int,
+        with_bias: bool,
+        context: LoRAContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.context = context
+        self.max_rank = max_rank
+        in_features = shapes[0][0]
+        self.out_sizes = [out for _, out in shapes]
+        rank_total, out_total = max_rank * len(shapes), sum(self.out_sizes)
+        # plain attributes, not buffers: the weights are the adapters', not the model's
+        self.a_stacked = torch.zeros(num_slots, rank_total, in_features, dtype=dtype, device=device)
+        self.b_stacked = torch.zeros(num_slots, out_total, rank_total, dtype=dtype, device=device)
+        self.bias_stacked = (
+            torch.zeros(num_slots, out_total, dtype=dtype, device=device) if with_bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = self.context.batch
+        if batch is None:
+            return out
+        h = lora_shrink(x, self.a_stacked, batch)  # [num_tokens, n * max_rank]
+        lora_expand(h, self.b_stacked, batch, out, self.bias_stacked)
+        return out
+
+    def set_slot(self, slot: int, slices: list) -> None:
+        """Put one adapter's weights in ``slot``: ``slices[i]`` is the ``LoRAWeights`` of the
+        i-th slice, or None where the adapter leaves that slice alone."""
+        self.a_stacked[slot].zero_()
+        self.b_stacked[slot].zero_()
+        if self.bias_stacked is not None:
+            self.bias_stacked[slot].zero_()
+        offset = 0
+        for index, (weights, out_size) in enumerate(zip(slices, self.out_sizes, strict=True)):
+            if weights is not None:
+                rank, first = weights.a.shape[0], index * self.max_rank
+                self.a_stacked[slot, first : first + rank].copy_(weights.a)
+                self.b_stacked[slot, offset : offset + out_size, first : first + rank].copy_(
+                    weights.b
+                )
+                if weights.bias is not None and self.bias_stacked is not None:
+                    self.bias_stacked[slot, offset : offset + out_size].copy_(weights.bias)
+            offset += out_size
+
+
+class LoRAModel:
+    """The LoRA wrappers of one model, addressed by (layer index, projection)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_slots: int,
+        max_rank: int,
+        with_bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        if not isinstance(model, LlamaForCausalLM):
+            raise ValueError(
+                f"--enable-lora serves the native Llama-family models; {type(model).__name__} "
+                "(e.g. --model-impl transformers) has no LoRA support here"
+            )
+        self.context = LoRAContext()
+        self.shapes = module_shapes(model)
+        self.num_layers = len(model.layers)
+        device = next(model.parameters()).device
+        self.wrappers: dict[tuple[int, str], LoRALinear] = {}
+        for index, layer in enumerate(model.layers):
+            for target in TARGETS:
+                block = getattr(layer, target.block)
+                shapes = [self.shapes[name] for name in target.modules]
+                wrapper = LoRALinear(
+                    getattr(block, target.attribute),
+                    shapes,
+                    num_slots,
+                    max_rank,
+                    with_bias,
+                    self.context,
+                    dtype,
+                    device,
+                )
+                setattr(block, target.attribute, wrapper)
+                self.wrappers[index, target.attribute] = wrapper
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Load ``adapter`` into ``slot`` of every wrapper (None: clear it)."""
+        modules = adapter.modules if adapter is not None else {}
+        for (index, attribute), wrapper in self.wrappers.items():
+            target = next(t for t in TARGETS if t.attribute == attribute)
+            wrapper.set_slot(slot, [modules.get((index, name)) for name in target.modules])

@@ -1,0 +1,167 @@
+"""PEFT LoRA adapters from a local folder (``adapter_config.json`` + ``adapter_model.safetensors``):
+read, checked against what the engine serves, and turned into per-module ``(A, B)`` pairs with the
+scaling folded into ``B`` (and into ``lora_B``'s bias, which PEFT's forward scales too).
+
+Anything the engine would serve wrongly is refused with ``InvalidRequestError`` naming why:
+DoRA, ``modules_to_save``, trained base biases, rank or alpha patterns, embedding or ``lm_head``
+targets, a rank over ``--max-lora-rank``, shapes of another model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from llmrpc.engine.request import InvalidRequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# the checkpoint names of the projections the engine serves LoRA on
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(
+    r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")\.lora_([AB])\."
+    r"(weight|bias)$"
+)
+_FIELD = "lora_path"  # the request field a bad adapter is charged to
+
+
+@dataclass
+class LoRAWeights:
+    """One module's adapter: ``a [r, in]``, ``b [out, r]`` already scaled, ``bias [out]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: its rank and the weights of every module it adapts."""
+
+    rank: int
+    scaling: float
+    modules: dict[tuple[int, str], LoRAWeights]  # (layer index, checkpoint module name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            w.a.nbytes + w.b.nbytes + (0 if w.bias is None else w.bias.nbytes)
+            for w in self.modules.values()
+        )
+
+
+def _refuse(message: str) -> InvalidRequestError:
+    return InvalidRequestError(_FIELD, message)
+
+
+def read_config(folder: Path) -> dict:
+    if not folder.is_dir():
+        raise _refuse(f"{str(folder)!r} is not a folder on the server")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise _refuse(f"{str(folder)!r} has no {CONFIG_FILE} (not a PEFT adapter folder)")
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise _refuse(f"{str(folder)!r} has no {WEIGHTS_FILE} (only safetensors are read)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _refuse(f"{CONFIG_FILE} cannot be read: {error}") from None
+    if not isinstance(config, dict):
+        raise _refuse(f"{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def check_config(config: dict, max_rank: int, enable_bias: bool) -> tuple[int, float]:
+    """``(rank, scaling)`` of a supported LoRA config; refuses the rest, naming why."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(f"peft_type {config.get('peft_type')!r} is not LORA")
+    refusals = (
+        ("use_dora", "DoRA adapters (use_dora) are not supported"),
+        ("modules_to_save", "modules_to_save (fully trained layers) are not supported"),
+        ("rank_pattern", "per-module ranks (rank_pattern) are not supported"),
+        ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
+        ("layer_replication", "layer_replication is not supported"),
+        ("fan_in_fan_out", "fan_in_fan_out (Conv1D weights) is not supported"),
+    )
+    for key, message in refusals:
+        if config.get(key):
+            raise _refuse(message)
+    if config.get("bias", "none") != "none":
+        raise _refuse(f'bias={config["bias"]!r} (trained base-layer biases) is not supported')
+    if config.get("lora_bias") and not enable_bias:
+        raise _refuse("the adapter has lora_B biases; start the server with --enable-lora-bias")
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    if type(rank) is not int or rank < 1:
+        raise _refuse(f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise _refuse(f"rank {rank} is over --max-lora-rank {max_rank}")
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise _refuse(f"lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, scaling
+
+
+def load_adapter(
+    path: str,
+    max_rank: int,
+    enable_bias: bool,
+    shapes: dict[str, tuple[int, int]],
+    num_layers: int,
+    dtype: torch.dtype,
+) -> LoRAAdapter:
+    """Read and check the adapter at ``path``. ``shapes``: each target module's ``(in, out)``
+    features in the served model, which has ``num_layers`` layers."""
+    folder = Path(path)
+    rank, scaling = check_config(read_config(folder), max_rank, enable_bias)
+    try:
+        tensors = load_file(folder / WEIGHTS_FILE)
+    except (OSError, SafetensorError) as error:
+        raise _refuse(f"{WEIGHTS_FILE} cannot be read: {error}") from None
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise _refuse(
+                f"weight {key!r} adapts a module this engine does not serve LoRA on (only "
+                f"{', '.join(TARGET_MODULES)} of the decoder layers)"
+            )
+        layer, module, side, kind = match.groups()
+        if int(layer) >= num_layers:
+            raise _refuse(f"weight {key!r}: the model has {num_layers} layers")
+        parts.setdefault((int(layer), module), {})[side + kind] = tensor
+    if not parts:
+        raise _refuse(f"{WEIGHTS_FILE} holds no LoRA weights")
+    modules = {
+        key: _module_weights(key, part, rank, scaling, shapes[key[1]], dtype)
+        for key, part in parts.items()
+    }
+    return LoRAAdapter(rank, scaling, modules)
+
+
+def _module_weights(key, part, rank: int, scaling: float, shape, dtype) -> LoRAWeights:
+    name = f"layer {key[0]} {key[1]}"
+    a, b = part.get("Aweight"), part.get("Bweight")
+    if a is None or b is None or "Abias" in part:
+        raise _refuse(f"{name}: lora_A.weight and lora_B.weight expected, got {sorted(part)}")
+    in_features, out_features = shape
+    if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+        raise _refuse(
+            f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit rank "
+            f"{rank} on a {in_features} -> {out_features} layer (an adapter of another model?)"
+        )
+    bias = part.get("Bbias")
+    if bias is not None and bias.shape != (out_features,):
+        raise _refuse(f"{name}: lora_B.bias {tuple(bias.shape)}, expected ({out_features},)")
+    # scaled in float32, then rounded once to the serving dtype
+    return LoRAWeights(
+        a=a.to(dtype),
+        b=(b.float() * scaling).to(dtype),
+        bias=None if bias is None else (bias.float() * scaling).to(dtype),
+    )

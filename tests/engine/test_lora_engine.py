@@ -1,0 +1,171 @@
+"""LoRA in the engine: in a batch that mixes adapters and the base model, each request gets the
+greedy tokens of PEFT's merged model of its adapter (float32, token for token), whatever slot its
+adapter has and whichever requests run beside it."""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import greedy_generate, hf_greedy, run_to_completion
+from lora_adapters import AdapterSpec, make_adapter
+
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core_types import EngineStateError
+from llmrpc.engine.lora_types import (
+    LoRAAdapterExistsError,
+    LoRAAdapterNotFoundError,
+    LoRAConfig,
+    LoRAModulePath,
+)
+from llmrpc.engine.request import InvalidRequestError, SamplingParams
+
+MAX_TOKENS = 8
+PROMPT_TEXTS = ["Hi", "What is the capital of France?", "def fibonacci(n):", "1, 2, 3, 4,"]
+# different ranks, alphas and targets; one rsLoRA; one only on the fused qkv's q and v slices
+ADAPTERS = {
+    "all-r8": AdapterSpec(rank=8, alpha=16, seed=1),
+    "qv-r4-rslora": AdapterSpec(
+        rank=4, alpha=8, targets=("q_proj", "v_proj"), use_rslora=True, seed=2
+    ),
+    "mlp-o-r16": AdapterSpec(
+        rank=16, alpha=8, targets=("o_proj", "gate_proj", "up_proj", "down_proj"), seed=3
+    ),
+}
+
+
+def lora_core(model_dir, adapters: dict, **lora) -> EngineCore:
+    modules = tuple(LoRAModulePath(name, str(path)) for name, path in adapters.items())
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(model_dir), dtype="float32", max_model_len=256, device="cpu"
+            ),
+            cache=CacheConfig(num_gpu_blocks_override=128),
+            lora=LoRAConfig(lora_modules=modules, **lora),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    return [tokenizer.encode(text) for text in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory, prompts):
+    """name -> (folder, the merged model's greedy tokens for each prompt); "" is the base."""
+    made = {"": (None, hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS))}
+    for name, spec in ADAPTERS.items():
+        folder = tmp_path_factory.mktemp(name)
+        merged = make_adapter(tiny_llama_dir, folder, spec)
+        made[name] = (folder, greedy_generate(merged, prompts, MAX_TOKENS))
+    return made
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir, adapters):
+    folders = {name: folder for name, (folder, _) in adapters.items() if name}
+    return lora_core(tiny_llama_dir, folders, max_loras=3)
+
+
+def _requests(prompts, names):
+    return {
+        f"{name or 'base'}-{index}": (
+            prompt,
+            SamplingParams(
+                temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, lora_name=name or None
+            ),
+        )
+        for name in names
+        for index, prompt in enumerate(prompts)
+    }
+
+
+def _check_tokens(outputs, adapters, names, num_prompts):
+    for name in names:
+        expected = adapters[name][1]
+        got = [outputs[f"{name or 'base'}-{i}"].token_ids for i in range(num_prompts)]
+        assert got == expected, name
+
+
+def test_mixed_batch_matches_peft_merged_models(core, adapters, prompts):
+    names = ["", *ADAPTERS]
+    outputs = run_to_completion(core, _requests(prompts, names))
+    _check_tokens(outputs, adapters, names, len(prompts))
+    for name in ADAPTERS:  # each adapter matters: its tokens are not the base model's
+        assert adapters[name][1] != adapters[""][1], name
+
+
+def test_adapters_beyond_the_slots_wait_and_base_requests_pass(tiny_llama_dir, adapters, prompts):
+    folders = {name: adapters[name][0] for name in ADAPTERS}
+    core = lora_core(tiny_llama_dir, folders, max_loras=1, max_cpu_loras=2)
+    names = [*ADAPTERS, ""]  # the base model's requests queue behind all the adapters'
+    for request_id, (prompt, params) in _requests(prompts, names).items():
+        core.add_request(request_id, prompt, params)
+    merged, first_step = {}, True
+    while core.has_unfinished_requests:
+        outputs = core.step()
+        running = core.scheduler.running
+        assert len({r.lora.lora_id for r in running if r.lora is not None}) <= 1
+        if first_step:  # the base model's requests did not wait behind the other adapters
+            assert sum(r.lora is None for r in running) == len(prompts)
+            first_step = False
+        for output in outputs:
+            if output.request_id in merged:
+                merged[output.request_id].merge(output)
+            else:
+                merged[output.request_id] = output
+    _check_tokens(merged, adapters, names, len(prompts))
+
+
+def test_unloaded_adapter_finishes_its_running_requests(core, adapters, prompts):
+    folder, expected = adapters["all-r8"]
+    core.load_lora_adapter("again", str(folder))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, lora_name="again"
+    )
+    core.add_request("running", prompts[1], params)
+    tokens = [t for _ in range(2) for output in core.step() for t in output.token_ids]
+    core.unload_lora_adapter("again")  # while its request runs
+    with pytest.raises(LoRAAdapterNotFoundError):
+        core.add_request("late", prompts[1], params)
+    tokens += run_to_completion(core, {})["running"].token_ids
+    assert tokens == expected[1]
+    assert "again" not in {entry["name"] for entry in core.list_lora_adapters()}
+
+
+def test_load_errors(core, adapters, tmp_path, tiny_llama_dir):
+    folder = adapters["all-r8"][0]
+    with pytest.raises(LoRAAdapterExistsError):
+        core.load_lora_adapter("qv-r4-rslora", str(folder))
+    with pytest.raises(InvalidRequestError, match="not a folder") as error:
+        core.load_lora_adapter("missing", str(tmp_path / "nowhere"))
+    assert error.value.field == "lora_path"
+    big = tmp_path / "r32"
+    make_adapter(tiny_llama_dir, big, AdapterSpec(rank=32, alpha=32))
+    with pytest.raises(InvalidRequestError, match="rank 32 is over --max-lora-rank 16"):
+        core.load_lora_adapter("big", str(big))
+    dora = tmp_path / "dora"
+    make_adapter(tiny_llama_dir, dora, AdapterSpec(rank=4, alpha=8, extra={"use_dora": True}))
+    with pytest.raises(InvalidRequestError, match="DoRA"):
+        core.load_lora_adapter("dora", str(dora))
+    with pytest.raises(LoRAAdapterNotFoundError):
+        core.unload_lora_adapter("never-loaded")
+    with pytest.raises(LoRAAdapterNotFoundError):
+        core.add_request("x", [1, 2, 3], SamplingParams(lora_name="never-loaded"))
+    names = {entry["name"] for entry in core.list_lora_adapters()}
+    assert names == set(ADAPTERS)  # the refused ones were not added
+
+
+def test_lora_off_refuses_adapters(tiny_llama_dir):
+    from engine_utils import make_core
+
+    core = make_core(tiny_llama_dir)
+    with pytest.raises(EngineStateError, match="--enable-lora"):
+        core.add_request("x", [1, 2, 3], SamplingParams(lora_name="any"))
+    with pytest.raises(EngineStateError, match="--enable-lora"):
+        core.load_lora_adapter("any", "/nowhere")
+    assert core.list_lora_adapters() == []
