@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmrpc.engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
+from llmrpc.engine.lora_types import LoRARef
 from llmrpc.engine.request import Request, SamplingParams
 
 BLOCK = 4
@@ -137,3 +138,22 @@ def test_hash_algorithms_chain_and_differ_in_kind():
 def test_unknown_hash_algorithm_names_the_flag():
     with pytest.raises(ValueError, match="--prefix-caching-hash-algo"):
         KVCacheManager(num_blocks=4, block_size=BLOCK, hash_algo="md5")
+
+
+@pytest.mark.parametrize("hash_algo", ["builtin", "sha256", "sha256_cbor_64bit"])
+def test_prefix_blocks_are_shared_only_under_the_same_lora_adapter(hash_algo):
+    manager = KVCacheManager(num_blocks=12, block_size=BLOCK, hash_algo=hash_algo)
+    tokens = list(range(10))  # two full blocks and a partial one
+
+    def under(request_id: str, lora_id: int | None) -> Request:
+        request = make_request(request_id, tokens)
+        request.lora = None if lora_id is None else LoRARef(f"adapter{lora_id}", lora_id, "/a")
+        return request
+
+    assert schedule_all(manager, under("base", None)) == [0, 1, 2]
+    assert schedule_all(manager, under("lora1", 1)) == [3, 4, 5]  # same tokens, no hit
+    assert schedule_all(manager, under("lora2", 2)) == [6, 7, 8]
+    again = under("lora1-again", 1)
+    assert schedule_all(manager, again) == [3, 4, 9]  # lora1's own blocks
+    assert again.num_computed_tokens == 8
+    assert schedule_all(manager, under("base-again", None)) == [0, 1, 10]
