@@ -40,6 +40,7 @@ from llmrpc.engine.messages import (
     Snapshot,
     rebuild_error,
 )
+from llmrpc.engine.pooling import PoolingParams
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from llmrpc.engine.tokenizer_workers import TokenizerWorkers
 
@@ -181,6 +182,16 @@ class EngineClient:
             if not finished and self.dead_error is None:
                 self._post(Abort(0, [request_id]))
 
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestOutput:
+        """One pooling request (``params.pooling`` set) to its end: its one output, which
+        carries the embedding (or the engine's error). Raises as ``generate`` does."""
+        output = None
+        async for output in self.generate(request_id, prompt_token_ids, params):
+            pass
+        return output
+
     async def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Abort the live requests among ``request_ids``; returns those that were live."""
         return await self._call(lambda call_id: Abort(call_id, list(request_ids)))
@@ -221,6 +232,8 @@ class EngineClient:
         tokenizer = self.tokenizer
         prompt = (tokenizer.encode("Hello", add_special_tokens=False) if tokenizer else []) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        if self.model_info.runner == "pooling":  # a server that embeds only
+            params = SamplingParams(max_tokens=None, pooling=PoolingParams())
         async for _ in self.generate(f"llmrpc-warmup-{uuid.uuid4().hex}", prompt, params):
             pass
 

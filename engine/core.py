@@ -387,6 +387,8 @@ class EngineCore:
             num_kv_blocks=self.kv_manager.num_blocks,
             model_dir=str(self.model_dir),
             structured_output=self.structured_config,
+            runner=self.pooling.runner,
+            embedding_size=self.pooling.hidden_size,
         )
 
     @property

@@ -23,6 +23,8 @@ class ModelInfo:
     model_dir: str = ""  # the folder the weights were loaded from (a .gguf file's converted one)
     # how requests' structured output is checked and built (--guided-decoding-*)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    runner: str = "generate"  # or "pooling": embeddings only (engine/pooling.py)
+    embedding_size: int = 0  # the model's hidden size: an embedding's length
 
 
 @dataclass(frozen=True)

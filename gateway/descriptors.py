@@ -12,9 +12,9 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FileDescriptor
 from google.rpc import error_details_pb2, status_pb2
 
-from llmrpc.v1 import admin_pb2, generation_pb2, tokenization_pb2
+from llmrpc.v1 import admin_pb2, embedding_pb2, generation_pb2, tokenization_pb2
 
-_API_MODULES = (generation_pb2, tokenization_pb2, admin_pb2)
+_API_MODULES = (generation_pb2, tokenization_pb2, admin_pb2, embedding_pb2)
 
 # With convert_grpc_status the transcoder prints google.rpc.Status, whose details are Any
 # messages (BadRequest, RetryInfo...): their types must be in the set to be printed as JSON.

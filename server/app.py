@@ -28,6 +28,7 @@ from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners
+from llmrpc.server.embedding import EmbeddingServicer
 from llmrpc.server.health import HEALTH_SERVICE_NAME, Health
 from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, RequestContextInterceptor
 from llmrpc.server.limits import AdmissionControl, channel_options
@@ -40,7 +41,12 @@ from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
 from llmrpc.server.tls import server_credentials
-from llmrpc.v1 import admin_pb2_grpc, generation_pb2_grpc, tokenization_pb2_grpc
+from llmrpc.v1 import (
+    admin_pb2_grpc,
+    embedding_pb2_grpc,
+    generation_pb2_grpc,
+    tokenization_pb2_grpc,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +200,7 @@ def _add_services(servers, state: ServerState, health: Health) -> None:
             TokenizationServicer(state),
         ),
         (admin_pb2_grpc.add_AdminServiceServicer_to_server, AdminServicer(state)),
+        (embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server, EmbeddingServicer(state)),
     )
     for server in servers:
         for add, servicer in services:

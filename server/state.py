@@ -10,7 +10,7 @@ from llmrpc.server.errors import NotFound, Unavailable
 from llmrpc.server.limits import AdmissionControl
 from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.settings import LogConfig
-from llmrpc.v1 import admin_pb2, generation_pb2, tokenization_pb2
+from llmrpc.v1 import admin_pb2, embedding_pb2, generation_pb2, tokenization_pb2
 
 API_VERSION = "v1"
 SERVICE_NAMES = tuple(
@@ -19,6 +19,7 @@ SERVICE_NAMES = tuple(
         (generation_pb2, "GenerationService"),
         (tokenization_pb2, "TokenizationService"),
         (admin_pb2, "AdminService"),
+        (embedding_pb2, "EmbeddingService"),
     )
 )
 
