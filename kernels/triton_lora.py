@@ -53,6 +53,7 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     # h[rows, cols] = x[rows, :] @ a[slot, cols, :].T over the tile; h was zeroed by the wrapper.
+    dtype: tl.constexpr = h_ptr.dtype.element_ty
     slot, rows, row_mask, work = _segment_tile(seg_starts_ptr, seg_slots_ptr, BLOCK_M)
     if work:
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,7 +71,6 @@ def _shrink_kernel(
                 x = x.to(tl.float32)
                 a = a.to(tl.float32)
             acc += tl.dot(x, a, input_precision="ieee")
-        dtype: tl.constexpr = h_ptr.dtype.element_ty
         h = _round(acc, dtype).to(dtype)
         mask = row_mask[:, None] & col_mask[None, :]
         tl.store(h_ptr + rows[:, None] * stride_ht + cols[None, :], h, mask=mask)
@@ -85,6 +85,7 @@ def _expand_kernel(
     DOT_F32: tl.constexpr,
 ):  # fmt: skip
     # out[rows, cols] += h[rows, :] @ b[slot, cols, :].T (+ bias[slot, cols]), rounded once.
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
     slot, rows, row_mask, work = _segment_tile(seg_starts_ptr, seg_slots_ptr, BLOCK_M)
     if work:
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +109,6 @@ def _expand_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         out_tile = out_ptr + rows[:, None] * stride_ot + cols[None, :]
         old = tl.load(out_tile, mask=mask, other=0.0).to(tl.float32)
-        dtype: tl.constexpr = out_ptr.dtype.element_ty
         tl.store(out_tile, _round(old + acc, dtype).to(dtype), mask=mask)
 
 
