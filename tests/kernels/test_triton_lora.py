@@ -219,3 +219,25 @@ def test_batch_contract_errors(device):
     for changes, message in bad:
         with pytest.raises(ValueError, match=message):
             triton_lora.lora_shrink(x, a, LoRABatch(**{**vars(batch), **changes}))
+
+
+def test_padded_batch_gives_the_same_result(device):
+    # A batch padded to a fixed grid (as a CUDA graph captures it): empty segments after the
+    # end and a max_seg_len above the longest segment change nothing.
+    row_slots, x, a, b, bias, wide, out = make_inputs(*CASES[0].values[0], torch.float32, device)
+    batch = LoRABatch.from_row_slots(row_slots, device, backend="triton")
+    num_tokens = len(row_slots)
+    ends = torch.full((3,), num_tokens, dtype=torch.int32, device=device)
+    padded = LoRABatch(
+        seg_starts=torch.cat([batch.seg_starts, ends]),
+        seg_slots=torch.cat([batch.seg_slots, torch.tensor([1, -1, 0], device=device).int()]),
+        max_seg_len=40,
+        slot_rows=batch.slot_rows,
+        backend="triton",
+    )
+    h = lora_shrink(x, a, batch)
+    assert torch.equal(lora_shrink(x, a, padded), h)
+    wide_padded = wide.clone()
+    lora_expand(h, b, batch, out, bias)
+    lora_expand(h, b, padded, wide_padded[:, 8 : 8 + out.shape[1]], bias)
+    assert torch.equal(wide_padded.nan_to_num(), wide.nan_to_num())
