@@ -15,15 +15,22 @@ an output that a new request would not continue.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmrpc.clients import requests, types
 from llmrpc.clients.connection import ConnectionOptions, RetryPolicy
+from llmrpc.clients.embedding import Embeddings, EmbedInput, embed_request, embeddings_from_proto
 from llmrpc.clients.requests import ChatMessages, ChatOptions, Prompt
-from llmrpc.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc, tokenization_pb2_grpc
+from llmrpc.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    embedding_pb2_grpc,
+    generation_pb2_grpc,
+    tokenization_pb2_grpc,
+)
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -69,6 +76,7 @@ class ClientBase:
         self._generation = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self._tokenization = tokenization_pb2_grpc.TokenizationServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
+        self._embedding = embedding_pb2_grpc.EmbeddingServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     @property
@@ -157,6 +165,31 @@ class ClientBase:
 
     def _model(self, model: str | None) -> str:
         return self.model if model is None else model
+
+    # --- embeddings --------------------------------------------------------------------------
+
+    def embed(
+        self,
+        inputs: Sequence[EmbedInput],
+        *,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        normalize: bool | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> Embeddings:
+        """Embeddings of ``inputs`` (texts or token-id lists, at most 2048), one result per
+        input in order; an input that failed has its own ``error`` (see ``clients.embedding``)."""
+        request = embed_request(
+            inputs,
+            model=self._model(model),
+            dimensions=dimensions,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            normalize=normalize,
+        )
+        call = self._embedding.Embed
+        return self._call(call, request, embeddings_from_proto, timeout, request_id)
 
     # --- tokenization ----------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import contextlib
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from llmrpc.gateway import chat, completions, responses_api, routes
+from llmrpc.gateway import chat, completions, embeddings, responses_api, routes
 from llmrpc.gateway.body_limit import BodyLimitMiddleware
 from llmrpc.gateway.errors import install_handlers
 from llmrpc.gateway.middleware import (
@@ -43,7 +43,8 @@ def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
     app = FastAPI(title="llmrpc OpenAI-compatible gateway", lifespan=lifespan, **_docs(settings))
     app.state.gateway = gateway
     install_handlers(app)
-    for router in (completions.router, chat.router, responses_api.router, routes.router):
+    routers = (completions.router, chat.router, embeddings.router, responses_api.router)
+    for router in (*routers, routes.router):
         app.include_router(router)
     routes.add_optional_routes(app, settings.api)
     _add_middleware(app, settings, gateway)
