@@ -32,7 +32,6 @@ LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
-POOLING = "needs pooling (embedding) models; this build serves text generation only"
 TRACING = "needs OpenTelemetry tracing, which this build does not support"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
 NOT_SUPPORTED = "is not supported by this build"
@@ -324,14 +323,20 @@ _MODEL = _group(
           "cache (one whose attention goes through Transformers' attention interface); auto: "
           "native when there is one.",
           choices=("auto", "vllm", "transformers")),
-    refused("--runner", "auto", str, POOLING, accepted=("generate",),
-            choices=("auto", "generate", "pooling", "draft")),
-    refused("--convert", "auto", str, POOLING, accepted=("none",),
-            choices=("auto", "none", "embed", "classify", "reward")),
-    refused("--task", None, str, POOLING, accepted=("auto", "generate")),
+    works("--runner", "auto", str, "model.runner",
+          "pooling: embeddings only (generation refused); generate: text, and embeddings of a "
+          "decoder beside it; auto: pooling for BERT encoders, else generate; draft refused.",
+          choices=("auto", "generate", "pooling", "draft")),
+    works("--convert", "auto", str, "model.convert",
+          "embed: a decoder LM as an embedder (LAST pooling, normalized); classify, reward "
+          "refused.", choices=("auto", "none", "embed", "classify", "reward")),
+    works("--task", None, str, "model.task",
+          "embed (embedding): --convert embed; auto, generate: no change; others refused."),
     refused("--logits-processors", None, str, NOT_SUPPORTED, nargs="+"),
     refused("--logits-processor-pattern", None, str, NOT_SUPPORTED),
-    refused("--override-pooler-config", None, json_object, POOLING),
+    works("--override-pooler-config", {}, json_object, "model.override_pooler_config",
+          'JSON over the model\'s pooling: {"pooling_type": "LAST|MEAN|CLS", "normalize": '
+          "true|false}; other keys refused."),
     refused("--override-attention-dtype", None, str, NOT_SUPPORTED),
     refused("--allowed-local-media-path", "", str, MULTIMODAL),
     inert("--disable-async-output-proc", False, None,

@@ -177,8 +177,8 @@ def test_refusal_is_one_line_naming_the_flag(capsys):
 
 
 def test_refusal_names_the_other_values_that_are_fine(capsys):
-    assert serve_error(capsys, "--runner", "pooling").endswith(
-        "leave it at its default (auto) or use generate"
+    assert serve_error(capsys, "--distributed-executor-backend", "mp").endswith(
+        "leave it at its default (none) or use uni"
     )
 
 
