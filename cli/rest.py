@@ -53,6 +53,7 @@ def gateway_settings(frontend: FrontendConfig) -> GatewaySettings:
     # The template the server's tokenizer has too: shown by /get_tokenizer_info.
     template = frontend.chat_template
     api_fields["chat_template"] = None if template is None else read_chat_template(template)
+    api_fields["otlp_traces_endpoint"] = frontend.tracing.otlp_traces_endpoint
     api = ApiSettings(api_keys=_rest_keys(frontend), **api_fields)
     return GatewaySettings(backends, http, cors, api)
 

@@ -40,6 +40,23 @@ def acting_for(api_key: str) -> Iterator[None]:
         _acting_for.reset(token)
 
 
+# W3C trace headers (traceparent, tracestate) that calls made in this context carry: the REST
+# gateway sets its request span's, so the server's spans join the REST request's trace.
+_trace_headers: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "llmrpc_trace_headers", default=()
+)
+
+
+@contextlib.contextmanager
+def carrying_trace(headers: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """Calls made inside the block (in this task, or tasks it starts) carry ``headers``."""
+    token = _trace_headers.set(headers)
+    try:
+        yield
+    finally:
+        _trace_headers.reset(token)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with full jitter, for UNAVAILABLE only.
@@ -148,6 +165,7 @@ class ConnectionOptions:
             pairs.append((API_KEY_METADATA, bearer(api_key)))
         if request_id:
             pairs.append((REQUEST_ID_METADATA, request_id))
+        pairs.extend(_trace_headers.get())
         return tuple(pairs)
 
 

@@ -2,8 +2,9 @@
 middleware its settings ask for.
 
 Middleware order, outermost first: CORS (so preflights and error replies carry its headers),
-the header-count limit, request ids, API keys (so no body is read for a caller without one),
-the body-size limit and read timeout, load tracking, then ``--middleware`` ones.
+the header-count limit, request ids, tracing (``--otlp-traces-endpoint``), API keys (so no body
+is read for a caller without one), the body-size limit and read timeout, load tracking, then
+``--middleware`` ones.
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ from llmrpc.gateway.middleware import (
 )
 from llmrpc.gateway.settings import GatewaySettings
 from llmrpc.gateway.state import GatewayState
+from llmrpc.gateway.tracing import GatewayTracing, TracingMiddleware
 
 
 def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
     """``channels``: see ``BackendPool``. Raises ValueError naming the flag for a
     ``--middleware`` that cannot be imported."""
     gateway = GatewayState(settings, channels)
+    endpoint = settings.api.otlp_traces_endpoint
+    tracing = GatewayTracing(endpoint) if endpoint else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.pool.start()
+        if tracing is not None:
+            tracing.start()
         try:
             yield
         finally:
             await gateway.pool.close()
+            if tracing is not None:
+                await tracing.stop()
 
     app = FastAPI(title="llmrpc OpenAI-compatible gateway", lifespan=lifespan, **_docs(settings))
     app.state.gateway = gateway
@@ -47,7 +55,7 @@ def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
     for router in (*routers, routes.router):
         app.include_router(router)
     routes.add_optional_routes(app, settings.api)
-    _add_middleware(app, settings, gateway)
+    _add_middleware(app, settings, gateway, tracing)
     return app
 
 
@@ -58,7 +66,9 @@ def _docs(settings: GatewaySettings) -> dict:
     return options
 
 
-def _add_middleware(app: FastAPI, settings: GatewaySettings, gateway: GatewayState) -> None:
+def _add_middleware(
+    app: FastAPI, settings: GatewaySettings, gateway: GatewayState, tracing: GatewayTracing | None
+) -> None:
     api = settings.api
     for import_path in api.middleware:
         add_user_middleware(app, import_path)
@@ -73,6 +83,8 @@ def _add_middleware(app: FastAPI, settings: GatewaySettings, gateway: GatewaySta
     if api.api_keys:
         forward = settings.backends.forward_api_key
         app.add_middleware(ApiKeyMiddleware, keys=api.api_keys, forward_key=forward)
+    if tracing is not None:  # inside the request-id check: a span for each well-formed id
+        app.add_middleware(TracingMiddleware, tracing=tracing)
     # Always: a caller's X-Request-Id is checked whether or not responses echo one.
     app.add_middleware(RequestIdMiddleware, echo=api.enable_request_id_headers)
     app.add_middleware(HeaderCountMiddleware, max_headers=settings.http.h11_max_header_count)

@@ -153,6 +153,14 @@ def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="IMPORT.PATH",
         help="ASGI middleware class or async HTTP middleware function; repeatable.",
     )
+    add(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="OpenTelemetry collector URL (http://, or https:// for TLS): a span per REST "
+        "request, a child of its W3C traceparent header, carrying gen_ai.request.id; the gRPC "
+        "calls made for it carry its trace on. OTLP over gRPC, or over HTTP with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (the full .../v1/traces URL).",
+    )
     add("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmrpc.common.tls_files import check_tls_flags
+from llmrpc.common.tracing import check_endpoint
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 # The gRPC servers' default receive limit (--grpc-max-receive-message-size): a larger body
@@ -111,10 +112,12 @@ class ApiSettings:
     enable_request_id_headers: bool = False
     disable_fastapi_docs: bool = False
     middleware: tuple[str, ...] = ()  # import paths of ASGI middleware
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry collector: a span per request
 
     def __post_init__(self) -> None:
         if any(not key for key in self.api_keys):
             raise ValueError("--api-key must not be empty")
+        check_endpoint("--otlp-traces-endpoint", self.otlp_traces_endpoint)
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(
                 f"--chat-template-content-format must be one of {', '.join(CONTENT_FORMATS)}"

@@ -41,6 +41,7 @@ from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
 from llmrpc.server.tls import server_credentials
+from llmrpc.server.tracing import ServerTracing
 from llmrpc.v1 import (
     admin_pb2_grpc,
     embedding_pb2_grpc,
@@ -94,6 +95,7 @@ class RunningServer:
         self._stats_task: asyncio.Task | None = None
         self._hurry = asyncio.Event()
         self._stopped = False
+        self.tracing: ServerTracing | None = None  # --otlp-traces-endpoint
 
     @property
     def engine(self) -> EngineClient | None:
@@ -138,6 +140,7 @@ class RunningServer:
             return
         self._stopped = True
         if self.port is None:  # never bound: nothing serves, nothing to drain
+            await self._end_tracing()
             return
         await self.health.shut_down()
         await self._drain(drain_delay)
@@ -146,7 +149,13 @@ class RunningServer:
             self._stats_task.cancel()
         if self.state.engine is not None:
             await self.state.engine.shutdown()
+        await self._end_tracing()
         logger.info("server stopped")
+
+    async def _end_tracing(self) -> None:
+        """Export the spans still buffered (those of the calls that ended while draining)."""
+        if self.tracing is not None:
+            await self.tracing.shutdown()
 
     async def _drain(self, delay: float) -> None:
         if delay > 0:
@@ -181,10 +190,17 @@ def _engine_facts(model_info) -> dict[str, str]:
     }
 
 
-def _interceptors(frontend: FrontendConfig, calls: CallsInFlight, owners: RequestOwners) -> list:
+def _interceptors(
+    frontend: FrontendConfig,
+    calls: CallsInFlight,
+    owners: RequestOwners,
+    tracing: ServerTracing | None = None,
+) -> list:
     interceptors: list[grpc.aio.ServerInterceptor] = [
         RequestContextInterceptor(SERVICE_NAMES, calls, owners)
     ]
+    if tracing is not None:  # inside the request-id interceptor: its spans know the id
+        interceptors.append(tracing.interceptor(SERVICE_NAMES))
     if frontend.api_key or frontend.admin_api_key:
         keys = KeyRing(frontend.api_key, frontend.admin_api_key)
         interceptors.insert(0, ApiKeyInterceptor(keys, OPEN_SERVICES))
@@ -248,12 +264,14 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
     )
     health = Health(SERVICE_NAMES)
     calls = CallsInFlight()
-    interceptors = _interceptors(frontend, calls, state.owners)
+    tracing = ServerTracing(frontend.tracing) if frontend.tracing.enabled else None
+    interceptors = _interceptors(frontend, calls, state.owners, tracing)
     server = grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
     registry = HandlerRegistry()
     _add_services((server, registry), state, health)
     loopback = LoopbackChannel(registry, interceptors)
     running = RunningServer(server, state, health, calls, frontend.host or "[::]", loopback)
+    running.tracing = tracing
     if frontend.tls.enabled:
         running.credentials = server_credentials(frontend.tls)
     state.effective_config.update(effective_config(engine_config, frontend))

@@ -32,7 +32,6 @@ LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
-TRACING = "needs OpenTelemetry tracing, which this build does not support"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
 NOT_SUPPORTED = "is not supported by this build"
 CUDA_GRAPHS = "sizes CUDA graph capture; this build captures none: steps run eager on CUDA too"
@@ -504,8 +503,17 @@ _MULTIMODAL = _group(
 
 _OBSERVABILITY = _group(
     "observability",
-    refused("--otlp-traces-endpoint", None, str, TRACING),
-    refused("--collect-detailed-traces", None, str, TRACING, nargs="+"),
+    works("--otlp-traces-endpoint", None, str, "tracing.otlp_traces_endpoint",
+          "OpenTelemetry collector URL (http://, or https:// for TLS) for spans of each gRPC "
+          "call and REST request, continuing a caller's W3C traceparent, and of each sample's "
+          "engine phases (queue, prefill, decode, detokenize); every span carries "
+          "gen_ai.request.id. OTLP/gRPC, or OTLP/HTTP with "
+          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf. README: Tracing.", metavar="URL"),
+    works("--collect-detailed-traces", None, str, "tracing.collect_detailed_traces",
+          "Needs --otlp-traces-endpoint. model: gen_ai.latency.time_in_model_forward, worker: "
+          "gen_ai.latency.time_in_model_execute (forward and sampling), all: both; summed over "
+          "the engine steps a sample was in (shared with their batch). README: Tracing.",
+          nargs="+", metavar="MODULE"),
     inert("--show-hidden-metrics-for-version", None, str,
           "has nothing to show: the gateway's /metrics hides no deprecated metric"),
 )  # fmt: skip

@@ -43,6 +43,7 @@ from llmrpc.server.settings import (
     RestConfig,
     TLSConfig,
 )
+from llmrpc.server.tracing_config import TracingConfig
 
 FLAGS_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
 _JSON_FLAGS = {flag.name for flag in FLAGS if flag.is_json}
@@ -60,6 +61,7 @@ _FRONTEND_PARTS = {
     "logs": LogConfig,
     "rest": RestConfig,
     "parsing": ParsingConfig,
+    "tracing": TracingConfig,
 }
 SECTIONS = {**_ENGINE_PARTS, "frontend": FrontendConfig, **_FRONTEND_PARTS}
 # What a --config file's keys name: the long flags (booleans take true or false there).

@@ -20,6 +20,7 @@ from llmrpc.server.logs import current_request_id, log_output, log_request
 from llmrpc.server.output_parsing import ResponseParsing
 from llmrpc.server.state import ServerState
 from llmrpc.server.structured_output import after_reasoning
+from llmrpc.server.tracing import traced_call
 from llmrpc.v1 import generation_pb2_grpc, tokenization_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         num_samples = max(request.sampling.n, 1) if request.sampling.HasField("n") else 1
         with self.state.admission.admit(engine, num_samples), convert.engine_errors(request):
             request_id, prompt, params, parsing = await self._prepare(request, context, engine)
+            traced = traced_call()  # None unless tracing is on and this call is sampled
+            if traced is not None:
+                traced.ask_timings(params, self.state.model_name(request.model))
             outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
+                    if output.timings is not None:  # a traced sample's last output
+                        traced.engine_spans(output)
                     _raise_engine_failure(output)
                     outputs_so_far.add(output)
                     if stream_to is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmrpc.common.tls_files import check_tls_flags
+from llmrpc.server.tracing_config import TracingConfig
 
 DEFAULT_GRPC_PORT = 50051
 MIB = 1024 * 1024
@@ -165,6 +166,7 @@ class FrontendConfig:
     logs: LogConfig = field(default_factory=LogConfig)
     rest: RestConfig = field(default_factory=RestConfig)
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         _check_port("--grpc-port", self.grpc_port)
