@@ -15,6 +15,7 @@ input dtype as torch matmul does (the CPU engine runs it), with no host sync.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,9 @@ class LoRABatch:
         if not rows_of:
             return None
         # two host-to-device copies in all, whatever the number of segments and slots
-        segs = torch.tensor(starts + slots, dtype=torch.int32).to(device, non_blocking=True)
+        segs = torch.tensor(starts + slots, dtype=torch.int32).to(device)
         flat = [row for rows in rows_of.values() for row in rows]
-        flat_rows = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+        flat_rows = torch.tensor(flat, dtype=torch.int64).to(device)
         slot_rows, first = [], 0
         for slot, rows in rows_of.items():
             slot_rows.append((slot, flat_rows[first : first + len(rows)]))
@@ -67,19 +68,22 @@ class LoRABatch:
 
 def _segments(row_slots: list[int]) -> tuple[list[int], list[int], dict[int, list[int]]]:
     """(segment starts with the end appended, each segment's slot, the rows of each slot in
-    use in order of first appearance)."""
+    use in order of first appearance). Python work per run of rows, not per row: a prefill
+    chunk of thousands of rows is one run."""
     starts: list[int] = []
     slots: list[int] = []
     rows_of: dict[int, list[int]] = {}
-    for row, slot in enumerate(row_slots):
+    row = 0
+    for slot, run in itertools.groupby(row_slots):
         if not isinstance(slot, int) or slot < -1:
             raise ValueError(f"row_slots[{row}] is {slot!r}: a slot must be an int >= -1")
-        if not slots or slot != slots[-1]:
-            starts.append(row)
-            slots.append(slot)
+        length = sum(1 for _ in run)
+        starts.append(row)
+        slots.append(slot)
         if slot != -1:
-            rows_of.setdefault(slot, []).append(row)
-    starts.append(len(row_slots))
+            rows_of.setdefault(slot, []).extend(range(row, row + length))
+        row += length
+    starts.append(row)
     return starts, slots, rows_of
 
 
