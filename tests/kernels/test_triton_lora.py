@@ -7,10 +7,12 @@ Poison: the input rows of base-model rows (slot -1) and the weights of a slot no
 NaN, so reading either shows up as NaN in a result; the output buffer of the expand is a column
 slice of a wider buffer whose other columns and whose base-model rows are NaN, and must stay NaN.
 
-Tolerances, per dtype, on results of magnitude up to about 4: the twin rounds the LoRA product,
+Tolerances, per dtype, on results of magnitude up to about 7: the twin rounds the LoRA product,
 the bias sum and the output sum each to the dtype, where the kernel accumulates in float32 and
-rounds once, so bfloat16 and float16 may differ by a few units in the last place (2**-8 and
-2**-11 relative); float32 by the summation order of up to 1536 products.
+rounds once, so bfloat16 and float16 may differ by units in the last place; float32 by the
+summation order of up to 1536 products. Measured in the interpreter over CASES: kernel vs twin at
+most one unit (bfloat16 0.031, float16 0.0039 on values in [4, 8); float32 1.1e-6), twin vs the
+float64 oracle 0.047 (bfloat16), 0.0047 (float16), 1.5e-6 (float32).
 """
 
 from __future__ import annotations
