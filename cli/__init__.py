@@ -22,6 +22,7 @@ DELEGATED_VERBS: dict[str, tuple[str, str]] = {
     "generate": ("llmrpc.clients.cli.generate", "Generate text from a prompt on a running server."),
     "chat": ("llmrpc.clients.cli.chat", "Chat with a running server (streamed, history kept)."),
     "tokenize": ("llmrpc.clients.cli.tokenize", "Tokenize text with a running server's tokenizer."),
+    "embed": ("llmrpc.clients.cli.embed", "Embed texts with a running server's model."),
     "admin": ("llmrpc.clients.cli.admin", "Server info, models, health and request control."),
     "bench": ("llmrpc.clients.bench.cli", "Benchmark a server (serve) or the engine (throughput)."),
     "gateway": ("llmrpc.gateway.cli", "Serve the OpenAI-compatible REST API for gRPC replicas."),

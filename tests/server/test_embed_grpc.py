@@ -4,6 +4,9 @@ encoder refusing generation."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -144,3 +147,15 @@ async def test_health_serves_the_embedding_service(channel):
     request = health_pb2.HealthCheckRequest(service="llmrpc.v1.EmbeddingService")
     response = await health.Check(request)
     assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_the_command_line_client_embeds(server):
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "llmrpc.cli", "embed", TEXTS[0], "--dimensions", "8"),
+        *("--target", f"127.0.0.1:{server.port}"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0
+    (line,) = [json.loads(text) for text in out.decode().splitlines()]
+    assert line["index"] == 0 and len(line["embedding"]) == 8 and line["num_prompt_tokens"] > 2
