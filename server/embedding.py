@@ -95,8 +95,22 @@ def _tokenize_inputs(tokenizer, request) -> list[tuple[str, list[int] | status_p
             message = "needs a tokenizer; this server runs with --skip-tokenizer-init"
             prompts.append((kind, _invalid(f"inputs[{index}].text", message)))
         else:
-            prompts.append((kind, tokenizer.encode(item.text, add_special_tokens=True)))
+            prompts.append((kind, _encode(tokenizer, item.text, request)))
     return prompts
+
+
+def _encode(tokenizer, text: str, request) -> list[int]:
+    """With truncate_prompt_tokens, vLLM's rule for text: the tokenizer keeps the text's last
+    tokens and its special tokens ([CLS] ... [SEP] stay), N in all. (Token ids are cut by the
+    engine: their last N.) The worker's tokenizer is its own, so its side may be set here."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return tokenizer.encode(text, add_special_tokens=True)
+    side, tokenizer.truncation_side = tokenizer.truncation_side, "left"
+    try:
+        limit = request.truncate_prompt_tokens
+        return tokenizer.encode(text, add_special_tokens=True, truncation=True, max_length=limit)
+    finally:
+        tokenizer.truncation_side = side
 
 
 async def _embed_one(engine, request_id: str, index: int, kind: str, prompt, params):

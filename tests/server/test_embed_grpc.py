@@ -49,6 +49,13 @@ def reference() -> torch.Tensor:
     return model.encode(TEXTS, convert_to_tensor=True)
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_dir())
+
+
 def text(value: str) -> embedding_pb2.EmbedInput:
     return embedding_pb2.EmbedInput(text=value)
 
@@ -99,13 +106,19 @@ async def test_one_bad_input_fails_alone(embedding, reference):
     )
 
 
-async def test_dimensions_normalize_and_truncation(embedding):
+async def test_dimensions_normalize_and_truncation(embedding, tokenizer):
     request = embedding_pb2.EmbedRequest(
         inputs=[text(TEXTS[2])], dimensions=64, truncate_prompt_tokens=5
     )
     (result,) = (await embedding.Embed(request)).results
     assert len(result.embedding) == 64 and result.num_prompt_tokens == 5
     assert abs(torch.tensor(list(result.embedding)).norm() - 1) < 1e-5
+    # a text keeps its special tokens and its last tokens, as vLLM truncates: [CLS] ... [SEP]
+    ids = tokenizer.encode(TEXTS[2])
+    kept = token_ids(ids[0], *ids[-4:])
+    same = embedding_pb2.EmbedRequest(inputs=[kept], dimensions=64)
+    (expected,) = (await embedding.Embed(same)).results
+    assert list(result.embedding) == pytest.approx(list(expected.embedding), abs=1e-6)
     raw = embedding_pb2.EmbedRequest(inputs=[text(TEXTS[2])], normalize=False)
     (result,) = (await embedding.Embed(raw)).results
     assert abs(torch.tensor(list(result.embedding)).norm() - 1) > 1e-2
