@@ -29,6 +29,7 @@ V1_SERVICES = {
     "llmrpc.v1.GenerationService",
     "llmrpc.v1.TokenizationService",
     "llmrpc.v1.AdminService",
+    "llmrpc.v1.EmbeddingService",
 }
 
 
