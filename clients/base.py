@@ -275,6 +275,30 @@ class ClientBase:
         request = admin_pb2.IsSleepingRequest()
         return self._call(self._admin.IsSleeping, request, _is_sleeping, timeout)
 
+    def load_lora_adapter(
+        self,
+        name: str,
+        path: str,
+        *,
+        base_model_name: str = "",
+        timeout: float | None = None,
+    ) -> types.LoraAdapter:
+        """Load the PEFT adapter in the server's folder ``path`` as ``name`` (admin key; a
+        server with --enable-lora). Requests then use it with ``lora=name``."""
+        request = admin_pb2.LoadLoraAdapterRequest(
+            lora_name=name, lora_path=path, base_model_name=base_model_name
+        )
+        return self._call(self._admin.LoadLoraAdapter, request, _loaded_adapter, timeout)
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Unload an adapter; requests already running with it finish."""
+        request = admin_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        return self._call(self._admin.UnloadLoraAdapter, request, _nothing, timeout)
+
+    def lora_adapters(self, *, timeout: float | None = None) -> list[types.LoraAdapter]:
+        request = admin_pb2.ListLoraAdaptersRequest()
+        return self._call(self._admin.ListLoraAdapters, request, _adapters, timeout)
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The standard health check: "SERVING" once the model is loaded, else "NOT_SERVING".
 
@@ -301,6 +325,14 @@ def _nothing(response) -> None:
 
 def _is_sleeping(response: admin_pb2.IsSleepingResponse) -> bool:
     return response.is_sleeping
+
+
+def _loaded_adapter(response: admin_pb2.LoadLoraAdapterResponse) -> types.LoraAdapter:
+    return types.lora_adapter_from_proto(response.adapter)
+
+
+def _adapters(response: admin_pb2.ListLoraAdaptersResponse) -> list[types.LoraAdapter]:
+    return [types.lora_adapter_from_proto(adapter) for adapter in response.adapters]
 
 
 def _text(response) -> str:

@@ -62,6 +62,7 @@ class GenerateParams:
     add_special_tokens: bool | None = _in("")
     truncate_prompt_tokens: int | None = _in("")
     priority: int | None = _in("")
+    lora: str | None = _in("")  # a loaded LoRA adapter's name; None: the base model
     # A StructuredOutput as a dict in its JSON form: {"json_schema": {...}}, {"regex": "..."},
     # {"choice": {"choices": [...]}}, {"json_object": True}, {"grammar": "..."}...
     structured_output: Mapping[str, object] | None = None

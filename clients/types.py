@@ -150,7 +150,8 @@ class ModelCard:
     id: str
     max_model_len: int
     owned_by: str
-    root: str = ""  # the folder the server loaded the model from
+    root: str = ""  # the folder the server loaded the model from (a LoRA adapter's folder)
+    parent: str = ""  # a LoRA adapter's base model; "" for a base model
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,20 @@ def tokens_from_proto(response: tokenization_pb2.TokenizeResponse) -> Tokens:
 
 
 def models_from_proto(response: admin_pb2.ListModelsResponse) -> list[ModelCard]:
-    return [ModelCard(m.id, m.max_model_len, m.owned_by, m.root) for m in response.models]
+    return [ModelCard(m.id, m.max_model_len, m.owned_by, m.root, m.parent) for m in response.models]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A loaded LoRA adapter: the name requests use, its folder on the server, its base model."""
+
+    name: str
+    path: str
+    base_model_name: str
+
+
+def lora_adapter_from_proto(adapter: admin_pb2.LoraAdapter) -> LoraAdapter:
+    return LoraAdapter(adapter.name, adapter.path, adapter.base_model_name)
 
 
 def server_info_from_proto(response: admin_pb2.GetServerInfoResponse) -> ServerInfo:

@@ -18,7 +18,6 @@ from llmrpc.engine.scheduler import SchedulerOutput
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import FP8_DTYPES, AttentionMetadata, PrefillSeq
 from llmrpc.kernels.lora import LoRABatch
-from llmrpc.kernels.lora import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,6 @@ class ModelInput:
     sampled_requests: list[Request]
     prompt_spans: list[PromptLogitsSpan]
     lora_batch: LoRABatch | None = None  # the LoRA slot of each row; None: no adapted row
-    lora_batch: LoRABatch | None = None  # the LoRA slot of each row; None: no adapted row
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling requests' rows
 
 
@@ -90,7 +88,6 @@ class ModelRunner:
         self.backend = backend  # --attention-backend, resolved: torch or triton
         # --batch-invariant: every token takes one attention path, whatever the batch
         self.batch_invariant = batch_invariant
-        self.lora = None  # the engine's LoRAManager under --enable-lora
         self.lora = None  # the engine's LoRAManager under --enable-lora
         self._staging = HostStaging(self._device)
         self.block_size = block_size
@@ -292,20 +289,8 @@ class ModelRunner:
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
             lora_batch=lora_batch,
-            lora_batch=lora_batch,
             pool_spans=pool_spans,
         )
-
-
-    def _lora_batch(self, output: SchedulerOutput) -> LoRABatch | None:
-        """Each row's LoRA slot (rows follow ``output.scheduled``); None: no adapted row."""
-        if self.lora is None:
-            return None
-        row_slots = []
-        for request, num_new in output.scheduled:
-            row_slots += [self.lora.slot_of(request)] * num_new
-        backend = "triton" if self.backend == "triton" else "torch"
-        return LoRABatch.from_row_slots(row_slots, self._device, backend)
 
 
     def _lora_batch(self, output: SchedulerOutput) -> LoRABatch | None:

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
     from llmrpc.engine.lora_types import LoRARef
-    from llmrpc.engine.lora_types import LoRARef
     from llmrpc.engine.matching import SuffixTracker
     from llmrpc.engine.pooler import PoolerState
     from llmrpc.engine.structured_output import Grammar
@@ -111,7 +110,6 @@ class SamplingParams:
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     deadline: float | None = None  # time.monotonic() when the caller stops waiting
     structured_output: StructuredOutputSpec | None = None
-    lora_name: str | None = None  # a loaded LoRA adapter (--enable-lora); None: the base model
     lora_name: str | None = None  # a loaded LoRA adapter (--enable-lora); None: the base model
     collect_timings: bool = False  # record RequestTimings for the finished output (tracing)
     pooling: PoolingParams | None = None  # set: an embedding request, prefill only, no sampling
@@ -305,7 +303,6 @@ class Request:
         # per step, for a request that samples under it, the tokens its grammar allows.
         self.grammar: Grammar | None = None
         self.grammar_mask: torch.Tensor | None = None  # [vocab_size] bool
-        self.lora: LoRARef | None = None  # the adapter params.lora_name names, as resolved
         self.lora: LoRARef | None = None  # the adapter params.lora_name names, as resolved
         self.timings: RequestTimings | None = None  # set when params.collect_timings
         # A pooling request's pooler and what it has gathered (engine/pooler.py)

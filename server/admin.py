@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from llmrpc.server import convert
+from llmrpc.server import convert, lora
 from llmrpc.server.auth import caller_var
 from llmrpc.server.errors import FailedPrecondition, InvalidArgument, handle_errors
 from llmrpc.server.state import API_VERSION, SERVICE_NAMES, ServerState, server_version
@@ -50,7 +50,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @handle_errors
     async def ListModels(self, request, context):
-        return convert.list_models_response(self.state.require_engine().model_info)
+        engine = self.state.require_engine()
+        adapters = await engine.list_lora_adapters()
+        return convert.list_models_response(engine.model_info, adapters)
 
     @handle_errors
     async def Abort(self, request, context):
@@ -111,3 +113,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @handle_errors
     async def IsSleeping(self, request, context):
         return admin_pb2.IsSleepingResponse(is_sleeping=self.state.require_engine().is_sleeping)
+
+    @handle_errors
+    async def LoadLoraAdapter(self, request, context):
+        return await lora.load(self.state.require_engine(), request)
+
+    @handle_errors
+    async def UnloadLoraAdapter(self, request, context):
+        return await lora.unload(self.state.require_engine(), request)
+
+    @handle_errors
+    async def ListLoraAdapters(self, request, context):
+        return await lora.list_adapters(self.state.require_engine())

@@ -23,7 +23,15 @@ _ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"]
 # AdminService RPCs any caller may use: they only read, or (Abort) reach only the caller's own
 # requests. Every other AdminService RPC, including any added later, needs an admin key.
 OPEN_ADMIN_METHODS = frozenset(
-    {"GetServerInfo", "GetModelInfo", "ListModels", "GetLoad", "IsSleeping", "Abort"}
+    {
+        "GetServerInfo",
+        "GetModelInfo",
+        "ListModels",
+        "GetLoad",
+        "IsSleeping",
+        "Abort",
+        "ListLoraAdapters",
+    }
 )
 
 

@@ -13,12 +13,19 @@ from collections.abc import Iterator
 
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.core_types import EngineStats, ModelInfo
+from llmrpc.engine.lora_types import (
+    LoRAAdapterExistsError,
+    LoRAAdapterNotFoundError,
+    check_adapter_name,
+)
 from llmrpc.engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
 from llmrpc.server.chat_render import render_chat
 from llmrpc.server.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     Unavailable,
 )
 from llmrpc.server.structured_output import engine_spec
@@ -85,8 +92,13 @@ def engine_errors(request) -> Iterator[None]:
         raise InvalidArgument(field_path(error.field, request), error.message) from None
     except EngineDeadError as error:
         raise Unavailable(f"the engine has stopped and serves no requests: {error}") from None
-    except EngineStateError as error:  # asleep, busy, or sleep mode off
+    except EngineStateError as error:  # asleep, busy, or sleep mode off (or LoRA)
         raise FailedPrecondition("engine", str(error)) from None
+    except LoRAAdapterNotFoundError as error:  # GenerateRequest.lora or an admin call's
+        field = "lora" if "lora" in request.DESCRIPTOR.fields_by_name else "lora_name"
+        raise NotFound("LoRA adapter", getattr(request, field), field, str(error)) from None
+    except LoRAAdapterExistsError as error:
+        raise AlreadyExists(f"lora_name: {error}") from None
     except DeadlineDropped:
         raise DeadlineExceeded(
             "the request could not start before the call's deadline at the server's current "
@@ -177,11 +189,14 @@ def sampling_params(
         truncate_prompt_tokens=_optional(request, "truncate_prompt_tokens", None),
         priority=_optional(request, "priority", 0),
         deadline=deadline,
+        lora_name=request.lora or None,
     )
     # Here as well as in the engine: a bad request is refused before it takes a place in the
     # queue or reaches the engine's thread (sizes first, so a huge list is refused in O(1)).
     with engine_errors(request):
         params.validate()
+        if request.lora:
+            check_adapter_name(request.lora, "lora")
         if request.HasField("structured_output"):
             config = model_info.structured_output
             params.structured_output = engine_spec(request.structured_output, config)
@@ -406,12 +421,24 @@ def model_info_response(name: str, info: ModelInfo) -> admin_pb2.GetModelInfoRes
     return response
 
 
-def list_models_response(info: ModelInfo) -> admin_pb2.ListModelsResponse:
+def list_models_response(
+    info: ModelInfo, adapters: list[dict] = ()
+) -> admin_pb2.ListModelsResponse:
     models = [
         admin_pb2.Model(
             id=name, max_model_len=info.max_model_len, owned_by="llmrpc", root=info.model_dir
         )
         for name in info.served_model_names
+    ]
+    models += [  # LoRA adapters after the base models, as vLLM lists them
+        admin_pb2.Model(
+            id=entry["name"],
+            max_model_len=info.max_model_len,
+            owned_by="llmrpc",
+            root=entry["path"],
+            parent=entry["base_model_name"],
+        )
+        for entry in adapters
     ]
     return admin_pb2.ListModelsResponse(models=models)
 

@@ -73,6 +73,12 @@ class NotFound(ServiceError):
         self.field = field
 
 
+class AlreadyExists(ServiceError):
+    """A resource of that name exists already (e.g. a LoRA adapter)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class DeadlineExceeded(ServiceError):
     """The request was dropped from the queue: it could not start before the call's deadline."""
 

@@ -53,3 +53,15 @@ def make_adapter(base_dir: Path, out_dir: Path, spec: AdapterSpec):
     model = _peft_model(base_dir, spec)
     model.save_pretrained(out_dir)
     return model.merge_and_unload().eval()
+
+
+def greedy_tokens(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """A Transformers model's greedy continuation of one prompt."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -44,6 +44,9 @@ EXPECTED_ROUTES = {
     ("AdminService", "Sleep"): ("post", "/v1/admin/sleep"),
     ("AdminService", "WakeUp"): ("post", "/v1/admin/wake_up"),
     ("AdminService", "IsSleeping"): ("get", "/v1/admin/is_sleeping"),
+    ("AdminService", "LoadLoraAdapter"): ("post", "/v1/admin/load_lora_adapter"),
+    ("AdminService", "UnloadLoraAdapter"): ("post", "/v1/admin/unload_lora_adapter"),
+    ("AdminService", "ListLoraAdapters"): ("get", "/v1/admin/lora_adapters"),
     ("EmbeddingService", "Embed"): ("post", "/v1/embed"),
 }
 # Paths served by the OpenAI-compatible gateway (OpenAI's and vLLM's); ours must not shadow them.
@@ -210,8 +213,9 @@ TUNABLE_MESSAGES = (
     tokenization_pb2.TokenizeRequest,
     tokenization_pb2.DetokenizeRequest,
 )
-# Identity fields, where empty has a meaning of its own (server-made id, default model).
-NOT_TUNABLES = {"request_id", "model"}
+# Identity fields, where empty has a meaning of its own (server-made id, default model, base
+# model without a LoRA adapter).
+NOT_TUNABLES = {"request_id", "model", "lora"}
 
 
 @pytest.mark.parametrize("message", TUNABLE_MESSAGES, ids=lambda m: m.DESCRIPTOR.name)

@@ -90,16 +90,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("id", "max_model_len", "owned_by", "root")
+    __slots__ = ("id", "max_model_len", "owned_by", "root", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     owned_by: str
     root: str
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., owned_by: _Optional[str] = ..., root: _Optional[str] = ...) -> None: ...
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., owned_by: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -186,3 +188,49 @@ class IsSleepingResponse(_message.Message):
     IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
     is_sleeping: bool
     def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "base_model_name")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    base_model_name: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "base_model_name")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    base_model_name: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...

@@ -80,6 +80,21 @@ class AdminServiceStub:
                 request_serializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmrpc.v1.AdminService/LoadLoraAdapter',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmrpc.v1.AdminService/UnloadLoraAdapter',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/llmrpc.v1.AdminService/ListLoraAdapters',
+                request_serializer=llmrpc_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=llmrpc_dot_v1_dot_admin__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -151,6 +166,30 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a PEFT LoRA adapter from a folder on the server (needs --enable-lora, else
+        FAILED_PRECONDITION). ALREADY_EXISTS if the name is taken; INVALID_ARGUMENT for a folder
+        that is not a supported adapter (the description says why) or a rank over --max-lora-rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads an adapter: new requests naming it get NOT_FOUND; those already running with it
+        finish normally. NOT_FOUND if no adapter of that name is loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The loaded LoRA adapters (none without --enable-lora).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +237,21 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingRequest.FromString,
                     response_serializer=llmrpc_dot_v1_dot_admin__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=llmrpc_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=llmrpc_dot_v1_dot_admin__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +498,87 @@ class AdminService:
             '/llmrpc.v1.AdminService/IsSleeping',
             llmrpc_dot_v1_dot_admin__pb2.IsSleepingRequest.SerializeToString,
             llmrpc_dot_v1_dot_admin__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/LoadLoraAdapter',
+            llmrpc_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/UnloadLoraAdapter',
+            llmrpc_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmrpc.v1.AdminService/ListLoraAdapters',
+            llmrpc_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+            llmrpc_dot_v1_dot_admin__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

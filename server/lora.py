@@ -1,0 +1,53 @@
+"""AdminService's LoRA calls (LoadLoraAdapter, UnloadLoraAdapter, ListLoraAdapters) and the
+conversion of the engine's adapter entries to protos. The engine core is the authority on which
+adapters exist: the server asks it and maps its errors (``convert.engine_errors``)."""
+
+from __future__ import annotations
+
+import logging
+
+from llmrpc.engine.lora_types import MAX_LORA_PATH_CHARS, check_adapter_name
+from llmrpc.server import convert
+from llmrpc.server.errors import InvalidArgument
+from llmrpc.v1 import admin_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def adapter_proto(entry: dict) -> admin_pb2.LoraAdapter:
+    return admin_pb2.LoraAdapter(
+        name=entry["name"], path=entry["path"], base_model_name=entry["base_model_name"]
+    )
+
+
+def _check_request(request) -> None:
+    with convert.engine_errors(request):
+        check_adapter_name(request.lora_name)
+    if hasattr(request, "lora_path"):
+        if not request.lora_path:
+            raise InvalidArgument("lora_path", "must not be empty")
+        if len(request.lora_path) > MAX_LORA_PATH_CHARS:
+            raise InvalidArgument("lora_path", f"at most {MAX_LORA_PATH_CHARS} characters")
+
+
+async def load(engine, request) -> admin_pb2.LoadLoraAdapterResponse:
+    _check_request(request)
+    with convert.engine_errors(request):
+        entry = await engine.load_lora_adapter(
+            request.lora_name, request.lora_path, request.base_model_name
+        )
+    logger.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
+    return admin_pb2.LoadLoraAdapterResponse(adapter=adapter_proto(entry))
+
+
+async def unload(engine, request) -> admin_pb2.UnloadLoraAdapterResponse:
+    _check_request(request)
+    with convert.engine_errors(request):
+        await engine.unload_lora_adapter(request.lora_name)
+    logger.info("LoRA adapter %r unloaded", request.lora_name)
+    return admin_pb2.UnloadLoraAdapterResponse()
+
+
+async def list_adapters(engine) -> admin_pb2.ListLoraAdaptersResponse:
+    entries = await engine.list_lora_adapters()
+    return admin_pb2.ListLoraAdaptersResponse(adapters=[adapter_proto(e) for e in entries])
