@@ -230,6 +230,8 @@ class EngineCore:
             self.runner.resize_kv_cache(num_blocks)
         self.compilation = config.compilation
         self._compile_decode()
+        num_seqs, max_len = config.scheduler.max_num_seqs, self.max_model_len
+        num_blocks = self.pooling.kv_blocks(num_blocks, num_seqs, max_len, block_size)
         self.kv_manager = KVCacheManager(
             num_blocks,
             block_size,

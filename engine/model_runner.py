@@ -147,6 +147,8 @@ class ModelRunner:
             metadata.prefill_max_query_len = num_tokens
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device)
+        if not getattr(self.model, "uses_kv_cache", True):  # an encoder: sequences it can embed
+            positions %= self.model.config.max_position_embeddings
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         self.model.compute_logits(hidden[-min(num_sampled, num_tokens) :])
 

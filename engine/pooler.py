@@ -117,6 +117,13 @@ class EnginePooling:
             )
         return dataclasses.replace(config, enable_chunked_prefill=False)
 
+    def kv_blocks(self, num_blocks: int, max_num_seqs: int, max_model_len: int, size: int) -> int:
+        """An encoder's KV blocks are bookkeeping only (it keeps no cache): as many as a full
+        batch of full contexts needs, not as many as the memory would hold."""
+        if not self.encoder:
+            return num_blocks
+        return min(num_blocks, max_num_seqs * -(-max_model_len // size))
+
     def check(self, params: SamplingParams) -> None:
         """Refuse generation on a pooling runner; check a pooling request's own fields."""
         if params.pooling is None:

@@ -88,6 +88,15 @@ def test_minilm_takes_a_full_context_and_refuses_generation(minilm):
         minilm.add_request("generate", prompt[:5], SamplingParams(max_tokens=4))
 
 
+def test_an_encoder_keeps_no_kv_cache():
+    """Sized by memory, an encoder's blocks are bookkeeping for a full batch, and hold no bytes;
+    the profiling step CUDA sizes memory with (2048 tokens) runs as sequences of 512."""
+    core = make_core(minilm_dir(), num_blocks=None, max_model_len=None, max_num_seqs=8)
+    assert core.kv_manager.num_blocks == 8 * 512 // 16
+    assert core.runner.kv_cache_bytes == 0
+    core.runner.profile_run(2048, 8)
+
+
 def _hf_hidden(model_dir, prompts) -> list[torch.Tensor]:
     """Transformers' last hidden states (after the final norm), float32, one prompt at a time."""
     from transformers import AutoModel
