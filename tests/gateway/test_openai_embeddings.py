@@ -16,6 +16,7 @@ from gateway_support import RunningGateway, in_process_gateway
 
 from llmrpc.clients import Client
 from llmrpc.engine.config import EngineConfig, ModelConfig
+from llmrpc.server.settings import FrontendConfig
 
 TEXTS = sentences(5)
 
@@ -23,7 +24,9 @@ TEXTS = sentences(5)
 @pytest.fixture(scope="module")
 def replica(server_loop: ServerLoop) -> Iterator[Replica]:
     config = EngineConfig(model=ModelConfig(model=str(minilm_dir()), dtype="float32"))
-    started = server_loop.start_replica(config, port=0)
+    # The engine on a thread: it starts in seconds (test_embed_grpc covers the engine process).
+    frontend = FrontendConfig(host="127.0.0.1", grpc_port=0, disable_frontend_multiprocessing=True)
+    started = server_loop.start_replica(config, frontend=frontend)
     yield started
     started.stop()
 
