@@ -255,4 +255,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
-    lora: LoRAConfig | None = None  # --enable-lora and its settings; None: LoRA is off
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # --enable-lora and its settings

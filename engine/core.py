@@ -25,7 +25,7 @@ from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.grammar_step import GrammarStep
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
-from llmrpc.engine.lora_manager import build_lora_manager
+from llmrpc.engine.lora_manager import build_lora_manager, resolve_adapter
 from llmrpc.engine.lora_types import LORA_OFF
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.metrics import RateMeter
@@ -240,7 +240,7 @@ class EngineCore:
         )
         scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
-        self.scheduler.max_loras = config.lora.max_loras if config.lora else None
+        self.scheduler.max_loras = config.lora.max_loras if config.lora.enabled else None
         self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
@@ -422,7 +422,7 @@ class EngineCore:
         self.pooling.check(params)
         requests = self.input_processor.make_requests(request_id, prompt_token_ids, params)
         if params.lora_name is not None:
-            lora = self._require_lora().resolve(params.lora_name)
+            lora = resolve_adapter(self.lora, params.lora_name)
             for request in requests:
                 request.lora = lora
         if params.pooling is not None:

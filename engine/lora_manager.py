@@ -65,11 +65,22 @@ def check_lora_options(config: EngineConfig) -> None:
 
 def build_lora_manager(config: EngineConfig, model, model_dtype: torch.dtype):
     """The engine's ``LoRAManager`` under ``--enable-lora``, else None."""
-    if config.lora is None:
+    if not config.lora.enabled:
         return None
     check_lora_options(config)
     names = config.model.served_model_name or (loader.default_served_name(config.model.model),)
     return LoRAManager(config.lora, model, model_dtype, names[0])
+
+
+def resolve_adapter(manager: LoRAManager | None, name: str) -> LoRARef:
+    """The adapter a request names: NOT_FOUND (``LoRAAdapterNotFoundError``) when none of that
+    name is loaded, LoRA being off included (as for any other unknown model name)."""
+    check_adapter_name(name, "lora")
+    if manager is None:
+        raise LoRAAdapterNotFoundError(
+            f"no LoRA adapter named {name!r}: this server runs without --enable-lora"
+        )
+    return manager.resolve(name)
 
 
 class LoRAManager:

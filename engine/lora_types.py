@@ -6,7 +6,7 @@ adapters per step. No torch here: the gRPC server's process imports this module.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmrpc.engine.request import InvalidRequestError
 
@@ -36,6 +36,13 @@ class LoRAModulePath:
     path: str
     base_model_name: str | None = None
 
+    def __str__(self) -> str:  # as the flag takes it (the effective configuration shows it)
+        if self.base_model_name is None:
+            return f"{self.name}={self.path}"
+        return json.dumps(
+            {"name": self.name, "path": self.path, "base_model_name": self.base_model_name}
+        )
+
 
 def parse_lora_module(text: str) -> LoRAModulePath:
     """One ``--lora-modules`` item; ``ValueError`` naming the flag when malformed."""
@@ -62,16 +69,22 @@ def parse_lora_module(text: str) -> LoRAModulePath:
 class LoRAConfig:
     """``--enable-lora`` and its settings (vLLM's names and defaults)."""
 
+    enabled: bool = False  # --enable-lora; off, the other fields are not used
     max_loras: int = 1  # adapters one step may mix (slots of stacked weights per layer)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded in host memory; None: max_loras
     lora_dtype: str = "auto"  # auto: the model's dtype
     enable_lora_bias: bool = False  # adapters may carry a bias on lora_B
-    lora_modules: tuple[LoRAModulePath, ...] = ()  # loaded at start-up
-    # the served model name adapters name as their parent when they do not say
-    default_base_model_name: str = field(default="")
+    # loaded at start-up; --lora-modules' strings are parsed here
+    lora_modules: tuple[LoRAModulePath, ...] = ()
 
     def __post_init__(self) -> None:
+        modules = tuple(
+            parse_lora_module(m) if isinstance(m, str) else m for m in self.lora_modules or ()
+        )
+        object.__setattr__(self, "lora_modules", modules)
+        if modules and not self.enabled:
+            raise ValueError("--lora-modules needs --enable-lora")
         if self.max_loras < 1:
             raise ValueError(f"--max-loras must be at least 1, got {self.max_loras}")
         if self.max_lora_rank not in SUPPORTED_MAX_RANKS:

@@ -14,7 +14,7 @@ import contextlib
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from llmrpc.gateway import chat, completions, embeddings, responses_api, routes
+from llmrpc.gateway import chat, completions, embeddings, lora_routes, responses_api, routes
 from llmrpc.gateway.body_limit import BodyLimitMiddleware
 from llmrpc.gateway.errors import install_handlers
 from llmrpc.gateway.middleware import (
@@ -52,7 +52,7 @@ def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
     app.state.gateway = gateway
     install_handlers(app)
     routers = (completions.router, chat.router, embeddings.router, responses_api.router)
-    for router in (*routers, routes.router):
+    for router in (*routers, lora_routes.router, routes.router):
         app.include_router(router)
     routes.add_optional_routes(app, settings.api)
     _add_middleware(app, settings, gateway, tracing)

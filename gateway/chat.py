@@ -112,7 +112,7 @@ class ChatCall:
         self.timer.finish(prompt, generated, reasons)
 
     def _call_args(self) -> tuple[tuple, dict]:
-        kwargs = {"model": self.body.model or "", "request_id": self.request_id}
+        kwargs = {**self.gateway.grpc_model(self.body.model), "request_id": self.request_id}
         return (self.messages,), {**kwargs, "chat_options": self.options, **self.params}
 
     def _add_reasoning(self, message: dict, reasoning: str) -> None:

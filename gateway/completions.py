@@ -77,7 +77,9 @@ class CompletionCall:
         self.prompts = _prompts(body.prompt)
         self.request_id = rid
         self.model = model
-        self.grpc_model = body.model or ""
+        target = gateway.grpc_model(body.model)
+        self.grpc_model = target.pop("model")
+        self.params.update(target)  # lora, when body.model names an adapter
         as_ids = gateway.api.return_tokens_as_token_ids or bool(body.return_tokens_as_token_ids)
         self.names = responses.TokenNames(as_ids)
         self.timer = RequestTimer(gateway.metrics)

@@ -17,6 +17,7 @@ COMPLETION_PARAMS: dict[str, str | None] = {
     "input": "prompt",
     "output.prompt_logprobs": "logprobs",  # set from logprobs when echoing
     "stopping.time_limit_ms": None,
+    "lora": "model",  # a model name that is no served model's is a LoRA adapter's
 }
 
 # The same for chat completions: the prompt is the messages.

@@ -168,7 +168,7 @@ class ResponseCall:
             "structured_output": _structured_output(body),
         }
         kwargs = {name: value for name, value in params.items() if value is not None}
-        kwargs.update(model=body.model or "", request_id=self.request_id)
+        kwargs.update(self.gateway.grpc_model(body.model), request_id=self.request_id)
         return {**kwargs, "chat_options": self._chat_options()}
 
     async def _reasoning_tokens(self, reasoning: str) -> int:
@@ -176,7 +176,8 @@ class ResponseCall:
         output tokens, reasoning or not, as one)."""
         if not reasoning:
             return 0
-        kwargs = {"model": self.body.model or "", "add_special_tokens": False}
+        model = self.gateway.grpc_model(self.body.model)["model"]  # an adapter's is its base's
+        kwargs = {"model": model, "add_special_tokens": False}
         return (await self.gateway.pool.call("tokenize", reasoning, **kwargs)).count
 
     def _end(self, response: dict, usage, reason) -> None:

@@ -48,7 +48,7 @@ def _model_card(card, created: int) -> dict:
         "created": created,
         "owned_by": card.owned_by,
         "root": card.root or card.id,
-        "parent": None,
+        "parent": card.parent or None,  # a LoRA adapter's base model, as vLLM lists it
         "max_model_len": card.max_model_len,
     }
 

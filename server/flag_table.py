@@ -28,7 +28,6 @@ from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
 ONE_DEVICE = "needs several devices or processes; this build runs one engine, in one process"
-LORA = "needs LoRA adapters, which this build does not support"
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
@@ -198,7 +197,10 @@ _FRONTEND = _group(
           "use memory while it runs, so trust its senders."),
     works("--response-role", "assistant", str, "rest.response_role",
           "Role of REST chat answers when add_generation_prompt is true."),
-    refused("--lora-modules", None, str, LORA, nargs="+"),
+    works("--lora-modules", None, str, "lora.lora_modules",
+          "LoRA adapters loaded at start-up (needs --enable-lora): name=path, or JSON "
+          '{"name": ..., "path": ..., "base_model_name": ...}; path is a local PEFT folder.',
+          nargs="+"),
     works("--return-tokens-as-token-ids", False, None, "rest.return_tokens_as_token_ids",
           "REST logprob tokens written as token_id:N."),
     works("--enable-auto-tool-choice", False, None, "parsing.enable_auto_tool_choice",
@@ -478,16 +480,33 @@ _SCHEDULER = _group(
 
 _LORA = _group(
     "LoRA",
-    refused("--enable-lora", False, None, LORA),
-    refused("--enable-lora-bias", False, None, LORA),
-    refused("--max-loras", 1, int, LORA),
-    refused("--max-lora-rank", 16, int, LORA),
-    refused("--lora-extra-vocab-size", 256, int, LORA),
-    refused("--lora-dtype", "auto", str, LORA),
-    refused("--max-cpu-loras", None, int, LORA),
-    refused("--fully-sharded-loras", False, None, LORA),
-    refused("--long-lora-scaling-factors", None, float, LORA, nargs="+"),
-    refused("--default-mm-loras", None, json_object, LORA),
+    works("--enable-lora", False, None, "lora.enabled",
+          "Serve PEFT LoRA adapters (native models): a request names one (gRPC lora, OpenAI "
+          "model); a batch mixes adapters and the base model. Refused with -O1..3 and "
+          "--batch-invariant."),
+    works("--enable-lora-bias", False, None, "lora.enable_lora_bias",
+          "Take adapters whose lora_B has a bias (PEFT lora_bias=True); else they are refused."),
+    works("--max-loras", 1, int, "lora.max_loras",
+          "Adapters one step may mix; requests of one more adapter wait (base-model ones pass)."),
+    works("--max-lora-rank", 16, int, "lora.max_lora_rank",
+          "Largest adapter rank; a higher one is refused at load (INVALID_ARGUMENT).",
+          choices=(1, 8, 16, 32, 64, 128, 256, 320, 512)),
+    inert("--lora-extra-vocab-size", 256, int,
+          "reserves rows for adapters' added tokens; adapters with added tokens (embedding "
+          "targets) are refused here, so no rows are needed"),
+    works("--lora-dtype", "auto", str, "lora.lora_dtype",
+          "dtype of the adapters' weights: auto, the model's (one that differs from the "
+          "model's is refused at start-up).",
+          choices=("auto", "float16", "bfloat16", "float32")),
+    works("--max-cpu-loras", None, int, "lora.max_cpu_loras",
+          "Adapters kept in host memory (default --max-loras); others are read again when used."),
+    inert("--fully-sharded-loras", False, None,
+          "shards LoRA layers across tensor-parallel devices; this build runs one device, where "
+          "there is nothing to shard"),
+    refused("--long-lora-scaling-factors", None, float,
+            "needs long-context LoRA (per-adapter rope scaling), which this build does not "
+            "support", nargs="+"),
+    refused("--default-mm-loras", None, json_object, MULTIMODAL),
 )  # fmt: skip
 
 _MULTIMODAL = _group(

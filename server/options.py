@@ -31,6 +31,7 @@ from llmrpc.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from llmrpc.engine.lora_types import LoRAConfig
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
@@ -54,6 +55,7 @@ _ENGINE_PARTS = {
     "scheduler": SchedulerConfig,
     "compilation": CompilationConfig,
     "structured_output": StructuredOutputConfig,
+    "lora": LoRAConfig,
 }
 _FRONTEND_PARTS = {
     "tls": TLSConfig,

@@ -41,7 +41,7 @@ def lora_core(model_dir, adapters: dict, **lora) -> EngineCore:
                 model=str(model_dir), dtype="float32", max_model_len=256, device="cpu"
             ),
             cache=CacheConfig(num_gpu_blocks_override=128),
-            lora=LoRAConfig(lora_modules=modules, **lora),
+            lora=LoRAConfig(enabled=True, lora_modules=modules, **lora),
         )
     )
 
@@ -164,7 +164,7 @@ def test_lora_off_refuses_adapters(tiny_llama_dir):
     from engine_utils import make_core
 
     core = make_core(tiny_llama_dir)
-    with pytest.raises(EngineStateError, match="--enable-lora"):
+    with pytest.raises(LoRAAdapterNotFoundError, match="--enable-lora"):
         core.add_request("x", [1, 2, 3], SamplingParams(lora_name="any"))
     with pytest.raises(EngineStateError, match="--enable-lora"):
         core.load_lora_adapter("any", "/nowhere")

@@ -42,7 +42,9 @@ def adapters(tiny_llama_dir, tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_llama_dir, adapters) -> AsyncIterator[RunningServer]:
     lora = LoRAConfig(
-        max_loras=2, lora_modules=(LoRAModulePath("first", str(adapters["first"][0])),)
+        enabled=True,
+        max_loras=2,
+        lora_modules=(LoRAModulePath("first", str(adapters["first"][0])),),
     )
     config = dataclasses.replace(tiny_engine_config(tiny_llama_dir), lora=lora)
     running = await start_server(config, frontend=frontend_config("process"))
@@ -170,8 +172,9 @@ async def test_a_server_without_lora_refuses_the_calls(tiny_llama_dir):
             listed = await admin.ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest())
             assert list(listed.adapters) == []
             generation = generation_pb2_grpc.GenerationServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as error:
+            with pytest.raises(grpc.aio.AioRpcError) as error:  # as an unknown model
                 await generation.Generate(_request("a"))
-            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "--enable-lora" in error.value.details()
     finally:
         await running.stop(grace=0)

@@ -1,0 +1,72 @@
+"""vLLM's LoRA routes: ``POST /v1/load_lora_adapter`` ({"lora_name", "lora_path"}) and
+``POST /v1/unload_lora_adapter`` ({"lora_name"}), over AdminService's LoadLoraAdapter and
+UnloadLoraAdapter, on every serving replica (requests may go to any of them).
+
+They answer as vLLM does: 200 with a plain-text "Success: ..." line. Errors are OpenAI error
+objects from the gRPC status: 400 naming the field (a bad folder, a rank over --max-lora-rank,
+a server without --enable-lora), 404 (unload of an adapter not loaded), 409 (a name in use).
+Like every other route, the caller's key reaches the server, which lets only an admin key
+(``--admin-api-key``, when set) change adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from llmrpc.clients import LlmrpcError
+from llmrpc.gateway.errors import from_grpc
+from llmrpc.gateway.json_body import JsonRoute
+from llmrpc.gateway.openai_models import StrictModel
+from llmrpc.gateway.openapi_docs import ERRORS
+from llmrpc.gateway.state import gateway_of
+
+router = APIRouter(route_class=JsonRoute, responses=ERRORS)
+
+# gRPC field paths -> the body's fields (the same names)
+LORA_PARAMS: dict[str, str | None] = {
+    "lora_name": "lora_name",
+    "lora_path": "lora_path",
+    "engine": None,  # FAILED_PRECONDITION (LoRA off) names no field of the body
+}
+
+
+class LoadLoraAdapterBody(StrictModel):
+    lora_name: str
+    lora_path: str
+    base_model_name: str = ""  # ours: the served model it adapts (default: the default model)
+
+
+class UnloadLoraAdapterBody(StrictModel):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's body may carry it; the name decides here
+
+
+async def _on_every_replica(request: Request, method: str, *args, **kwargs) -> None:
+    serving = gateway_of(request).pool.serving
+    try:
+        if not serving:  # UNAVAILABLE, as any call to no replica
+            await gateway_of(request).pool.call(method, *args, **kwargs)
+        await asyncio.gather(*(getattr(b.client, method)(*args, **kwargs) for b in serving))
+    except LlmrpcError as error:
+        raise from_grpc(error, LORA_PARAMS) from None
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
+    await _on_every_replica(
+        request,
+        "load_lora_adapter",
+        body.lora_name,
+        body.lora_path,
+        base_model_name=body.base_model_name,
+    )
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> str:
+    await _on_every_replica(request, "unload_lora_adapter", body.lora_name)
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

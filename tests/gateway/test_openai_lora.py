@@ -1,0 +1,111 @@
+"""LoRA through the REST gateway: the OpenAI SDK with ``model`` naming an adapter, adapters in
+``/v1/models`` (vLLM's shape: id, root, parent), and vLLM's load/unload routes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from envoy_support import Replica, ServerLoop, tiny_engine_config
+from gateway_support import RunningGateway, in_process_gateway
+from lora_adapters import AdapterSpec, greedy_tokens, make_adapter
+
+from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
+
+PROMPT = [1, 504, 3458, 314, 260, 3575, 282]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    """name -> (folder, the text of PEFT's merged model's greedy tokens for PROMPT)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    made = {}
+    for name, spec in {
+        "sql": AdapterSpec(8, 16, seed=21),
+        "poem": AdapterSpec(4, 8, seed=22),
+    }.items():
+        folder = tmp_path_factory.mktemp(name)
+        merged = make_adapter(tiny_llama_dir, folder, spec)
+        made[name] = (folder, tokenizer.decode(greedy_tokens(merged, PROMPT, MAX_TOKENS)))
+    return made
+
+
+@pytest.fixture(scope="module")
+def replica(server_loop: ServerLoop, tiny_llama_dir: Path, adapters) -> Iterator[Replica]:
+    lora = LoRAConfig(
+        enabled=True, max_loras=2, lora_modules=(LoRAModulePath("sql", str(adapters["sql"][0])),)
+    )
+    config = dataclasses.replace(tiny_engine_config(tiny_llama_dir), lora=lora)
+    started = server_loop.start_replica(config, port=0)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(server_loop: ServerLoop, replica: Replica) -> Iterator[RunningGateway]:
+    yield from in_process_gateway(server_loop, replica)
+
+
+def _complete(sdk: openai.OpenAI, model: str) -> str:
+    reply = sdk.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.model == model
+    return reply.choices[0].text
+
+
+def test_models_list_the_adapters_with_their_parent(sdk, adapters):
+    models = [model.model_dump() for model in sdk.models.list().data]
+    base, adapter = models[0], models[1]
+    assert base["parent"] is None
+    assert (adapter["id"], adapter["parent"]) == ("sql", base["id"])
+    assert adapter["root"] == str(adapters["sql"][0])
+
+
+def test_model_naming_an_adapter_generates_with_it(sdk, adapters):
+    assert _complete(sdk, "sql") == adapters["sql"][1]
+    base = sdk.models.list().data[0].id
+    assert _complete(sdk, base) != adapters["sql"][1]
+    chat = sdk.chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
+    assert chat.model == "sql" and chat.choices[0].message.content is not None
+
+
+def test_an_unknown_model_is_404_naming_model(sdk):
+    with pytest.raises(openai.NotFoundError) as caught:
+        _complete(sdk, "no-such-adapter")
+    assert caught.value.body["param"] == "model"
+
+
+def test_load_and_unload_routes(sdk, gateway, adapters, tmp_path):
+    folder = str(adapters["poem"][0])
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "poem", "lora_path": folder})
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.text == "Success: LoRA adapter 'poem' added successfully."
+        assert _complete(sdk, "poem") == adapters["poem"][1]
+        assert "poem" in {model.id for model in sdk.models.list().data}
+        again = http.post("/v1/load_lora_adapter", json={"lora_name": "poem", "lora_path": folder})
+        assert again.status_code == 409
+        missing = str(tmp_path / "nowhere")
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": missing})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "poem"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert unloaded.text == "Success: LoRA adapter 'poem' removed successfully."
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "poem"})
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
+    with pytest.raises(openai.NotFoundError):
+        _complete(sdk, "poem")
