@@ -3,14 +3,18 @@ LM used as an embedder against Transformers' hidden states, in batches with gene
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from embedding_models import minilm_dir, sentences
 from engine_utils import hf_greedy, make_core, run_to_completion
 from torch.nn import functional
 
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+from llmrpc.engine.core import EngineCore
 from llmrpc.engine.core_types import EngineStateError
-from llmrpc.engine.pooling import PoolingParams
+from llmrpc.engine.pooling import PoolerConfig, PoolingParams, model_pooler_config
 from llmrpc.engine.request import InvalidRequestError, SamplingParams
 
 MIN_COSINE = 0.9999
@@ -159,3 +163,49 @@ def test_mean_pooling_after_a_prefix_hit(tiny_llama_dir, decoder_case):
     )
     expected = functional.normalize(rows[-1], dim=0)  # a decoder's default: LAST, normalized
     torch.testing.assert_close(torch.tensor(outputs["last"].embedding), expected)
+
+
+def test_an_encoder_needs_a_step_that_fits_its_context():
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 256 is smaller than"):
+        make_core(minilm_dir(), max_model_len=None, max_num_batched_tokens=256)
+
+
+def test_a_pooling_runner_decoder_embeds_and_refuses_generation(tiny_llama_dir, decoder_case):
+    prompts, hidden = decoder_case
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", runner="pooling"),
+        cache=CacheConfig(num_gpu_blocks_override=64),
+    )
+    core = EngineCore(config)
+    assert core.model_info.runner == "pooling"
+    with pytest.raises(EngineStateError, match="--runner pooling"):
+        core.add_request("generate", prompts[0], SamplingParams(max_tokens=2))
+    output = run_to_completion(core, {"embed": (prompts[0], pooling())})["embed"]
+    torch.testing.assert_close(
+        torch.tensor(output.embedding), functional.normalize(hidden[0][-1], dim=0)
+    )
+
+
+def _write_json(path, value) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))
+
+
+def test_pooler_defaults_follow_the_sentence_transformers_folder(tmp_path):
+    assert model_pooler_config(minilm_dir(), True, {}) == PoolerConfig("MEAN", True)
+    assert model_pooler_config(tmp_path, True, {}) == PoolerConfig("CLS", True)
+    assert model_pooler_config(tmp_path, False, {}) == PoolerConfig("LAST", True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    _write_json(tmp_path / "modules.json", modules)
+    _write_json(tmp_path / "1_Pooling" / "config.json", {"pooling_mode_lasttoken": True})
+    assert model_pooler_config(tmp_path, True, {}) == PoolerConfig("LAST", False)
+    override = {"pooling_type": "cls", "normalize": True}
+    assert model_pooler_config(tmp_path, True, override) == PoolerConfig("CLS", True)
