@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from typing import Any
 
 import grpc
@@ -23,6 +24,8 @@ import grpc
 from llmrpc.common import tracing as otlp
 from llmrpc.server.logs import current_request_id
 from llmrpc.server.tracing_config import TracingConfig
+
+logger = logging.getLogger(__name__)
 
 # The traced call running in this task (set by the interceptor; None: not traced).
 _call_var: contextvars.ContextVar[TracedCall | None] = contextvars.ContextVar(
@@ -163,7 +166,14 @@ class TracedCall:
             self.request_attributes["gen_ai.request.max_tokens"] = params.max_tokens
 
     def engine_spans(self, output) -> None:
-        """The spans of one finished sample (``output.timings`` set)."""
-        from llmrpc.server.tracing_spans import engine_spans
+        """The spans of one finished sample (``output.timings`` set), built once the call's task
+        next waits: the response need not wait for them (they take a millisecond or so)."""
+        asyncio.get_running_loop().call_soon(self._build_engine_spans, output)
 
-        engine_spans(self, output)
+    def _build_engine_spans(self, output) -> None:
+        try:
+            from llmrpc.server.tracing_spans import engine_spans
+
+            engine_spans(self, output)
+        except Exception:  # noqa: BLE001 - tracing never fails or stops a request
+            logger.exception("building the engine spans of %s failed", self.request_id)
