@@ -31,6 +31,8 @@ OPENAI_EXACT_PATHS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
     "/tokenize",
     "/detokenize",
     "/get_tokenizer_info",

@@ -61,3 +61,18 @@ def test_openai_sdk_through_envoy(sdk, gateway):
 def test_native_json_api_on_the_same_listener(envoy):
     reply = httpx.post(f"http://{envoy.address}/v1/tokenize", json={"text": "Hello"}, timeout=30)
     assert reply.status_code == 200 and reply.json()["count"] >= 1
+
+
+def test_embeddings_through_envoy(sdk, gateway, envoy):
+    """/v1/embeddings and /v1/rerank go to the REST gateway; /v1/embed is the native Embed,
+    transcoded by Envoy, with the same vector (a decoder's LAST pooling here)."""
+    direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    vector = sdk.embeddings.create(model="", input="Hello").data[0].embedding
+    assert vector == direct.embeddings.create(model="", input="Hello").data[0].embedding
+    rerank = {"query": "Hello", "documents": ["Hello", "Goodbye"]}
+    reply = httpx.post(f"http://{envoy.address}/v1/rerank", json=rerank, timeout=30)
+    assert reply.status_code == 200 and reply.json()["results"][0]["index"] == 0
+    native = {"inputs": [{"text": "Hello"}]}
+    reply = httpx.post(f"http://{envoy.address}/v1/embed", json=native, timeout=30)
+    assert reply.status_code == 200
+    assert reply.json()["results"][0]["embedding"] == pytest.approx(vector, abs=1e-6)
