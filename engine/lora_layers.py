@@ -22,12 +22,44 @@ from llmrpc.engine.lora_peft import LoRAAdapter
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.kernels.lora import LoRABatch, lora_expand, lora_shrink
 
+# On the CPU, a step of at most this many rows takes every slot's adapter in one masked matmul
+# (``LoRAContext.dense``) instead of a gather, matmul and scatter per slot: at decode sizes the
+# per-slot ops' fixed costs outweigh the other slots' wasted multiply-adds (README, LoRA).
+# Longer steps (prompt chunks) take the segmented kernels' torch twin.
+DENSE_MAX_ROWS = 128
+
 
 class LoRAContext:
     """What every LoRA wrapper of a model reads during one forward pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, dense_allowed: bool = False) -> None:
+        self.dense_allowed = dense_allowed  # the torch backend on the CPU
         self.batch: LoRABatch | None = None  # None: no row uses an adapter this step
+        self.dense = False  # this step takes the dense path
+
+    def set_batch(self, batch: LoRABatch | None, num_rows: int) -> None:
+        self.batch = batch
+        self.dense = batch is not None and self.dense_allowed and num_rows <= DENSE_MAX_ROWS
+        self._onehot: torch.Tensor | None = None
+        self._masks: dict[int, torch.Tensor] = {}
+        self._num_rows = num_rows
+
+    def onehot(self, num_slots: int, like: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, num_slots]``: 1 where a row uses a slot (none for base-model rows)."""
+        if self._onehot is None:
+            onehot = like.new_zeros(self._num_rows, num_slots)
+            for slot, rows in self.batch.slot_rows:
+                onehot[rows, slot] = 1
+            self._onehot = onehot
+        return self._onehot
+
+    def mask(self, num_slots: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, num_slots * width]``: each row's own slot's ``width`` columns."""
+        mask = self._masks.get(width)
+        if mask is None:
+            onehot = self.onehot(num_slots, like)
+            mask = self._masks[width] = onehot.repeat_interleave(width, dim=1)
+        return mask
 
 
 @dataclass(frozen=True)
@@ -89,14 +121,30 @@ class LoRALinear(nn.Module):
         self.bias_stacked = (
             torch.zeros(num_slots, out_total, dtype=dtype, device=device) if with_bias else None
         )
+        # [num_slots * rank_total, out]: every slot's B, transposed, for the dense path
+        self.b_all = torch.zeros(num_slots * rank_total, out_total, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.context.batch
         if batch is None:
             return out
+        if self.context.dense:
+            return self._dense(x, out)
         h = lora_shrink(x, self.a_stacked, batch)  # [num_tokens, n * max_rank]
         lora_expand(h, self.b_stacked, batch, out, self.bias_stacked)
+        return out
+
+    def _dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every slot's shrink for every row in one matmul, the other slots' columns zeroed,
+        then one expand: the same sums as the segmented kernels for each row's own slot."""
+        num_slots, width, in_features = self.a_stacked.shape
+        a_all = self.a_stacked.view(num_slots * width, in_features)
+        # [num_rows, num_slots * width]
+        h = torch.mm(x, a_all.T).mul_(self.context.mask(num_slots, width, x))
+        out.addmm_(h, self.b_all)
+        if self.bias_stacked is not None:
+            out.addmm_(self.context.onehot(num_slots, x), self.bias_stacked)
         return out
 
     def set_slot(self, slot: int, slices: list) -> None:
@@ -117,6 +165,8 @@ class LoRALinear(nn.Module):
                 if weights.bias is not None and self.bias_stacked is not None:
                     self.bias_stacked[slot, offset : offset + out_size].copy_(weights.bias)
             offset += out_size
+        rank_total = self.a_stacked.shape[1]
+        self.b_all[slot * rank_total : (slot + 1) * rank_total] = self.b_stacked[slot].T
 
 
 class LoRAModel:
@@ -135,10 +185,10 @@ class LoRAModel:
                 f"--enable-lora serves the native Llama-family models; {type(model).__name__} "
                 "(e.g. --model-impl transformers) has no LoRA support here"
             )
-        self.context = LoRAContext()
+        device = next(model.parameters()).device
+        self.context = LoRAContext(dense_allowed=device.type == "cpu")
         self.shapes = module_shapes(model)
         self.num_layers = len(model.layers)
-        device = next(model.parameters()).device
         self.wrappers: dict[tuple[int, str], LoRALinear] = {}
         for index, layer in enumerate(model.layers):
             for target in TARGETS:

@@ -191,7 +191,7 @@ class ModelRunner:
         metadata = model_input.metadata
         inputs = (model_input.input_ids, model_input.positions, self.kv_caches, metadata)
         if self.lora is not None:  # what the LoRA layers read during this forward
-            self.lora.context.batch = model_input.lora_batch
+            self.lora.context.set_batch(model_input.lora_batch, len(model_input.input_ids))
         hidden = None
         if self.compiled_decode is not None and metadata.decodes_only:
             hidden = self.compiled_decode(*inputs)  # None: run eager

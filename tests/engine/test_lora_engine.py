@@ -8,6 +8,7 @@ import pytest
 from engine_utils import greedy_generate, hf_greedy, run_to_completion
 from lora_adapters import AdapterSpec, make_adapter
 
+from llmrpc.engine import lora_layers
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.core_types import EngineStateError
@@ -91,7 +92,12 @@ def _check_tokens(outputs, adapters, names, num_prompts):
         assert got == expected, name
 
 
-def test_mixed_batch_matches_peft_merged_models(core, adapters, prompts):
+@pytest.mark.parametrize("dense_max_rows", [0, 10**6], ids=["segmented", "dense"])
+def test_mixed_batch_matches_peft_merged_models(
+    core, adapters, prompts, monkeypatch, dense_max_rows
+):
+    """Both CPU paths: the segmented kernels' twin, and one masked matmul over all slots."""
+    monkeypatch.setattr(lora_layers, "DENSE_MAX_ROWS", dense_max_rows)
     names = ["", *ADAPTERS]
     outputs = run_to_completion(core, _requests(prompts, names))
     _check_tokens(outputs, adapters, names, len(prompts))
