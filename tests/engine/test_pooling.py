@@ -209,3 +209,33 @@ def test_pooler_defaults_follow_the_sentence_transformers_folder(tmp_path):
     assert model_pooler_config(tmp_path, True, {}) == PoolerConfig("LAST", False)
     override = {"pooling_type": "cls", "normalize": True}
     assert model_pooler_config(tmp_path, True, override) == PoolerConfig("CLS", True)
+
+
+def test_a_masked_lm_checkpoint_loads_without_its_head(tmp_path):
+    """BertForMaskedLM weights carry a "bert." prefix and an MLM head ("cls."): the encoder
+    loads the rest and matches Transformers' hidden states (random weights, GELU, 3 layers)."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    hf_model = BertForMaskedLM(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(tmp_path)
+    core = make_core(tmp_path, num_blocks=64, max_model_len=None)
+    prompts = [[101, 7592, 2088, 102], [101, 2023, 2003, 1037, 3231, 1012, 102]]
+    params = {kind: pooling(pooling_type=kind, normalize=False) for kind in ("CLS", "MEAN")}
+    requests = {f"{k}{i}": (p, v) for k, v in params.items() for i, p in enumerate(prompts)}
+    outputs = run_to_completion(core, requests)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            rows = hf_model.bert(torch.tensor([prompt])).last_hidden_state[0]
+        for kind, expected in (("CLS", rows[0]), ("MEAN", rows.mean(dim=0))):
+            got = torch.tensor(outputs[f"{kind}{i}"].embedding)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
