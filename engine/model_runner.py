@@ -294,7 +294,6 @@ class ModelRunner:
             pool_spans=pool_spans,
         )
 
-
     def _lora_batch(self, output: SchedulerOutput) -> LoRABatch | None:
         """Each row's LoRA slot (rows follow ``output.scheduled``); None: no adapted row."""
         if self.lora is None:
@@ -302,8 +301,9 @@ class ModelRunner:
         row_slots = []
         for request, num_new in output.scheduled:
             row_slots += [self.lora.slot_of(request)] * num_new
-        backend = "triton" if self.backend == "triton" else "torch"
-        return LoRABatch.from_row_slots(row_slots, self._device, backend)
+        # the Triton kernels on CUDA; the CPU (where Triton is only interpreted) the torch twin
+        triton = self.backend == "triton" and self._device.type == "cuda"
+        return LoRABatch.from_row_slots(row_slots, self._device, "triton" if triton else "torch")
 
 
 def _device_of(model: nn.Module) -> torch.device:
