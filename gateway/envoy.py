@@ -33,6 +33,8 @@ OPENAI_EXACT_PATHS = (
     "/v1/embeddings",
     "/v1/score",
     "/v1/rerank",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/tokenize",
     "/detokenize",
     "/get_tokenizer_info",

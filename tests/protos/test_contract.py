@@ -59,6 +59,8 @@ OPENAI_PATHS = (
     "/v1/audio",
     "/v1/score",
     "/v1/rerank",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/tokenize",
     "/detokenize",
     "/health",
