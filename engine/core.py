@@ -532,7 +532,7 @@ class EngineCore:
             logprobs = dict(zip(ids, sampled.logprobs, strict=True))
         updated = self.scheduler.update_from_output(scheduled, tokens, failed)
         record_step(scheduled.scheduled, updated, forward_started, forward_s, execute_s)
-        pooled = self.pooling.finish(self, model_output.pooled, failed)
+        pooled = self.pooling.finish(self.scheduler, self._output, model_output.pooled, failed)
         self.grammar_step.advance(requests, updated, failed)
         updated = [request for request in updated if request not in failed]
         outputs = [self._process_new_token(r, logprobs[r.request_id], failed) for r in updated]

@@ -150,8 +150,9 @@ class EnginePooling:
             request.pooler_state = PoolerState(resolved, every_row)
 
     @staticmethod
-    def finish(core, pooled: list[Request], failed: dict) -> list:
-        """End the requests whose prompt this step completed, each with its embedding."""
+    def finish(scheduler, make_output, pooled: list[Request], failed: dict) -> list:
+        """End the requests whose prompt this step completed, each with its embedding
+        (``make_output``: the engine's output of a request, an error output if that fails)."""
         outputs = []
         for request in pooled:
             if request in failed or request.is_finished:
@@ -161,8 +162,8 @@ class EnginePooling:
             except Exception as error:  # noqa: BLE001 - this request's own fault
                 failed[request] = f"pooling failed: {error!r}"
                 continue
-            core.scheduler.finish_request(request, FinishReason.LENGTH)
-            output = core._output(request, [])
+            scheduler.finish_request(request, FinishReason.LENGTH)
+            output = make_output(request, [])
             if output.error is None:
                 output.embedding = embedding
             outputs.append(output)
