@@ -8,11 +8,8 @@ turns a request's hidden rows into its embedding is ``engine/pooler.py``, on the
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # Architectures that run as bidirectional encoders (engine/models/bert.py): they pool, never
@@ -105,7 +102,9 @@ def resolve_runner(runner: str, convert: str, task: str | None, architectures) -
 def model_pooler_config(model_dir: Path, encoder: bool, overrides: dict) -> PoolerConfig:
     """The pooling a model's folder asks for, as vLLM reads it: sentence-transformers'
     ``modules.json`` (its Pooling module's config, a Normalize module), else CLS for an
-    encoder and LAST for a decoder, both normalized; then ``--override-pooler-config``."""
+    encoder and LAST for a decoder, both normalized; then ``--override-pooler-config``.
+    A Pooling module this build cannot reproduce (max, weighted mean, several modes
+    concatenated) stops start-up unless the override names a pooling_type."""
     pooling_type, normalize = ("CLS" if encoder else "LAST"), True
     modules = _read_json(Path(model_dir) / "modules.json")
     if isinstance(modules, list):
@@ -113,24 +112,38 @@ def model_pooler_config(model_dir: Path, encoder: bool, overrides: dict) -> Pool
         normalize = "Normalize" in types
         if "Pooling" in types:
             config = _read_json(Path(model_dir) / types["Pooling"].get("path", "") / "config.json")
-            pooling_type = _sentence_transformers_pooling(config or {}, pooling_type)
+            modes = _sentence_transformers_modes(config or {})
+            if len(modes) == 1 and modes[0] in _ST_MODES:
+                pooling_type = _ST_MODES[modes[0]]
+            elif modes and "pooling_type" not in overrides:
+                raise ValueError(
+                    f"the model's sentence-transformers Pooling module pools by {'+'.join(modes)}"
+                    ", which this build does not support (it pools by mean, cls or lasttoken); "
+                    "choose one with --override-pooler-config '{\"pooling_type\": ...}'"
+                )
     pooling_type = str(overrides.get("pooling_type", pooling_type)).upper()
     normalize = overrides.get("normalize", normalize)
     return PoolerConfig(pooling_type, normalize)
 
 
-def _sentence_transformers_pooling(config: dict, default: str) -> str:
-    for key, kind in (
-        ("pooling_mode_mean_tokens", "MEAN"),
-        ("pooling_mode_cls_token", "CLS"),
-        ("pooling_mode_lasttoken", "LAST"),
-    ):
-        if config.get(key):
-            return kind
-    modes = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
-    if modes:
-        logger.warning("pooling %s is not supported; the model pools with %s", modes, default)
-    return default
+_ST_MODES = {"mean": "MEAN", "cls": "CLS", "lasttoken": "LAST"}
+_ST_MODE_KEYS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
+
+
+def _sentence_transformers_modes(config: dict) -> list[str]:
+    """The Pooling module's modes: sentence-transformers 6 writes ``"pooling_mode": "mean"``
+    (or a list), earlier versions a boolean per mode."""
+    mode = config.get("pooling_mode")
+    if mode is not None:
+        return [mode] if isinstance(mode, str) else [str(m) for m in mode]
+    return [name for key, name in _ST_MODE_KEYS.items() if config.get(key)]
 
 
 def _read_json(path: Path):

@@ -239,3 +239,16 @@ def test_a_masked_lm_checkpoint_loads_without_its_head(tmp_path):
         for kind, expected in (("CLS", rows[0]), ("MEAN", rows.mean(dim=0))):
             got = torch.tensor(outputs[f"{kind}{i}"].embedding)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_sentence_transformers_6_pooling_mode(tmp_path):
+    modules = [{"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.modules.Pooling"}]
+    _write_json(tmp_path / "modules.json", modules)
+    _write_json(tmp_path / "1_Pooling" / "config.json", {"pooling_mode": "cls"})
+    assert model_pooler_config(tmp_path, False, {}) == PoolerConfig("CLS", False)
+    for config in ({"pooling_mode": ["mean", "max"]}, {"pooling_mode_max_tokens": True}):
+        _write_json(tmp_path / "1_Pooling" / "config.json", config)
+        with pytest.raises(ValueError, match="--override-pooler-config"):
+            model_pooler_config(tmp_path, False, {})
+        override = {"pooling_type": "MEAN"}
+        assert model_pooler_config(tmp_path, False, override) == PoolerConfig("MEAN", False)
