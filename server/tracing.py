@@ -42,12 +42,12 @@ class ServerTracing:
     """The server's tracer and its interceptor; ``shutdown`` exports what is left."""
 
     def __init__(self, config: TracingConfig) -> None:
-        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
 
         self.config = config
         self.provider = otlp.acquire(config.otlp_traces_endpoint)
         self.tracer = self.provider.get_tracer("llmrpc.server")
-        self._trace = trace
+        self.server_kind = SpanKind.SERVER
         self._released = False
 
     def interceptor(self, services) -> grpc.aio.ServerInterceptor:
@@ -92,7 +92,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             with tracing.tracer.start_as_current_span(
                 f"{service}/{method}",
                 context=otlp.trace_context(carrier),
-                kind=tracing._trace.SpanKind.SERVER,
+                kind=tracing.server_kind,
                 attributes=attributes,
                 record_exception=False,
                 set_status_on_exception=False,
