@@ -198,6 +198,8 @@ class EngineCore:
         self.kv_cache_dtype = _KV_CACHE_DTYPES.get(cache_config.cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
         self.pooling = EnginePooling(model_config, self.hf_config, self.model_dir)
+        requested_len = model_config.max_model_len
+        self.max_model_len = self.pooling.max_model_len(self.max_model_len, requested_len)
         self.device = resolve_device(model_config.device)
         self.attention_backend = resolve_attention_backend(
             model_config.attention_backend, self.device

@@ -25,6 +25,7 @@ from llmrpc.engine.pooling import (
     is_encoder,
     model_pooler_config,
     resolve_runner,
+    sentence_transformers_max_len,
 )
 from llmrpc.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 
@@ -98,12 +99,23 @@ class EnginePooling:
             model_dir, self.encoder, model_config.override_pooler_config
         )
         self.hidden_size = hf_config.hidden_size
+        self.model_dir = model_dir
         logger.info(
             "runner %s; pooling %s%s",
             self.runner,
             self.config.pooling_type,
             ", normalized" if self.config.normalize else "",
         )
+
+    def max_model_len(self, resolved: int, requested: int | None) -> int:
+        """A pooling model's context, unless --max-model-len gives one: at most the length its
+        sentence-transformers config cuts inputs to (as vLLM reads it), so an embedding is the
+        one sentence-transformers makes, and a longer input is refused rather than cut."""
+        limit = sentence_transformers_max_len(self.model_dir)
+        if requested is not None or self.runner != "pooling" or limit is None or limit >= resolved:
+            return resolved
+        logger.info("context %d tokens: sentence_bert_config.json's max_seq_length", limit)
+        return limit
 
     def scheduler_config(self, config: SchedulerConfig, max_model_len: int) -> SchedulerConfig:
         """An encoder attends over its whole sequence at once: no chunked prefill."""

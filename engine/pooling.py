@@ -146,6 +146,14 @@ def _sentence_transformers_modes(config: dict) -> list[str]:
     return [name for key, name in _ST_MODE_KEYS.items() if config.get(key)]
 
 
+def sentence_transformers_max_len(model_dir: Path) -> int | None:
+    """``max_seq_length`` of the folder's ``sentence_bert_config.json``: the length
+    sentence-transformers cuts inputs to (256 for all-MiniLM-L6-v2), if it says one."""
+    config = _read_json(Path(model_dir) / "sentence_bert_config.json")
+    length = config.get("max_seq_length") if isinstance(config, dict) else None
+    return length if isinstance(length, int) and length > 0 else None
+
+
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text())

@@ -82,7 +82,8 @@ def test_minilm_dimensions_and_normalize(minilm, texts_and_reference):
 
 
 def test_minilm_takes_a_full_context_and_refuses_generation(minilm):
-    prompt = [101] + [2023] * 510 + [102]  # 512 tokens: all of BERT's positions
+    assert minilm.max_model_len == 256  # sentence_bert_config.json's max_seq_length
+    prompt = [101] + [2023] * 254 + [102]
     (embedding,) = _embed_all(minilm, [prompt])
     assert len(embedding) == 384
     with pytest.raises(InvalidRequestError) as error:
@@ -96,7 +97,7 @@ def test_an_encoder_keeps_no_kv_cache():
     """Sized by memory, an encoder's blocks are bookkeeping for a full batch, and hold no bytes;
     the profiling step CUDA sizes memory with (2048 tokens) runs as sequences of 512."""
     core = make_core(minilm_dir(), num_blocks=None, max_model_len=None, max_num_seqs=8)
-    assert core.kv_manager.num_blocks == 8 * 512 // 16
+    assert core.kv_manager.num_blocks == 8 * 256 // 16
     assert core.runner.kv_cache_bytes == 0
     core.runner.profile_run(2048, 8)
 
@@ -166,8 +167,10 @@ def test_mean_pooling_after_a_prefix_hit(tiny_llama_dir, decoder_case):
 
 
 def test_an_encoder_needs_a_step_that_fits_its_context():
-    with pytest.raises(ValueError, match="--max-num-batched-tokens 256 is smaller than"):
-        make_core(minilm_dir(), max_model_len=None, max_num_batched_tokens=256)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 200 is smaller than"):
+        make_core(minilm_dir(), max_model_len=None, max_num_batched_tokens=200)
+    core = make_core(minilm_dir(), max_model_len=512, num_blocks=64)  # up to its positions
+    assert core.max_model_len == 512
 
 
 def test_a_pooling_runner_decoder_embeds_and_refuses_generation(tiny_llama_dir, decoder_case):
