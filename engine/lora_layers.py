@@ -20,6 +20,7 @@ from torch import nn
 
 from llmrpc.engine.lora_peft import LoRAAdapter
 from llmrpc.engine.models.llama import LlamaForCausalLM
+from llmrpc.kernels.linear import pack_linear_layers
 from llmrpc.kernels.lora import LoRABatch, lora_expand, lora_shrink
 
 # On the CPU, a step of at most this many rows takes every slot's adapter in one masked matmul
@@ -121,8 +122,7 @@ class LoRALinear(nn.Module):
         self.bias_stacked = (
             torch.zeros(num_slots, out_total, dtype=dtype, device=device) if with_bias else None
         )
-        # [num_slots * rank_total, out]: every slot's B, transposed, for the dense path
-        self.b_all = torch.zeros(num_slots * rank_total, out_total, dtype=dtype, device=device)
+        self._repack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -138,14 +138,24 @@ class LoRALinear(nn.Module):
     def _dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Every slot's shrink for every row in one matmul, the other slots' columns zeroed,
         then one expand: the same sums as the segmented kernels for each row's own slot."""
-        num_slots, width, in_features = self.a_stacked.shape
-        a_all = self.a_stacked.view(num_slots * width, in_features)
+        num_slots, width, _ = self.a_stacked.shape
         # [num_rows, num_slots * width]
-        h = torch.mm(x, a_all.T).mul_(self.context.mask(num_slots, width, x))
-        out.addmm_(h, self.b_all)
+        h = self.shrink_all(x).mul_(self.context.mask(num_slots, width, x))
+        out.add_(self.expand_all(h))
         if self.bias_stacked is not None:
             out.addmm_(self.context.onehot(num_slots, x), self.bias_stacked)
         return out
+
+    def _repack(self) -> None:
+        """Every slot's A and B as two linear layers of the engine's CPU kernels (blocked or
+        packed once, as the base layers are: a plain matmul would reorder them every call)."""
+        if not self.context.dense_allowed:
+            return
+        num_slots, width, in_features = self.a_stacked.shape
+        shrink = self.a_stacked.reshape(num_slots * width, in_features)  # [S * W, in]
+        # [out, S * W]: column s * W + w is slot s's B column w, as shrink's rows are ordered
+        expand = self.b_stacked.permute(1, 0, 2).reshape(-1, num_slots * width)
+        self.shrink_all, self.expand_all = _cpu_linear(shrink), _cpu_linear(expand)
 
     def set_slot(self, slot: int, slices: list) -> None:
         """Put one adapter's weights in ``slot``: ``slices[i]`` is the ``LoRAWeights`` of the
@@ -165,8 +175,16 @@ class LoRALinear(nn.Module):
                 if weights.bias is not None and self.bias_stacked is not None:
                     self.bias_stacked[slot, offset : offset + out_size].copy_(weights.bias)
             offset += out_size
-        rank_total = self.a_stacked.shape[1]
-        self.b_all[slot * rank_total : (slot + 1) * rank_total] = self.b_stacked[slot].T
+        self._repack()
+
+
+def _cpu_linear(weight: torch.Tensor) -> nn.Module:
+    """``x @ weight.T`` (``weight [out, in]``) as the engine's CPU linear layers compute it."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+    holder = nn.Sequential(linear)
+    pack_linear_layers(holder)  # where the dtype and CPU allow, else the plain layer
+    return holder[0]
 
 
 class LoRAModel:
