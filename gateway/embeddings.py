@@ -146,6 +146,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
 
 
 @router.post("/v1/score", responses=answer(ScoreList))
+@router.post("/score", responses=answer(ScoreList))  # vLLM serves both
 async def create_score(body: ScoreRequest, request: Request) -> dict:
     firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
@@ -163,6 +164,8 @@ async def create_score(body: ScoreRequest, request: Request) -> dict:
 
 
 @router.post("/v1/rerank", responses=answer(RerankResponse))
+@router.post("/rerank", responses=answer(RerankResponse))  # vLLM's aliases (Jina, Cohere v2)
+@router.post("/v2/rerank", responses=answer(RerankResponse))
 async def create_rerank(body: RerankRequest, request: Request) -> dict:
     names = ["query"] + [f"documents[{i}]" for i in range(len(body.documents))]
     rid = request_id(request)

@@ -110,6 +110,7 @@ def test_score_is_the_cosine_of_embeddings(gateway, reference):
     pairs = post(gateway, "/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[2:4]}).json()
     expected = (reference[:2] * reference[2:4]).sum(axis=1)
     np.testing.assert_allclose([d["score"] for d in pairs["data"]], expected, atol=1e-4)
+    assert post(gateway, "/score", body).json()["data"] == answer["data"]  # vLLM's alias
     mismatched = post(gateway, "/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[:3]})
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
 
@@ -125,3 +126,5 @@ def test_rerank_orders_documents_by_relevance(gateway, reference):
         [r["relevance_score"] for r in answer["results"]], expected[order], atol=1e-4
     )
     assert answer["usage"]["total_tokens"] > 0
+    for alias in ("/rerank", "/v2/rerank"):  # vLLM's other paths for it
+        assert post(gateway, alias, body).json()["results"] == answer["results"]
