@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.pooling import check_pooling_flags
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -256,3 +257,4 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # --enable-lora and its settings
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # --tensor-parallel-size

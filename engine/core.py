@@ -34,6 +34,7 @@ from llmrpc.engine.models import build_model
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output_processor import OutputProcessor
+from llmrpc.engine.parallel.executor import start_tensor_parallel
 from llmrpc.engine.pooler import EnginePooling
 from llmrpc.engine.quantization import QuantizedLinear, plan_quantization
 from llmrpc.engine.request import (
@@ -214,11 +215,17 @@ class EngineCore:
         else:
             num_blocks = num_kv_blocks(cache_config, self.hf_config, self.kv_cache_dtype)
             check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
+        # --tensor-parallel-size: the other ranks' processes, which load their shards meanwhile
+        self.parallel = start_tensor_parallel(
+            config, self.hf_config, self.device, self.pooling.runner
+        )
         self.model = self._load_model()
         self.lora = build_lora_manager(config, self.model, self.dtype)  # None: LoRA is off
+        # under tensor parallelism the runner's KV cache holds this rank's KV heads
+        rank_config = self.parallel.rank_hf_config(self.hf_config) if self.parallel else None
         self.runner = ModelRunner(
             self.model,
-            self.hf_config,
+            rank_config or self.hf_config,
             num_blocks,
             block_size,
             self.kv_cache_dtype,
@@ -226,6 +233,7 @@ class EngineCore:
             model_config.batch_invariant,
         )
         self.runner.lora = self.lora
+        self.runner.parallel = self.parallel
         if profile:
             num_blocks = self._kv_blocks_on_device(config, num_tokens)
             check_capacity(config, self.max_model_len, num_blocks)
@@ -349,6 +357,8 @@ class EngineCore:
             config.model_impl,
             quantization=plan_quantization(config),
         )
+        if self.parallel is not None:  # before packing: the shards are packed, not the whole
+            self.parallel.shard(model)
         if self.device.type != "cpu":
             return model.to(self.device)
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
@@ -397,6 +407,8 @@ class EngineCore:
 
     @property
     def stats(self) -> EngineStats:
+        if self.parallel is not None:  # a dead rank fails the engine, even an idle one
+            self.parallel.check()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
@@ -473,6 +485,8 @@ class EngineCore:
         budget counts this process's CPU time as the engine's. Returns whether it applies
         (not where ``OMP_NUM_THREADS`` fixes the count, on one core, or for a compiled step:
         torch.compile guards its graph on the thread count, and a change would end it)."""
+        if self.parallel is not None:  # the ranks share the cores, a fixed share each
+            return False
         if self.runner.compiled_decode is not None:
             logger.info(
                 "engine: %d CPU threads, fixed: the compiled step's graph holds for that count",

@@ -89,6 +89,7 @@ class ModelRunner:
         # --batch-invariant: every token takes one attention path, whatever the batch
         self.batch_invariant = batch_invariant
         self.lora = None  # the engine's LoRAManager under --enable-lora
+        self.parallel = None  # the engine's TensorParallel under --tensor-parallel-size > 1
         self._staging = HostStaging(self._device)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
@@ -190,6 +191,8 @@ class ModelRunner:
         model_input = self.prepare_input(output, block_ids)
         metadata = model_input.metadata
         inputs = (model_input.input_ids, model_input.positions, self.kv_caches, metadata)
+        if self.parallel is not None:  # the other ranks run this forward with their shards
+            self.parallel.broadcast_step(*inputs[:2], metadata, model_input.logits_indices)
         if self.lora is not None:  # what the LoRA layers read during this forward
             self.lora.context.set_batch(model_input.lora_batch, len(model_input.input_ids))
         hidden = None

@@ -1,0 +1,63 @@
+"""``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--distributed-executor-backend``.
+
+Imported by the frontend: no torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
+
+    def __post_init__(self) -> None:
+        size, backend = self.tensor_parallel_size, self.distributed_executor_backend
+        if size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} is refused: this build "
+                "splits a model over ranks by tensor parallelism only (--tensor-parallel-size)"
+            )
+        if backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(
+                f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {backend!r}"
+            )
+        if backend in ("ray", "external_launcher"):
+            raise ValueError(
+                f"--distributed-executor-backend {backend} is refused: this build starts its "
+                "tensor-parallel ranks as local processes only (mp)"
+            )
+        if backend == "uni" and size > 1:
+            raise ValueError(
+                f"--distributed-executor-backend uni runs one process; --tensor-parallel-size "
+                f"{size} needs mp"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+
+def check_parallel_options(parallel: ParallelConfig, lora_enabled: bool, runner: str) -> None:
+    """Features this build does not combine with tensor parallelism, refused at start-up."""
+    if not parallel.enabled:
+        return
+    size = parallel.tensor_parallel_size
+    if lora_enabled:
+        raise ValueError(
+            f"--enable-lora is refused with --tensor-parallel-size {size}: LoRA layers are not "
+            "sharded in this build"
+        )
+    if runner == "pooling":
+        raise ValueError(
+            f"--runner pooling is refused with --tensor-parallel-size {size}: pooling models run "
+            "on one rank only in this build"
+        )

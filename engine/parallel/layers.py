@@ -1,0 +1,168 @@
+"""Tensor-parallel layers, and the sharding of a loaded native Llama-family model.
+
+Megatron's split: each rank holds a slice of the attention heads and of the MLP's intermediate
+features. ``qkv_proj`` and ``gate_up_proj`` are column-parallel (each rank keeps its rows of
+each fused slice, so its output is its heads' q|k|v, its features' gate|up: no communication);
+``o_proj`` and ``down_proj`` are row-parallel (each rank multiplies its input columns, one
+all-reduce sums the partial products). The embedding and LM head split the vocabulary. So one
+forward pass costs two all-reduces per layer, one for the embedding and one gather of logits.
+
+Sharded layers stay plain ``nn.Linear`` inside, so CPU packing (``pack_linear_layers``) runs
+after sharding exactly as on one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    size: int
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_r W_r^T) + b``: the input arrives split by columns (this rank's heads
+    or features), the output is whole on every rank. The bias is added once, after the sum."""
+
+    def __init__(self, linear: nn.Linear, rank: Rank) -> None:
+        super().__init__()
+        per_rank = linear.in_features // rank.size
+        start = rank.rank * per_rank
+        self.linear = nn.Linear(per_rank, linear.out_features, bias=False, device="meta")
+        self.linear.weight = nn.Parameter(
+            linear.weight.detach()[:, start : start + per_rank].contiguous(), False
+        )
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        dist.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds rows ``[start, start + per_rank)`` of the table; ids outside them give
+    zeros there, and one all-reduce gives every rank the whole lookup."""
+
+    def __init__(self, weight: nn.Parameter, start: int, num_rows: int) -> None:
+        super().__init__()
+        self.start, self.num_rows = start, num_rows
+        self.embedding = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
+        self.embedding.weight = weight  # the tied LM head's shard too, where it is tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_rows)
+        hidden = self.embedding(local.masked_fill(outside, 0))
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
+        dist.all_reduce(hidden)
+        return hidden
+
+
+class ParallelLMHead(nn.Module):
+    """Logits of this rank's vocabulary rows, gathered to rank 0, which returns all of them
+    (``[rows, vocab_size]``); the other ranks return their own slice, which nothing reads."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, rank: Rank) -> None:
+        super().__init__()
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.linear.weight = weight
+        self.vocab_size, self.rank = vocab_size, rank
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.linear(hidden).contiguous()
+        if self.rank.rank != 0:
+            dist.gather(local, None, dst=0)
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.rank.size)]
+        dist.gather(local, parts, dst=0)
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+
+def vocab_shard(weight: torch.Tensor, rank: Rank) -> tuple[nn.Parameter, int, int]:
+    """This rank's rows of a ``[vocab, hidden]`` table, zero-padded so every rank holds the
+    same number (the gather needs equal parts): ``(rows, start, real rows)``."""
+    vocab = weight.shape[0]
+    per_rank = -(-vocab // rank.size)
+    start = rank.rank * per_rank
+    rows = weight.detach()[start : start + per_rank]
+    padded = torch.zeros(per_rank, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    padded[: rows.shape[0]] = rows
+    return nn.Parameter(padded, False), start, rows.shape[0]
+
+
+def column_shard(linear: nn.Linear, slices: list[tuple[int, int]]) -> nn.Linear:
+    """A linear layer of this rank's output rows: ``(offset, size)`` of each fused slice."""
+    weight = torch.cat([linear.weight.detach()[o : o + n] for o, n in slices])
+    out = nn.Linear(linear.in_features, weight.shape[0], linear.bias is not None, device="meta")
+    out.weight = nn.Parameter(weight.contiguous(), False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(torch.cat([linear.bias.detach()[o : o + n] for o, n in slices]))
+    return out.requires_grad_(False)
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads each rank holds: its share, or one (replicated) when there are fewer than ranks."""
+    return max(1, num_kv_heads // size)
+
+
+def check_shardable(hf_config, size: int) -> None:
+    """Refuse, with one line, a model whose heads or features do not split over ``size``."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", heads)
+    problems = []
+    if heads % size:
+        problems.append(f"{heads} attention heads")
+    if kv_heads >= size and kv_heads % size or kv_heads < size and size % kv_heads:
+        problems.append(f"{kv_heads} KV heads")
+    if hf_config.intermediate_size % size:
+        problems.append(f"intermediate size {hf_config.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"--tensor-parallel-size {size}: the model's {', '.join(problems)} do not split "
+            f"evenly over {size} ranks"
+        )
+
+
+def shard_llama(model: nn.Module, rank: Rank) -> None:
+    """Keep this rank's part of a loaded native Llama-family model, in place."""
+    config = model.config
+    check_shardable(config, rank.size)
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, rank)
+        mlp = layer.mlp
+        per_rank = mlp.intermediate_size // rank.size
+        start = rank.rank * per_rank
+        full = mlp.intermediate_size
+        mlp.gate_up_proj = column_shard(
+            mlp.gate_up_proj, [(start, per_rank), (full + start, per_rank)]
+        )
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank)
+        mlp.intermediate_size = per_rank
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    weight, start, num_rows = vocab_shard(model.embed_tokens.weight, rank)
+    model.embed_tokens = VocabParallelEmbedding(weight, start, num_rows)
+    if not tied:
+        weight = vocab_shard(model.lm_head.weight, rank)[0]
+    model.lm_head = ParallelLMHead(weight, config.vocab_size, rank)
+
+
+def _shard_attention(attn: nn.Module, rank: Rank) -> None:
+    heads = attn.num_heads // rank.size
+    kv_heads = kv_heads_per_rank(attn.num_kv_heads, rank.size)
+    # ranks that share a replicated KV head (fewer KV heads than ranks) take the same one
+    first_kv = rank.rank * attn.num_kv_heads // rank.size
+    dim = attn.head_dim
+    q_rows = (rank.rank * heads * dim, heads * dim)
+    k_rows = (attn.q_size + first_kv * dim, kv_heads * dim)
+    v_rows = (attn.q_size + attn.kv_size + first_kv * dim, kv_heads * dim)
+    attn.qkv_proj = column_shard(attn.qkv_proj, [q_rows, k_rows, v_rows])
+    attn.o_proj = RowParallelLinear(attn.o_proj, rank)
+    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    attn.q_size, attn.kv_size = heads * dim, kv_heads * dim

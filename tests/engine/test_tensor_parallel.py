@@ -1,0 +1,101 @@
+"""--tensor-parallel-size 2 on the CPU (gloo): the same greedy tokens as one rank, and a dead
+rank fails the engine instead of hanging it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import pytest
+from engine_utils import run_to_completion
+
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.core import EngineCore
+from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.parallel.config import ParallelConfig
+from llmrpc.engine.parallel.executor import WorkerDied
+from llmrpc.engine.request import SamplingParams
+
+MAX_TOKENS = 8
+
+
+def engine_config(model_dir, tp: int, **parallel) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512, device="cpu"),
+        cache=CacheConfig(num_gpu_blocks_override=64, block_size=16),
+        # a 16-token budget: the long prompt is prefilled in chunks, beside decodes
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
+        parallel=ParallelConfig(tensor_parallel_size=tp, **parallel),
+    )
+
+
+def greedy_tokens(core: EngineCore) -> dict[str, list[int]]:
+    """Two waves: the second repeats the first's long prompt with a new tail (a prefix hit)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    shared = [(7 * i + 3) % 4000 + 100 for i in range(40)]
+    first = {"long": (shared, params), "short": ([5, 6, 7], params), "mid": (shared[:11], params)}
+    tokens = {k: v.token_ids for k, v in run_to_completion(core, first).items()}
+    hit = run_to_completion(core, {"hit": (shared + [11, 12, 13], params)})["hit"]
+    assert hit.num_cached_tokens == 32  # the long prompt's two full blocks
+    return tokens | {"hit": hit.token_ids}
+
+
+@pytest.fixture(scope="module", params=["gqa_4_2_tied", "kv_heads_1_untied"])
+def model_dir(request, tiny_llama_dir, tiny_model_factory):
+    if request.param == "gqa_4_2_tied":
+        return tiny_llama_dir
+    # fewer KV heads than ranks: each rank holds a copy of the one KV head
+    return tiny_model_factory(num_key_value_heads=1, tie_word_embeddings=False)
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens(model_dir):
+    expected = greedy_tokens(EngineCore(engine_config(model_dir, 1)))
+    core = EngineCore(engine_config(model_dir, 2))
+    try:
+        assert len(core.parallel.workers) == 1
+        assert greedy_tokens(core) == expected
+        assert all(len(tokens) == MAX_TOKENS for tokens in expected.values())
+    finally:
+        core.parallel.close()
+
+
+def test_a_killed_rank_fails_the_engine(tiny_llama_dir):
+    core = EngineCore(engine_config(tiny_llama_dir, 2))
+    try:
+        worker = core.parallel.workers[0]
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.join(10)
+        with pytest.raises(WorkerDied, match="rank 1 .* died, exit code -9"):
+            _ = core.stats  # the idle engine's stats refresh notices it
+        core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(WorkerDied, match="rank 1"):
+            core.step()
+    finally:
+        core.parallel.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(pipeline_parallel_size=2), "--pipeline-parallel-size 2 is refused"),
+        (dict(distributed_executor_backend="ray"), "--distributed-executor-backend ray is refused"),
+        (dict(distributed_executor_backend="uni"), "needs mp"),
+    ],
+)
+def test_parallel_flags_refused_in_one_line(change, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(tensor_parallel_size=2, **change)
+
+
+def test_options_it_cannot_shard_are_refused_at_start(tiny_llama_dir, tiny_model_factory):
+    config = engine_config(tiny_llama_dir, 2)
+    lora = dataclasses.replace(config, lora=LoRAConfig(enabled=True))
+    with pytest.raises(ValueError, match="--enable-lora is refused with --tensor-parallel-size 2"):
+        EngineCore(lora)
+    with pytest.raises(ValueError, match="9 attention heads, 3 KV heads do not split evenly"):
+        EngineCore(
+            engine_config(
+                tiny_model_factory(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), 2
+            )
+        )
