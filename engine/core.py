@@ -220,7 +220,8 @@ class EngineCore:
             config, self.hf_config, self.device, self.pooling.runner
         )
         self.model = self._load_model()
-        self.lora = build_lora_manager(config, self.model, self.dtype)  # None: LoRA is off
+        # None: LoRA is off
+        self.lora = build_lora_manager(config, self.model, self.dtype, self.attention_backend)
         # under tensor parallelism the runner's KV cache holds this rank's KV heads
         rank_config = self.parallel.rank_hf_config(self.hf_config) if self.parallel else None
         self.runner = ModelRunner(

@@ -197,6 +197,7 @@ class LoRAModel:
         max_rank: int,
         with_bias: bool,
         dtype: torch.dtype,
+        dense: bool = True,  # on the CPU, small steps may take the dense path
     ) -> None:
         if not isinstance(model, LlamaForCausalLM):
             raise ValueError(
@@ -204,7 +205,7 @@ class LoRAModel:
                 "(e.g. --model-impl transformers) has no LoRA support here"
             )
         device = next(model.parameters()).device
-        self.context = LoRAContext(dense_allowed=device.type == "cpu")
+        self.context = LoRAContext(dense_allowed=dense and device.type == "cpu")
         self.shapes = module_shapes(model)
         self.num_layers = len(model.layers)
         self.wrappers: dict[tuple[int, str], LoRALinear] = {}

@@ -63,13 +63,14 @@ def check_lora_options(config: EngineConfig) -> None:
         )
 
 
-def build_lora_manager(config: EngineConfig, model, model_dtype: torch.dtype):
-    """The engine's ``LoRAManager`` under ``--enable-lora``, else None."""
+def build_lora_manager(config: EngineConfig, model, model_dtype: torch.dtype, backend: str):
+    """The engine's ``LoRAManager`` under ``--enable-lora``, else None. ``backend``: the
+    resolved attention backend; "triton" takes the Triton LoRA kernels in every step."""
     if not config.lora.enabled:
         return None
     check_lora_options(config)
     names = config.model.served_model_name or (loader.default_served_name(config.model.model),)
-    return LoRAManager(config.lora, model, model_dtype, names[0])
+    return LoRAManager(config.lora, model, model_dtype, names[0], dense=backend == "torch")
 
 
 def resolve_adapter(manager: LoRAManager | None, name: str) -> LoRARef:
@@ -85,9 +86,15 @@ def resolve_adapter(manager: LoRAManager | None, name: str) -> LoRARef:
 
 class LoRAManager:
     def __init__(
-        self, config: LoRAConfig, model, model_dtype: torch.dtype, base_model_name: str
+        self,
+        config: LoRAConfig,
+        model,
+        model_dtype: torch.dtype,
+        base_model_name: str,
+        dense: bool = True,  # small CPU steps may take the dense path (engine/lora_layers.py)
     ) -> None:
         self.config = config
+        self.dense = dense
         self.dtype = resolve_lora_dtype(config.lora_dtype, model_dtype)
         self.base_model_name = base_model_name
         self._ids = itertools.count(1)
@@ -101,7 +108,12 @@ class LoRAManager:
         """Wrap ``model``'s projections (at start-up, and when a wake-up reloads the model)."""
         config = self.config
         self.lora_model = LoRAModel(
-            model, config.max_loras, config.max_lora_rank, config.enable_lora_bias, self.dtype
+            model,
+            config.max_loras,
+            config.max_lora_rank,
+            config.enable_lora_bias,
+            self.dtype,
+            self.dense,
         )
         self.context = self.lora_model.context
         self._slots: list[int | None] = [None] * config.max_loras  # lora_id in each slot

@@ -304,9 +304,8 @@ class ModelRunner:
         row_slots = []
         for request, num_new in output.scheduled:
             row_slots += [self.lora.slot_of(request)] * num_new
-        # the Triton kernels on CUDA; the CPU (where Triton is only interpreted) the torch twin
-        triton = self.backend == "triton" and self._device.type == "cuda"
-        return LoRABatch.from_row_slots(row_slots, self._device, "triton" if triton else "torch")
+        backend = "triton" if self.backend == "triton" else "torch"  # as attention's kernels
+        return LoRABatch.from_row_slots(row_slots, self._device, backend)
 
 
 def _device_of(model: nn.Module) -> torch.device:

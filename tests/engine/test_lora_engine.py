@@ -34,12 +34,16 @@ ADAPTERS = {
 }
 
 
-def lora_core(model_dir, adapters: dict, **lora) -> EngineCore:
+def lora_core(model_dir, adapters: dict, attention_backend="torch", **lora) -> EngineCore:
     modules = tuple(LoRAModulePath(name, str(path)) for name, path in adapters.items())
     return EngineCore(
         EngineConfig(
             model=ModelConfig(
-                model=str(model_dir), dtype="float32", max_model_len=256, device="cpu"
+                model=str(model_dir),
+                dtype="float32",
+                max_model_len=256,
+                device="cpu",
+                attention_backend=attention_backend,
             ),
             cache=CacheConfig(num_gpu_blocks_override=128),
             lora=LoRAConfig(enabled=True, lora_modules=modules, **lora),
@@ -103,6 +107,19 @@ def test_mixed_batch_matches_peft_merged_models(
     _check_tokens(outputs, adapters, names, len(prompts))
     for name in ADAPTERS:  # each adapter matters: its tokens are not the base model's
         assert adapters[name][1] != adapters[""][1], name
+
+
+def test_triton_kernels_match_peft_merged_models(tiny_llama_dir, adapters, prompts):
+    """--attention-backend triton: the segmented Triton LoRA kernels in every step (interpreted
+    on the CPU, as tests/conftest.py sets it without a GPU)."""
+    folders = {name: adapters[name][0] for name in ADAPTERS}
+    core = lora_core(tiny_llama_dir, folders, attention_backend="triton", max_loras=3)
+    assert not core.lora.context.dense_allowed
+    names = ["", *ADAPTERS]
+    outputs = run_to_completion(core, _requests(prompts[:2], names))
+    for name in names:
+        got = [outputs[f"{name or 'base'}-{i}"].token_ids for i in range(2)]
+        assert got == adapters[name][1][:2], name
 
 
 def test_adapters_beyond_the_slots_wait_and_base_requests_pass(tiny_llama_dir, adapters, prompts):
