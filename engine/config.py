@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmrpc.engine.lora_types import LoRAConfig
-from llmrpc.engine.parallel.config import ParallelConfig
+from llmrpc.engine.parallel.config import ParallelConfig, check_parallel_options
 from llmrpc.engine.pooling import check_pooling_flags
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -258,3 +258,6 @@ class EngineConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # --enable-lora and its settings
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # --tensor-parallel-size
+
+    def __post_init__(self) -> None:
+        check_parallel_options(self.parallel, self.lora.enabled, self.model.runner)

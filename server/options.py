@@ -32,6 +32,7 @@ from llmrpc.engine.config import (
     StructuredOutputConfig,
 )
 from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
@@ -56,6 +57,7 @@ _ENGINE_PARTS = {
     "compilation": CompilationConfig,
     "structured_output": StructuredOutputConfig,
     "lora": LoRAConfig,
+    "parallel": ParallelConfig,
 }
 _FRONTEND_PARTS = {
     "tls": TLSConfig,

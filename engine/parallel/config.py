@@ -1,4 +1,5 @@
-"""``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--distributed-executor-backend``.
+"""``--tensor-parallel-size`` and ``--distributed-executor-backend`` (``--pipeline-parallel-size``
+is a refused row of the flag table).
 
 Imported by the frontend: no torch here.
 """
@@ -13,18 +14,12 @@ EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
 
     def __post_init__(self) -> None:
         size, backend = self.tensor_parallel_size, self.distributed_executor_backend
         if size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"--pipeline-parallel-size {self.pipeline_parallel_size} is refused: this build "
-                "splits a model over ranks by tensor parallelism only (--tensor-parallel-size)"
-            )
         if backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(
                 f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -47,7 +42,8 @@ class ParallelConfig:
 
 
 def check_parallel_options(parallel: ParallelConfig, lora_enabled: bool, runner: str) -> None:
-    """Features this build does not combine with tensor parallelism, refused at start-up."""
+    """Features this build does not combine with tensor parallelism, refused when the engine's
+    configuration is built (the rest, which needs the model's config, in ``executor.py``)."""
     if not parallel.enabled:
         return
     size = parallel.tensor_parallel_size

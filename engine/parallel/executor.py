@@ -188,10 +188,7 @@ def start_tensor_parallel(config, hf_config, device: torch.device, runner: str):
 
 def check_engine_options(config, device: torch.device, runner: str) -> None:
     """What this build does not combine with tensor parallelism, refused in one line each."""
-    from llmrpc.engine.parallel.config import check_parallel_options
-
     size = config.parallel.tensor_parallel_size
-    check_parallel_options(config.parallel, config.lora.enabled, runner)
     flag = f"--tensor-parallel-size {size}"
     model = config.model
     refusals = (
@@ -203,6 +200,7 @@ def check_engine_options(config, device: torch.device, runner: str) -> None:
         (model.quantization is not None, f"is refused with --quantization {model.quantization}"),
         (config.compilation.level > 0, "runs eager: use -O0 (the default) or --enforce-eager"),
         (model.enable_sleep_mode, "is refused with --enable-sleep-mode"),
+        (runner == "pooling", "is refused for a pooling model (here --runner resolves to pooling)"),
     )
     for refused, why in refusals:
         if refused:

@@ -10,7 +10,13 @@ import signal
 import pytest
 from engine_utils import run_to_completion
 
-from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmrpc.engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.lora_types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
@@ -78,7 +84,6 @@ def test_a_killed_rank_fails_the_engine(tiny_llama_dir):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(pipeline_parallel_size=2), "--pipeline-parallel-size 2 is refused"),
         (dict(distributed_executor_backend="ray"), "--distributed-executor-backend ray is refused"),
         (dict(distributed_executor_backend="uni"), "needs mp"),
     ],
@@ -90,9 +95,10 @@ def test_parallel_flags_refused_in_one_line(change, message):
 
 def test_options_it_cannot_shard_are_refused_at_start(tiny_llama_dir, tiny_model_factory):
     config = engine_config(tiny_llama_dir, 2)
-    lora = dataclasses.replace(config, lora=LoRAConfig(enabled=True))
     with pytest.raises(ValueError, match="--enable-lora is refused with --tensor-parallel-size 2"):
-        EngineCore(lora)
+        dataclasses.replace(config, lora=LoRAConfig(enabled=True))
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 runs eager"):
+        EngineCore(dataclasses.replace(config, compilation=CompilationConfig({"level": 3})))
     with pytest.raises(ValueError, match="9 attention heads, 3 KV heads do not split evenly"):
         EngineCore(
             engine_config(

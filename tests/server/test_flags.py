@@ -170,15 +170,22 @@ def _default_argv(flag: Flag) -> list[str]:
 
 
 def test_refusal_is_one_line_naming_the_flag(capsys):
-    assert serve_error(capsys, "-tp", "2") == (
-        "--tensor-parallel-size 2 is refused: this flag needs several devices or processes; "
-        "this build runs one engine, in one process; leave it at its default (1)"
+    assert serve_error(capsys, "-pp", "2") == (
+        "--pipeline-parallel-size 2 is refused: this flag splits a model by layers; this build "
+        "splits one by tensor parallelism only (--tensor-parallel-size); leave it at its "
+        "default (1)"
     )
 
 
-def test_refusal_names_the_other_values_that_are_fine(capsys):
-    assert serve_error(capsys, "--distributed-executor-backend", "mp").endswith(
-        "leave it at its default (none) or use uni"
+def test_tensor_parallel_flags_reach_the_engine_config_or_are_refused(capsys):
+    engine, _ = options.build_configs(parse("-tp", "2"))
+    assert engine.parallel.tensor_parallel_size == 2
+    assert serve_error(capsys, "-tp", "2", "--distributed-executor-backend", "ray") == (
+        "--distributed-executor-backend ray is refused: this build starts its tensor-parallel "
+        "ranks as local processes only (mp)"
+    )
+    assert "--enable-lora is refused with --tensor-parallel-size 2" in serve_error(
+        capsys, "-tp", "2", "--enable-lora"
     )
 
 
@@ -362,7 +369,7 @@ def test_config_file_gives_flags_and_the_command_line_wins(tmp_path):
             "'max_model_lenn' is not a serve flag; did you mean 'max-model-len'?\n",
         ),
         ("- a list\n", "expected a mapping"),
-        ("tensor-parallel-size: 2\n", "--tensor-parallel-size 2 is refused"),
+        ("pipeline-parallel-size: 2\n", "--pipeline-parallel-size 2 is refused"),
     ],
 )
 def test_bad_config_file_is_one_line(tmp_path, capsys, content, message):
