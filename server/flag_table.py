@@ -515,8 +515,8 @@ _LORA = _group(
     works("--max-cpu-loras", None, int, "lora.max_cpu_loras",
           "Adapters kept in host memory (default --max-loras); others are read again when used."),
     inert("--fully-sharded-loras", False, None,
-          "shards LoRA layers across tensor-parallel devices; this build runs one device, where "
-          "there is nothing to shard"),
+          "shards LoRA layers across tensor-parallel ranks; LoRA runs on one rank here (refused "
+          "with --tensor-parallel-size above 1), with nothing to shard"),
     refused("--long-lora-scaling-factors", None, float,
             "needs long-context LoRA (per-adapter rope scaling), which this build does not "
             "support", nargs="+"),
