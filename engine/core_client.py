@@ -87,14 +87,17 @@ class EngineProcessClient(EngineClient):
         self._last_trim = time.monotonic()
 
     @classmethod
-    async def create(cls, config: EngineConfig) -> EngineProcessClient:
-        """Start the engine process and wait until its model is loaded; raises what loading
-        raised there (a ``ValueError`` naming a flag stays one)."""
+    async def create(
+        cls, config: EngineConfig, env: dict[str, str] | None = None
+    ) -> EngineProcessClient:
+        """Start the engine process (with environment ``env``, default this process's) and wait
+        until its model is loaded; raises what loading raised there (a ``ValueError`` naming a
+        flag stays one)."""
         client = cls()
         client._loop = asyncio.get_running_loop()
         client._ready = client._loop.create_future()
         try:
-            client._start(config)
+            client._start(config, env)
             ready: Ready = await client._ready
             client._model_info = ready.model_info
             client._snapshot = ready.snapshot
@@ -121,7 +124,7 @@ class EngineProcessClient(EngineClient):
 
     # --- starting and stopping ------------------------------------------------------------------
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: EngineConfig, env: dict[str, str] | None = None) -> None:
         self._folder = tempfile.mkdtemp(prefix="llmrpc-engine-")  # mode 0700: ours alone
         weakref.finalize(self, shutil.rmtree, self._folder, ignore_errors=True)
         to_core = f"ipc://{os.path.join(self._folder, 'to-core')}"
@@ -143,6 +146,7 @@ class EngineProcessClient(EngineClient):
             [sys.executable, "-m", "llmrpc.engine.core_process"],
             stdin=subprocess.PIPE,
             close_fds=True,
+            env=env,
         )
         data = msgspec.msgpack.encode(startup)
         self._process.stdin.write(struct.pack(">I", len(data)) + data)

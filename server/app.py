@@ -26,6 +26,7 @@ from llmrpc.common.chat_template import read_chat_template
 from llmrpc.engine.async_engine import AsyncEngine, EngineClient
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_client import EngineProcessClient
+from llmrpc.engine.dp_client import DataParallelClient
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners
 from llmrpc.server.embedding import EmbeddingServicer
@@ -112,6 +113,8 @@ class RunningServer:
         load the model, warm it up, then report SERVING."""
         if frontend.disable_frontend_multiprocessing:
             engine: EngineClient = await AsyncEngine.create(engine_config)
+        elif frontend.data_parallel_size > 1:
+            engine = await DataParallelClient.create(engine_config, frontend.data_parallel_size)
         else:
             engine = await EngineProcessClient.create(engine_config)
         self.state.engine = engine

@@ -28,6 +28,11 @@ from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
 ONE_DEVICE = "needs several devices or processes; this build runs one engine, in one process"
+MULTI_NODE = (
+    "spreads data-parallel engines over several machines; here --data-parallel-size runs them "
+    "all on this one: for several machines run one server each behind Envoy (llmrpc "
+    "envoy-config) or as Kubernetes replicas (llmrpc k8s-manifests), README: Scaling out"
+)
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
@@ -399,14 +404,24 @@ _PARALLELISM = _group(
     refused(("--pipeline-parallel-size", "-pp"), 1, int,
             "splits a model by layers; this build splits one by tensor parallelism only "
             "(--tensor-parallel-size)"),
-    refused(("--data-parallel-size", "-dp"), 1, int, ONE_DEVICE),
-    refused(("--data-parallel-rank", "-dpn"), None, int, ONE_DEVICE),
-    refused(("--data-parallel-start-rank", "-dpr"), None, int, ONE_DEVICE),
-    refused(("--data-parallel-size-local", "-dpl"), None, int, ONE_DEVICE),
-    refused(("--data-parallel-address", "-dpa"), None, str, ONE_DEVICE),
-    refused(("--data-parallel-rpc-port", "-dpp"), None, int, ONE_DEVICE),
-    refused(("--data-parallel-backend", "-dpb"), "mp", str, ONE_DEVICE, choices=("mp", "ray")),
-    refused("--data-parallel-hybrid-lb", False, None, ONE_DEVICE),
+    works(("--data-parallel-size", "-dp"), 1, int, "frontend.data_parallel_size",
+          "Engine processes on this machine behind this one server, each with its own copy of "
+          "the model and KV cache; a new request goes to the engine holding the fewest "
+          "unfinished requests (counting each of n samples), or, with prefix caching, to the "
+          "engine that last took its prompt's longest known prefix of up to 8 blocks while "
+          "that one holds at most 2 more; admin calls reach every engine. On the "
+          "CPU the engines split the cores (OMP_NUM_THREADS each, unless set); on CUDA each "
+          "takes one GPU (CUDA_VISIBLE_DEVICES). Health is SERVING once all serve; one "
+          "engine's death stops the server. Not with --disable-frontend-multiprocessing."),
+    refused(("--data-parallel-rank", "-dpn"), None, int, MULTI_NODE),
+    refused(("--data-parallel-start-rank", "-dpr"), None, int, MULTI_NODE),
+    works(("--data-parallel-size-local", "-dpl"), None, int,
+          "frontend.data_parallel_size_local",
+          "Accepted only equal to --data-parallel-size: every engine runs on this machine."),
+    refused(("--data-parallel-address", "-dpa"), None, str, MULTI_NODE),
+    refused(("--data-parallel-rpc-port", "-dpp"), None, int, MULTI_NODE),
+    refused(("--data-parallel-backend", "-dpb"), "mp", str, MULTI_NODE, choices=("mp", "ray")),
+    refused("--data-parallel-hybrid-lb", False, None, MULTI_NODE),
     works("--distributed-executor-backend", None, str, "parallel.distributed_executor_backend",
           "How tensor-parallel ranks run: mp (the default for --tensor-parallel-size > 1) starts "
           "ranks 1..N-1 as processes on this machine; uni (the default for one rank) runs the "

@@ -161,6 +161,9 @@ class FrontendConfig:
     # Where the engine core runs: in a process of its own (False, the default, as vLLM's), or
     # on a thread of the server's process (True: --disable-frontend-multiprocessing)
     disable_frontend_multiprocessing: bool = False
+    # Engine processes behind this frontend (--data-parallel-size; engine/dp_client.py)
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # accepted only equal to data_parallel_size
     tls: TLSConfig = field(default_factory=TLSConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logs: LogConfig = field(default_factory=LogConfig)
@@ -184,6 +187,24 @@ class FrontendConfig:
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more, got {value}")
         self._check_ports_apart()
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        size, local = self.data_parallel_size, self.data_parallel_size_local
+        if size < 1:
+            raise ValueError(f"--data-parallel-size must be 1 or more, got {size}")
+        if local is not None and local != size:
+            raise ValueError(
+                f"--data-parallel-size-local {local} is refused: every engine of this server "
+                f"runs on this machine, so it can only equal --data-parallel-size ({size}); "
+                "for several machines run one server per machine behind Envoy or as "
+                "Kubernetes replicas (README: Scaling out)"
+            )
+        if size > 1 and self.disable_frontend_multiprocessing:
+            raise ValueError(
+                f"--data-parallel-size {size} needs each engine in a process of its own; "
+                "drop --disable-frontend-multiprocessing"
+            )
 
     def _check_ports_apart(self) -> None:
         """Two of our own listeners cannot share a port (0, the OS chooses, is never shared)."""

@@ -1,0 +1,303 @@
+"""``DataParallelClient``: ``--data-parallel-size N`` on one machine, N engine processes behind
+one frontend, presented as one engine.
+
+Each engine is an ``EngineProcessClient`` (its own process, model copy, KV cache and step
+loop). A new request goes to the engine ``dp_balance.LoadBalancer`` chooses (least load,
+prefix preference); its outputs, aborts and cancellation stay with that engine. Admin calls
+(prefix cache reset, sleep and wake, LoRA adapters) go to every engine; figures are the sum of
+the engines' (``engine_stats`` keeps each one's); model facts and tokenizers are engine 0's.
+The server serves once every engine has loaded and served a warm-up request; if any engine
+process dies, the whole client is dead, as one engine's death is (the server stops).
+
+Cores: on the CPU the engines split the machine's cores between them (``engine_environments``):
+each engine process gets ``OMP_NUM_THREADS`` set to its share, unless the environment
+already sets it. On CUDA each engine sees one device of its own through
+``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.core_client import EngineProcessClient
+from llmrpc.engine.core_types import EngineStats, ModelInfo
+from llmrpc.engine.dp_balance import LoadBalancer
+from llmrpc.engine.messages import EngineDeadError
+from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_shares(num_engines: int, cores: int) -> list[int]:
+    """Torch threads per engine: the cores less one left to the frontend, split as evenly as
+    they go (the first engines get the remainder); all the cores where fewer than one each
+    would be left; at least one thread each."""
+    usable = cores - 1 if cores - 1 >= num_engines else cores
+    base, extra = divmod(usable, num_engines)
+    return [max(1, base + (index < extra)) for index in range(num_engines)]
+
+
+def engine_environments(
+    num_engines: int, config: EngineConfig, environ=os.environ, cores: int | None = None
+) -> list[dict[str, str]]:
+    """The environment of each engine process."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    shares = cpu_shares(num_engines, cores)
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    environments = []
+    for index in range(num_engines):
+        env = dict(environ)
+        if not environ.get("OMP_NUM_THREADS", "").strip():
+            env["OMP_NUM_THREADS"] = str(shares[index])
+        if config.model.device != "cpu":  # one device each (absent ones: checked once loaded)
+            env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+        environments.append(env)
+    return environments
+
+
+class DataParallelClient:
+    """N engine processes behind the surface of one ``EngineClient``."""
+
+    def __init__(self, engines: list[EngineProcessClient], balancer: LoadBalancer) -> None:
+        self.engines = engines
+        self.balancer = balancer
+        self._owners: dict[str, int] = {}  # live request id -> its engine
+        self.dead_error: BaseException | None = None
+        self.on_dead: list = []  # callbacks run on the event loop when an engine dies
+        for index, engine in enumerate(engines):
+            engine.on_dead.append(lambda error, index=index: self._engine_died(index, error))
+
+    @classmethod
+    async def create(cls, config: EngineConfig, num_engines: int) -> DataParallelClient:
+        """Start ``num_engines`` engine processes together; once all have loaded, the client.
+        Raises what loading raised in any (the others are stopped)."""
+        environments = engine_environments(num_engines, config)
+        for index, env in enumerate(environments):
+            logger.info(
+                "data parallel: engine %d of %d with %s torch thread(s)%s",
+                index,
+                num_engines,
+                env.get("OMP_NUM_THREADS", "the default rule's"),
+                f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}"
+                if "CUDA_VISIBLE_DEVICES" in env
+                else "",
+            )
+        starts = [EngineProcessClient.create(config, env=env) for env in environments]
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        engines = [r for r in results if isinstance(r, EngineProcessClient)]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        try:
+            if failures:
+                raise failures[0]
+            _check_devices(engines)
+        except BaseException:
+            await asyncio.gather(*(engine.shutdown() for engine in engines))
+            raise
+        cache = config.cache
+        balancer = LoadBalancer(num_engines, cache.block_size, cache.enable_prefix_caching)
+        return cls(engines, balancer)
+
+    # --- facts -------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engines[0].tokenizer
+
+    async def run_tokenizer(self, work, *args):
+        return await self.engines[0].run_tokenizer(work, *args)
+
+    def set_chat_template(self, template: str) -> None:
+        self.engines[0].set_chat_template(template)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engines[0].model_info
+
+    @property
+    def device(self) -> str:
+        return self.engines[0].device
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [engine.pid for engine in self.engines]
+
+    @property
+    def pid(self) -> int | None:
+        return self.engines[0].pid
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and all(engine.is_running for engine in self.engines)
+
+    @property
+    def engine_stats(self) -> list[EngineStats]:
+        """Each engine's own figures, in engine order."""
+        return [engine.stats for engine in self.engines]
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engines' figures together (``sum_stats``)."""
+        return sum_stats(self.engine_stats)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return all(engine.is_sleeping for engine in self.engines)
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The engine serving a live request (None once it has ended)."""
+        return self._owners.get(request_id)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """As ``EngineClient.generate``, on the engine the balancer chooses."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        if request_id in self._owners:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        index = self.balancer.choose(prompt_token_ids)
+        self._owners[request_id] = index
+        self.balancer.started(index, params.n)
+        try:
+            async for output in self.engines[index].generate(request_id, prompt_token_ids, params):
+                yield output
+        finally:
+            self.balancer.finished(index, params.n)
+            del self._owners[request_id]
+
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestOutput:
+        outputs = [output async for output in self.generate(request_id, prompt_token_ids, params)]
+        return outputs[-1] if outputs else None
+
+    async def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Each live request's abort goes to the engine holding it; returns those aborted."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._owners.get(request_id)
+            if index is not None:
+                by_engine.setdefault(index, []).append(request_id)
+        answers = await asyncio.gather(
+            *(self.engines[index].abort(ids) for index, ids in by_engine.items())
+        )
+        return [request_id for aborted in answers for request_id in aborted]
+
+    async def warmup(self) -> None:
+        """One short request end to end on every engine."""
+        await asyncio.gather(*(engine.warmup() for engine in self.engines))
+
+    # --- admin: every engine ---------------------------------------------------------------------
+
+    async def reset_prefix_cache(self) -> bool:
+        """Every engine's prefix cache; False if any engine's requests hold KV blocks."""
+        answers = await self._on_all(lambda engine: engine.reset_prefix_cache())
+        return all(answers)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Every engine sleeps, or none: those that slept wake again if one refuses."""
+        await self._all_or_undo(lambda e: e.sleep(level), lambda e: e.wake_up())
+
+    async def wake_up(self) -> None:
+        await self._on_all(lambda engine: engine.wake_up())
+
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str = "") -> dict:
+        """Loaded on every engine, or on none (unloaded again where one fails); engine 0's
+        entry."""
+        entries = await self._all_or_undo(
+            lambda e: e.load_lora_adapter(name, path, base_model_name),
+            lambda e: e.unload_lora_adapter(name),
+        )
+        return entries[0]
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._on_all(lambda engine: engine.unload_lora_adapter(name))
+
+    async def list_lora_adapters(self) -> list[dict]:
+        """Engine 0's list: adapters are loaded on every engine or on none."""
+        return await self.engines[0].list_lora_adapters()
+
+    def call_in_core(self, function: Callable, *args) -> asyncio.Future:
+        """``EngineClient.call_in_core`` on engine 0 (``engines[i].call_in_core`` for another)."""
+        return self.engines[0].call_in_core(function, *args)
+
+    async def _on_all(self, call) -> list:
+        """``call(engine)`` on every engine at once; raises the first engine's error."""
+        return list(await asyncio.gather(*(call(engine) for engine in self.engines)))
+
+    async def _all_or_undo(self, call, undo) -> list:
+        """``call`` on every engine; if any raises, ``undo`` where it succeeded, then raise."""
+        results = await asyncio.gather(
+            *(call(engine) for engine in self.engines), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return results
+        done = [
+            e
+            for e, r in zip(self.engines, results, strict=True)
+            if not isinstance(r, BaseException)
+        ]
+        await asyncio.gather(*(undo(engine) for engine in done), return_exceptions=True)
+        raise errors[0]
+
+    # --- life and death ------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(engine.shutdown() for engine in self.engines))
+
+    def _engine_died(self, index: int, error: BaseException) -> None:
+        """One engine died: the client is dead (its requests on the others finish or are cut
+        when the server stops them)."""
+        if self.dead_error is not None:
+            return
+        self.dead_error = EngineDeadError(f"data-parallel engine {index}: {error}")
+        for callback in self.on_dead:
+            callback(self.dead_error)
+
+
+def _check_devices(engines: list[EngineProcessClient]) -> None:
+    """Every engine on the same kind of device (a machine with fewer GPUs than engines would
+    put the rest on the CPU)."""
+    kinds = [engine.device.split(":")[0] for engine in engines]
+    if len(set(kinds)) > 1:
+        devices = ", ".join(f"engine {i}: {engine.device}" for i, engine in enumerate(engines))
+        raise ValueError(
+            f"--data-parallel-size {len(engines)}: the engines landed on different devices "
+            f"({devices}); each engine needs a GPU of its own, or use --device cpu"
+        )
+
+
+def sum_stats(stats: list[EngineStats]) -> EngineStats:
+    """Counts, blocks, bytes and throughputs added; the prefix cache hit rate and device
+    utilization averaged; asleep only if every engine is."""
+    total = {
+        name: sum(getattr(s, name) for s in stats)
+        for name in (
+            "num_running",
+            "num_waiting",
+            "num_free_blocks",
+            "num_total_blocks",
+            "generation_throughput",
+            "prompt_throughput",
+            "kv_cache_bytes",
+            "device_memory_used_bytes",
+            "device_memory_total_bytes",
+        )
+    }
+    utilizations = [s.device_utilization for s in stats if s.device_utilization is not None]
+    return dataclasses.replace(
+        stats[0],
+        **total,
+        prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / len(stats),
+        is_sleeping=all(s.is_sleeping for s in stats),
+        device_utilization=sum(utilizations) / len(utilizations) if utilizations else None,
+    )
