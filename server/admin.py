@@ -75,7 +75,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @handle_errors
     async def GetLoad(self, request, context):
-        return convert.load_response(self.state.require_engine().stats)
+        engine = self.state.require_engine()
+        # A data-parallel client (engine/dp_client.py) has each engine's figures too.
+        return convert.load_response(engine.stats, getattr(engine, "engine_stats", []))
 
     @handle_errors
     async def ResetPrefixCache(self, request, context):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.core_types import EngineStats, ModelInfo
@@ -446,8 +446,21 @@ def list_models_response(
 # --- load figures --------------------------------------------------------------------------
 
 
-def load_response(stats: EngineStats) -> admin_pb2.GetLoadResponse:
+def load_response(
+    stats: EngineStats, per_engine: Sequence[EngineStats] = ()
+) -> admin_pb2.GetLoadResponse:
+    """``stats``; ``per_engine``: each data-parallel engine's own."""
+    engines = [
+        admin_pb2.EngineLoad(
+            num_running_requests=each.num_running,
+            num_waiting_requests=each.num_waiting,
+            kv_cache_usage=each.kv_cache_usage,
+            num_kv_blocks=each.num_total_blocks,
+        )
+        for each in per_engine
+    ]
     return admin_pb2.GetLoadResponse(
+        engines=engines,
         num_running_requests=stats.num_running,
         num_waiting_requests=stats.num_waiting,
         kv_cache_usage=stats.kv_cache_usage,

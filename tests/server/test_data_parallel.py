@@ -163,6 +163,7 @@ async def test_abort_reaches_the_engine_holding_the_request(generation, admin, e
 async def test_get_load_adds_both_engines_figures(admin, engine):
     load = await admin.GetLoad(admin_pb2.GetLoadRequest())
     assert load.num_kv_blocks == 2 * NUM_KV_BLOCKS
+    assert [each.num_kv_blocks for each in load.engines] == [NUM_KV_BLOCKS] * 2
     assert [s.num_total_blocks for s in engine.engine_stats] == [NUM_KV_BLOCKS] * 2
 
 

@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from llmrpc.v1 import common_pb2 as llmrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmrpc/v1/admin.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\x16\n\x14GetServerInfoRequest\"\xca\x01\n\x12ServerCapabilities\x12\x0b\n\x03tls\x18\x01 \x01(\x08\x12\x15\n\rauth_required\x18\x02 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08services\x18\x05 \x03(\t\x12\x1b\n\x13\x61\x64min_auth_required\x18\x06 \x01(\x08\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x01\x12!\n\x19\x64\x65vice_memory_total_bytes\x18\x08 \x01(\x01\"\xdf\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12\x33\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1d.llmrpc.v1.ServerCapabilities\x12<\n\x06\x63onfig\x18\x04 \x03(\x0b\x32,.llmrpc.v1.GetServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x86\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12\x35\n\x10\x64\x65\x66\x61ult_stopping\x18\x0b \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12\x30\n\x0e\x64\x65\x66\x61ult_output\x18\x0c \x01(\x0b\x32\x18.llmrpc.v1.OutputOptionsB\x0f\n\r_bos_token_id\"\x13\n\x11ListModelsRequest\"Z\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\x12\x0e\n\x06parent\x18\x05 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.llmrpc.v1.Model\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\xff\x02\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x19\n\x11prompt_throughput\x18\x06 \x01(\x02\x12\x1d\n\x15generation_throughput\x18\x07 \x01(\x02\x12\x13\n\x0bis_sleeping\x18\x08 \x01(\x08\x12\x16\n\x0ekv_cache_bytes\x18\t \x01(\x01\x12 \n\x18\x64\x65vice_memory_used_bytes\x18\n \x01(\x01\x12!\n\x19\x64\x65vice_memory_total_bytes\x18\x0b \x01(\x01\x12\x1f\n\x12\x64\x65vice_utilization\x18\x0c \x01(\x02H\x00\x88\x01\x01\x42\x15\n\x13_device_utilization\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse\",\n\x0cSleepRequest\x12\x12\n\x05level\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x13\n\x11IsSleepingRequest\")\n\x12IsSleepingResponse\x12\x13\n\x0bis_sleeping\x18\x01 \x01(\x08\"B\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"W\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"B\n\x17LoadLoraAdapterResponse\x12\'\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x16.llmrpc.v1.LoraAdapter\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"D\n\x18ListLoraAdaptersResponse\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.llmrpc.v1.LoraAdapter2\xb9\n\n\x0c\x41\x64minService\x12q\n\rGetServerInfo\x12\x1f.llmrpc.v1.GetServerInfoRequest\x1a .llmrpc.v1.GetServerInfoResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/server_info\x12m\n\x0cGetModelInfo\x12\x1e.llmrpc.v1.GetModelInfoRequest\x1a\x1f.llmrpc.v1.GetModelInfoResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\x12\x14/v1/admin/model_info\x12\x63\n\nListModels\x12\x1c.llmrpc.v1.ListModelsRequest\x1a\x1d.llmrpc.v1.ListModelsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/admin/models\x12V\n\x05\x41\x62ort\x12\x17.llmrpc.v1.AbortRequest\x1a\x18.llmrpc.v1.AbortResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/abort:\x01*\x12X\n\x07GetLoad\x12\x19.llmrpc.v1.GetLoadRequest\x1a\x1a.llmrpc.v1.GetLoadResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/admin/load\x12\x84\x01\n\x10ResetPrefixCache\x12\".llmrpc.v1.ResetPrefixCacheRequest\x1a#.llmrpc.v1.ResetPrefixCacheResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/admin/reset_prefix_cache:\x01*\x12V\n\x05Sleep\x12\x17.llmrpc.v1.SleepRequest\x1a\x18.llmrpc.v1.SleepResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/sleep:\x01*\x12[\n\x06WakeUp\x12\x18.llmrpc.v1.WakeUpRequest\x1a\x19.llmrpc.v1.WakeUpResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\"\x11/v1/admin/wake_up:\x01*\x12h\n\nIsSleeping\x12\x1c.llmrpc.v1.IsSleepingRequest\x1a\x1d.llmrpc.v1.IsSleepingResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/is_sleeping\x12\x80\x01\n\x0fLoadLoraAdapter\x12!.llmrpc.v1.LoadLoraAdapterRequest\x1a\".llmrpc.v1.LoadLoraAdapterResponse\"&\x82\xd3\xe4\x93\x02 \"\x1b/v1/admin/load_lora_adapter:\x01*\x12\x88\x01\n\x11UnloadLoraAdapter\x12#.llmrpc.v1.UnloadLoraAdapterRequest\x1a$.llmrpc.v1.UnloadLoraAdapterResponse\"(\x82\xd3\xe4\x93\x02\"\"\x1d/v1/admin/unload_lora_adapter:\x01*\x12|\n\x10ListLoraAdapters\x12\".llmrpc.v1.ListLoraAdaptersRequest\x1a#.llmrpc.v1.ListLoraAdaptersResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\x12\x17/v1/admin/lora_adaptersb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmrpc/v1/admin.proto\x12\tllmrpc.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16llmrpc/v1/common.proto\"\x16\n\x14GetServerInfoRequest\"\xca\x01\n\x12ServerCapabilities\x12\x0b\n\x03tls\x18\x01 \x01(\x08\x12\x15\n\rauth_required\x18\x02 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08services\x18\x05 \x03(\t\x12\x1b\n\x13\x61\x64min_auth_required\x18\x06 \x01(\x08\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x01\x12!\n\x19\x64\x65vice_memory_total_bytes\x18\x08 \x01(\x01\"\xdf\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12\x33\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1d.llmrpc.v1.ServerCapabilities\x12<\n\x06\x63onfig\x18\x04 \x03(\x0b\x32,.llmrpc.v1.GetServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x86\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x19.llmrpc.v1.SamplingParams\x12\x35\n\x10\x64\x65\x66\x61ult_stopping\x18\x0b \x01(\x0b\x32\x1b.llmrpc.v1.StoppingCriteria\x12\x30\n\x0e\x64\x65\x66\x61ult_output\x18\x0c \x01(\x0b\x32\x18.llmrpc.v1.OutputOptionsB\x0f\n\r_bos_token_id\"\x13\n\x11ListModelsRequest\"Z\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\x12\x0e\n\x06parent\x18\x05 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.llmrpc.v1.Model\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\xa7\x03\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x19\n\x11prompt_throughput\x18\x06 \x01(\x02\x12\x1d\n\x15generation_throughput\x18\x07 \x01(\x02\x12\x13\n\x0bis_sleeping\x18\x08 \x01(\x08\x12\x16\n\x0ekv_cache_bytes\x18\t \x01(\x01\x12 \n\x18\x64\x65vice_memory_used_bytes\x18\n \x01(\x01\x12!\n\x19\x64\x65vice_memory_total_bytes\x18\x0b \x01(\x01\x12\x1f\n\x12\x64\x65vice_utilization\x18\x0c \x01(\x02H\x00\x88\x01\x01\x12&\n\x07\x65ngines\x18\r \x03(\x0b\x32\x15.llmrpc.v1.EngineLoadB\x15\n\x13_device_utilization\"w\n\nEngineLoad\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse\",\n\x0cSleepRequest\x12\x12\n\x05level\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x13\n\x11IsSleepingRequest\")\n\x12IsSleepingResponse\x12\x13\n\x0bis_sleeping\x18\x01 \x01(\x08\"B\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"W\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"B\n\x17LoadLoraAdapterResponse\x12\'\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x16.llmrpc.v1.LoraAdapter\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"D\n\x18ListLoraAdaptersResponse\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.llmrpc.v1.LoraAdapter2\xb9\n\n\x0c\x41\x64minService\x12q\n\rGetServerInfo\x12\x1f.llmrpc.v1.GetServerInfoRequest\x1a .llmrpc.v1.GetServerInfoResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/server_info\x12m\n\x0cGetModelInfo\x12\x1e.llmrpc.v1.GetModelInfoRequest\x1a\x1f.llmrpc.v1.GetModelInfoResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\x12\x14/v1/admin/model_info\x12\x63\n\nListModels\x12\x1c.llmrpc.v1.ListModelsRequest\x1a\x1d.llmrpc.v1.ListModelsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/admin/models\x12V\n\x05\x41\x62ort\x12\x17.llmrpc.v1.AbortRequest\x1a\x18.llmrpc.v1.AbortResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/abort:\x01*\x12X\n\x07GetLoad\x12\x19.llmrpc.v1.GetLoadRequest\x1a\x1a.llmrpc.v1.GetLoadResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/admin/load\x12\x84\x01\n\x10ResetPrefixCache\x12\".llmrpc.v1.ResetPrefixCacheRequest\x1a#.llmrpc.v1.ResetPrefixCacheResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/admin/reset_prefix_cache:\x01*\x12V\n\x05Sleep\x12\x17.llmrpc.v1.SleepRequest\x1a\x18.llmrpc.v1.SleepResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/admin/sleep:\x01*\x12[\n\x06WakeUp\x12\x18.llmrpc.v1.WakeUpRequest\x1a\x19.llmrpc.v1.WakeUpResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\"\x11/v1/admin/wake_up:\x01*\x12h\n\nIsSleeping\x12\x1c.llmrpc.v1.IsSleepingRequest\x1a\x1d.llmrpc.v1.IsSleepingResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/admin/is_sleeping\x12\x80\x01\n\x0fLoadLoraAdapter\x12!.llmrpc.v1.LoadLoraAdapterRequest\x1a\".llmrpc.v1.LoadLoraAdapterResponse\"&\x82\xd3\xe4\x93\x02 \"\x1b/v1/admin/load_lora_adapter:\x01*\x12\x88\x01\n\x11UnloadLoraAdapter\x12#.llmrpc.v1.UnloadLoraAdapterRequest\x1a$.llmrpc.v1.UnloadLoraAdapterResponse\"(\x82\xd3\xe4\x93\x02\"\"\x1d/v1/admin/unload_lora_adapter:\x01*\x12|\n\x10ListLoraAdapters\x12\".llmrpc.v1.ListLoraAdaptersRequest\x1a#.llmrpc.v1.ListLoraAdaptersResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\x12\x17/v1/admin/lora_adaptersb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -84,37 +84,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=1228
   _globals['_GETLOADREQUEST']._serialized_end=1244
   _globals['_GETLOADRESPONSE']._serialized_start=1247
-  _globals['_GETLOADRESPONSE']._serialized_end=1630
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1632
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1657
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1659
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1685
-  _globals['_SLEEPREQUEST']._serialized_start=1687
-  _globals['_SLEEPREQUEST']._serialized_end=1731
-  _globals['_SLEEPRESPONSE']._serialized_start=1733
-  _globals['_SLEEPRESPONSE']._serialized_end=1748
-  _globals['_WAKEUPREQUEST']._serialized_start=1750
-  _globals['_WAKEUPREQUEST']._serialized_end=1765
-  _globals['_WAKEUPRESPONSE']._serialized_start=1767
-  _globals['_WAKEUPRESPONSE']._serialized_end=1783
-  _globals['_ISSLEEPINGREQUEST']._serialized_start=1785
-  _globals['_ISSLEEPINGREQUEST']._serialized_end=1804
-  _globals['_ISSLEEPINGRESPONSE']._serialized_start=1806
-  _globals['_ISSLEEPINGRESPONSE']._serialized_end=1847
-  _globals['_LORAADAPTER']._serialized_start=1849
-  _globals['_LORAADAPTER']._serialized_end=1915
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1917
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2004
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=2006
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2072
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2074
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2119
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2121
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2148
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2150
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2175
-  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2177
-  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2245
-  _globals['_ADMINSERVICE']._serialized_start=2248
-  _globals['_ADMINSERVICE']._serialized_end=3585
+  _globals['_GETLOADRESPONSE']._serialized_end=1670
+  _globals['_ENGINELOAD']._serialized_start=1672
+  _globals['_ENGINELOAD']._serialized_end=1791
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1793
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1818
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1820
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1846
+  _globals['_SLEEPREQUEST']._serialized_start=1848
+  _globals['_SLEEPREQUEST']._serialized_end=1892
+  _globals['_SLEEPRESPONSE']._serialized_start=1894
+  _globals['_SLEEPRESPONSE']._serialized_end=1909
+  _globals['_WAKEUPREQUEST']._serialized_start=1911
+  _globals['_WAKEUPREQUEST']._serialized_end=1926
+  _globals['_WAKEUPRESPONSE']._serialized_start=1928
+  _globals['_WAKEUPRESPONSE']._serialized_end=1944
+  _globals['_ISSLEEPINGREQUEST']._serialized_start=1946
+  _globals['_ISSLEEPINGREQUEST']._serialized_end=1965
+  _globals['_ISSLEEPINGRESPONSE']._serialized_start=1967
+  _globals['_ISSLEEPINGRESPONSE']._serialized_end=2008
+  _globals['_LORAADAPTER']._serialized_start=2010
+  _globals['_LORAADAPTER']._serialized_end=2076
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2078
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2165
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=2167
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2233
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2235
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2280
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2282
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2309
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2311
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2336
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2338
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2406
+  _globals['_ADMINSERVICE']._serialized_start=2409
+  _globals['_ADMINSERVICE']._serialized_end=3746
 # @@protoc_insertion_point(module_scope)

@@ -126,7 +126,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization", "engines")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class GetLoadResponse(_message.Message):
     DEVICE_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -151,7 +152,20 @@ class GetLoadResponse(_message.Message):
     device_memory_used_bytes: float
     device_memory_total_bytes: float
     device_utilization: float
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks")
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
