@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from engine_utils import greedy_generate, hf_greedy, run_to_completion
 from lora_adapters import AdapterSpec, make_adapter
+from tiny_models import TINY_DECODER, save_tiny_model
 
 from llmrpc.engine import lora_layers
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -192,3 +193,30 @@ def test_lora_off_refuses_adapters(tiny_llama_dir):
     with pytest.raises(EngineStateError, match="--enable-lora"):
         core.load_lora_adapter("any", "/nowhere")
     assert core.list_lora_adapters() == []
+
+
+# PEFT takes lora_B's 1-D bias for an unsaved shard (a false alarm for a bias)
+@pytest.mark.filterwarnings("ignore:Adapter 'default'")
+def test_lora_bias_needs_the_flag_and_matches_peft(tmp_path, smollm2_dir, prompts):
+    """PEFT's lora_bias (a bias on lora_B, scaled with it) on Qwen2's biased q/k/v projections:
+    refused without --enable-lora-bias, PEFT's tokens with it, on both CPU paths."""
+    base = save_tiny_model(
+        tmp_path / "qwen2", smollm2_dir, "qwen2", randomize_biases_and_norms=True, **TINY_DECODER
+    )
+    spec = AdapterSpec(8, 16, ("q_proj", "k_proj", "v_proj"), seed=4, extra={"lora_bias": True})
+    merged = make_adapter(base, tmp_path / "biased", spec)
+    expected = greedy_generate(merged, prompts[:2], MAX_TOKENS)
+    with pytest.raises(InvalidRequestError, match="--enable-lora-bias"):
+        lora_core(base, {"biased": tmp_path / "biased"})
+    core = lora_core(base, {"biased": tmp_path / "biased"}, enable_lora_bias=True)
+    for dense_max_rows in (0, 10**6):
+        lora_layers.DENSE_MAX_ROWS, saved = dense_max_rows, lora_layers.DENSE_MAX_ROWS
+        try:
+            requests = _requests(prompts[:2], ["biased"])
+            outputs = run_to_completion(
+                core, {f"{k}-{dense_max_rows}": v for k, v in requests.items()}
+            )
+        finally:
+            lora_layers.DENSE_MAX_ROWS = saved
+        got = [outputs[f"biased-{i}-{dense_max_rows}"].token_ids for i in range(2)]
+        assert got == expected, dense_max_rows
