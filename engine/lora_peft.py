@@ -94,7 +94,7 @@ def check_config(config: dict, max_rank: int, enable_bias: bool) -> tuple[int, f
         if config.get(key):
             raise _refuse(message)
     if config.get("bias", "none") != "none":
-        raise _refuse(f'bias={config["bias"]!r} (trained base-layer biases) is not supported')
+        raise _refuse(f"bias={config['bias']!r} (trained base-layer biases) is not supported")
     if config.get("lora_bias") and not enable_bias:
         raise _refuse("the adapter has lora_B biases; start the server with --enable-lora-bias")
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)
