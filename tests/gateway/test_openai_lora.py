@@ -109,3 +109,14 @@ def test_load_and_unload_routes(sdk, gateway, adapters, tmp_path):
         assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
     with pytest.raises(openai.NotFoundError):
         _complete(sdk, "poem")
+
+
+def test_python_client_lists_adapters_and_generates_with_one(grpc_client, adapters):
+    listed = grpc_client.lora_adapters()
+    assert [(a.name, a.path) for a in listed] == [("sql", str(adapters["sql"][0]))]
+    cards = grpc_client.models()
+    assert (cards[1].id, cards[1].parent) == ("sql", cards[0].id)
+    completion = grpc_client.generate(
+        PROMPT, lora="sql", max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+    )
+    assert completion.text == adapters["sql"][1]
