@@ -29,6 +29,7 @@ from llmrpc.engine.config import (
 )
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.quantization import QuantizedLinear
 from llmrpc.engine.request import SamplingParams, StructuredOutputSpec
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear
@@ -118,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB for the cache.")
     parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="As in `llmrpc serve`."
+    )
+    parser.add_argument(
         "--baseline",
         choices=("transformers", "free"),
         help="Also run this baseline and print the ratio (free: no --json-schema, no adapter).",
@@ -196,6 +200,7 @@ class EngineSide:
                     max_lora_rank=args.max_lora_rank,
                     lora_modules=tuple(args.lora_modules or ()),
                 ),
+                parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
             )
         )
         self._num_runs = 0
