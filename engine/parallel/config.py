@@ -25,10 +25,10 @@ class ParallelConfig:
                 f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {backend!r}"
             )
-        if backend in ("ray", "external_launcher"):
+        if backend == "external_launcher":
             raise ValueError(
-                f"--distributed-executor-backend {backend} is refused: this build starts its "
-                "tensor-parallel ranks as local processes only (mp)"
+                "--distributed-executor-backend external_launcher is refused: this build starts "
+                "its tensor-parallel ranks itself (mp: local processes; ray: Ray actors)"
             )
         if backend == "uni" and size > 1:
             raise ValueError(

@@ -54,9 +54,10 @@ def rank_threads(size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // size)
 
 
-def join_group(rank: int, size: int, port: int) -> None:
-    """Join the ranks' process group over a TCP store that rank 0 serves on loopback."""
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT)
+def join_group(rank: int, size: int, port: int, host: str = "127.0.0.1") -> None:
+    """Join the ranks' process group over a TCP store that rank 0 serves at ``host:port``
+    (loopback for local ranks)."""
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
@@ -73,7 +74,7 @@ def rank_kv_config(hf_config, size: int):
     return config
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -102,7 +103,7 @@ class TensorParallel:
 
     def __init__(self, config, size: int) -> None:
         self.rank = Rank(0, size)
-        port = _free_port()
+        port = free_port()
         context = multiprocessing.get_context("spawn")  # never fork a process running torch
         from llmrpc.engine.parallel import worker
 
@@ -183,6 +184,10 @@ def start_tensor_parallel(config, hf_config, device: torch.device, runner: str):
         return None
     check_engine_options(config, device, runner)
     check_model(hf_config, config.model.model_impl, parallel.tensor_parallel_size)
+    if parallel.distributed_executor_backend == "ray":
+        from llmrpc.engine.parallel.ray_executor import RayTensorParallel
+
+        return RayTensorParallel(config, parallel.tensor_parallel_size)
     return TensorParallel(config, parallel.tensor_parallel_size)
 
 

@@ -32,7 +32,7 @@ def main(config, rank: int, port: int, conn, log_level: int) -> None:
         torch.set_num_threads(rank_threads(size))
         conn.send("started")
         join_group(rank, size, port)
-        model, kv_caches = _load(config, Rank(rank, size))
+        model, kv_caches = load_shard(config, Rank(rank, size))
         conn.send("ready")
         _serve(conn, model, kv_caches)
     except BaseException as error:  # noqa: BLE001 - reported to rank 0, then this rank ends
@@ -43,7 +43,7 @@ def main(config, rank: int, port: int, conn, log_level: int) -> None:
     os._exit(0)  # no interpreter teardown: nothing is left to save
 
 
-def _load(config, rank: Rank):
+def load_shard(config, rank: Rank):
     from llmrpc.engine import core, loader
     from llmrpc.engine.model_runner import kv_cache_shape
     from llmrpc.engine.models import build_model
@@ -74,16 +74,23 @@ def _load(config, rank: Rank):
     return model, kv_caches
 
 
-@torch.inference_mode()
 def _serve(conn, model, kv_caches) -> None:
     while True:
         try:
             data = conn.recv_bytes()
         except EOFError:  # rank 0's process is gone
             return
-        step = pickle.loads(data)
-        if step is None:
+        if not run_step(model, kv_caches, data):
             return
-        input_ids, positions, metadata, logits_indices = step
+
+
+def run_step(model, kv_caches, data: bytes) -> bool:
+    """Run the forward of one step rank 0 pickled; False for its stop message."""
+    step = pickle.loads(data)
+    if step is None:
+        return False
+    input_ids, positions, metadata, logits_indices = step
+    with torch.inference_mode():
         hidden = model(input_ids, positions, kv_caches, metadata)
         model.compute_logits(hidden[logits_indices])  # this rank's part of the gather
+    return True

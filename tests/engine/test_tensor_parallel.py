@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import pytest
 from engine_utils import run_to_completion
@@ -55,20 +56,22 @@ def model_dir(request, tiny_llama_dir, tiny_model_factory):
     return tiny_model_factory(num_key_value_heads=1, tie_word_embeddings=False)
 
 
-def test_two_ranks_give_one_ranks_greedy_tokens(model_dir):
-    expected = greedy_tokens(EngineCore(engine_config(model_dir, 1)))
+_expected: dict = {}
+
+
+def one_ranks_tokens(model_dir) -> dict[str, list[int]]:
+    if model_dir not in _expected:
+        _expected[model_dir] = greedy_tokens(EngineCore(engine_config(model_dir, 1)))
+    return _expected[model_dir]
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_and_a_killed_rank_fails_the_engine(model_dir):
+    expected = one_ranks_tokens(model_dir)
     core = EngineCore(engine_config(model_dir, 2))
     try:
         assert len(core.parallel.workers) == 1
         assert greedy_tokens(core) == expected
         assert all(len(tokens) == MAX_TOKENS for tokens in expected.values())
-    finally:
-        core.parallel.close()
-
-
-def test_a_killed_rank_fails_the_engine(tiny_llama_dir):
-    core = EngineCore(engine_config(tiny_llama_dir, 2))
-    try:
         worker = core.parallel.workers[0]
         os.kill(worker.process.pid, signal.SIGKILL)
         worker.process.join(10)
@@ -84,7 +87,10 @@ def test_a_killed_rank_fails_the_engine(tiny_llama_dir):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(distributed_executor_backend="ray"), "--distributed-executor-backend ray is refused"),
+        (
+            dict(distributed_executor_backend="external_launcher"),
+            "--distributed-executor-backend external_launcher is refused",
+        ),
         (dict(distributed_executor_backend="uni"), "needs mp"),
     ],
 )
@@ -105,3 +111,24 @@ def test_options_it_cannot_shard_are_refused_at_start(tiny_llama_dir, tiny_model
                 tiny_model_factory(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), 2
             )
         )
+
+
+def test_ray_ranks_give_one_ranks_greedy_tokens_and_a_dead_one_is_seen(tiny_llama_dir):
+    """--distributed-executor-backend ray, on a local Ray head on loopback."""
+    ray = pytest.importorskip("ray")
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2)
+    try:
+        expected = one_ranks_tokens(tiny_llama_dir)
+        core = EngineCore(engine_config(tiny_llama_dir, 2, distributed_executor_backend="ray"))
+        try:
+            assert greedy_tokens(core) == expected
+            pid = core.parallel.pids[0]
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(WorkerDied, match=rf"rank 1 \(Ray actor, pid {pid}\) died"):
+                for _ in range(100):  # the ping in flight fails once Ray sees the death
+                    _ = core.stats
+                    time.sleep(0.1)
+        finally:
+            core.parallel.close()
+    finally:
+        ray.shutdown()

@@ -180,9 +180,12 @@ def test_refusal_is_one_line_naming_the_flag(capsys):
 def test_tensor_parallel_flags_reach_the_engine_config_or_are_refused(capsys):
     engine, _ = options.build_configs(parse("-tp", "2"))
     assert engine.parallel.tensor_parallel_size == 2
-    assert serve_error(capsys, "-tp", "2", "--distributed-executor-backend", "ray") == (
-        "--distributed-executor-backend ray is refused: this build starts its tensor-parallel "
-        "ranks as local processes only (mp)"
+    ray, _ = options.build_configs(parse("-tp", "2", "--distributed-executor-backend", "ray"))
+    assert ray.parallel.distributed_executor_backend == "ray"
+    argv = ("-tp", "2", "--distributed-executor-backend", "external_launcher")
+    assert serve_error(capsys, *argv) == (
+        "--distributed-executor-backend external_launcher is refused: this build starts its "
+        "tensor-parallel ranks itself (mp: local processes; ray: Ray actors)"
     )
     assert "--enable-lora is refused with --tensor-parallel-size 2" in serve_error(
         capsys, "-tp", "2", "--enable-lora"
