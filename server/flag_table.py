@@ -406,13 +406,14 @@ _PARALLELISM = _group(
             "(--tensor-parallel-size)"),
     works(("--data-parallel-size", "-dp"), 1, int, "frontend.data_parallel_size",
           "Engine processes on this machine behind this one server, each with its own copy of "
-          "the model and KV cache; a new request goes to the engine holding the fewest "
-          "unfinished requests (counting each of n samples), or, with prefix caching, to the "
-          "engine that last took its prompt's longest known prefix of up to 8 blocks while "
-          "that one holds at most 2 more; admin calls reach every engine. On the "
-          "CPU the engines split the cores (OMP_NUM_THREADS each, unless set); on CUDA each "
-          "takes one GPU (CUDA_VISIBLE_DEVICES). Health is SERVING once all serve; one "
-          "engine's death stops the server. Not with --disable-frontend-multiprocessing."),
+          "the model and KV cache (--kv-cache-memory each); a new request goes to the engine "
+          "holding the fewest unfinished requests (counting each of n samples), or, with "
+          "prefix caching, to the engine that last took its prompt's longest known prefix of "
+          "up to 8 blocks while that one holds at most 2 more; admin calls reach every "
+          "engine. On the CPU the engines split the cores (OMP_NUM_THREADS each, unless set); "
+          "on CUDA each takes one GPU (CUDA_VISIBLE_DEVICES). Health is SERVING once all "
+          "serve; one engine's death stops the server. Not with "
+          "--disable-frontend-multiprocessing."),
     refused(("--data-parallel-rank", "-dpn"), None, int, MULTI_NODE),
     refused(("--data-parallel-start-rank", "-dpr"), None, int, MULTI_NODE),
     works(("--data-parallel-size-local", "-dpl"), None, int,
@@ -425,8 +426,8 @@ _PARALLELISM = _group(
     works("--distributed-executor-backend", None, str, "parallel.distributed_executor_backend",
           "How tensor-parallel ranks run: mp (the default for --tensor-parallel-size > 1) starts "
           "ranks 1..N-1 as processes on this machine; ray as Ray actors (one CPU each) on the "
-          "cluster RAY_ADDRESS names, else a local one (pip install 'llmrpc[ray]'; the model "
-          "path must exist on every node); uni (the default for one rank) runs the engine "
+          "running cluster RAY_ADDRESS names (ray start --head; pip install 'llmrpc[ray]'; the "
+          "model path must exist on every node); uni (the default for one rank) runs the engine "
           "alone and refuses more ranks; external_launcher is refused.",
           choices=("mp", "ray", "uni", "external_launcher")),
     refused("--enable-expert-parallel", False, None, ONE_DEVICE),

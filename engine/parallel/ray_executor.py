@@ -2,7 +2,7 @@
 
 Rank 0 stays the engine process, which becomes the Ray driver: it joins the cluster that
 ``RAY_ADDRESS`` names (``ray start --head`` on one machine, ``ray start --address`` on the
-others), or starts a local one. Each other rank is an actor taking one CPU of the cluster; it
+others); it must be running. Each other rank is an actor taking one CPU of the cluster; it
 loads the model from the same path (which must exist on its node), keeps its shard and its part
 of the KV cache, and runs the forward of each step that rank 0 sends it as an actor call (one
 caller's calls to a single-threaded actor run in the order made). The collectives are gloo, as
@@ -63,14 +63,25 @@ class RankActor:
         pass
 
 
+def ray_address() -> str:
+    """The cluster to join. A local one started here would outlive the engine process, which
+    ends without Python's exit handlers (Ray's agents stay), so one must be running."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
+        raise ValueError(
+            "--distributed-executor-backend ray joins the Ray cluster that RAY_ADDRESS names "
+            "(start one with `ray start --head`); RAY_ADDRESS is not set"
+        )
+    return address
+
+
 class RayTensorParallel:
     """``executor.TensorParallel``'s interface, with Ray actors as ranks 1..N-1."""
 
     def __init__(self, config, size: int) -> None:
         self.rank = Rank(0, size)
         if not ray.is_initialized():
-            # RAY_ADDRESS, when set, names the cluster; else a local one is started
-            ray.init(include_dashboard=False, configure_logging=False, log_to_driver=True)
+            ray.init(address=ray_address(), configure_logging=False, log_to_driver=True)
         host = ray.util.get_node_ip_address()
         port = free_port()
         threads = rank_threads(size)

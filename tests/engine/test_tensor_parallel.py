@@ -132,3 +132,14 @@ def test_ray_ranks_give_one_ranks_greedy_tokens_and_a_dead_one_is_seen(tiny_llam
             core.parallel.close()
     finally:
         ray.shutdown()
+
+
+def test_ray_needs_a_running_cluster(monkeypatch):
+    pytest.importorskip("ray")
+    from llmrpc.engine.parallel.ray_executor import ray_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="joins the Ray cluster that RAY_ADDRESS names"):
+        ray_address()
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert ray_address() == "127.0.0.1:6379"
