@@ -406,13 +406,14 @@ _PARALLELISM = _group(
             "(--tensor-parallel-size)"),
     works(("--data-parallel-size", "-dp"), 1, int, "frontend.data_parallel_size",
           "Engine processes on this machine behind this one server, each with its own copy of "
-          "the model and KV cache; a new request goes to the engine holding the fewest "
-          "unfinished requests (counting each of n samples), or, with prefix caching, to the "
-          "engine that last took its prompt's longest known prefix of up to 8 blocks while "
-          "that one holds at most 2 more; admin calls reach every engine. On the "
-          "CPU the engines split the cores (OMP_NUM_THREADS each, unless set); on CUDA each "
-          "takes one GPU (CUDA_VISIBLE_DEVICES). Health is SERVING once all serve; one "
-          "engine's death stops the server. Not with --disable-frontend-multiprocessing."),
+          "the model and KV cache (--kv-cache-memory each); a new request goes to the engine "
+          "holding the fewest unfinished requests (counting each of n samples), or, with "
+          "prefix caching, to the engine that last took its prompt's longest known prefix of "
+          "up to 8 blocks while that one holds at most 2 more; admin calls reach every "
+          "engine. On the CPU the engines split the cores (OMP_NUM_THREADS each, unless set); "
+          "on CUDA each takes one GPU (CUDA_VISIBLE_DEVICES). Health is SERVING once all "
+          "serve; one engine's death stops the server. Not with "
+          "--disable-frontend-multiprocessing."),
     refused(("--data-parallel-rank", "-dpn"), None, int, MULTI_NODE),
     refused(("--data-parallel-start-rank", "-dpr"), None, int, MULTI_NODE),
     works(("--data-parallel-size-local", "-dpl"), None, int,
