@@ -135,9 +135,12 @@ class TensorParallel:
                 raise WorkerDied(
                     f"tensor-parallel rank {worker.rank} not {what} after {timeout:.0f} s"
                 )
-            if worker.conn not in ready or not worker.conn.poll():
+            try:
+                message = worker.conn.recv() if worker.conn in ready else None
+            except EOFError:  # it exited without a word
+                message = None
+            if message is None:
                 raise WorkerDied(worker.describe_death())
-            message = worker.conn.recv()
             if message != what:
                 raise WorkerDied(f"tensor-parallel rank {worker.rank} failed: {message[1]}")
 
