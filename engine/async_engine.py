@@ -187,10 +187,10 @@ class EngineClient:
     ) -> RequestOutput:
         """One pooling request (``params.pooling`` set) to its end: its one output, which
         carries the embedding (or the engine's error). Raises as ``generate`` does."""
-        output = None
+        last = None
         async for output in self.generate(request_id, prompt_token_ids, params):
-            pass
-        return output
+            last = output
+        return last
 
     async def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Abort the live requests among ``request_ids``; returns those that were live."""
