@@ -179,8 +179,8 @@ async def test_a_death_while_loading_is_reported_as_such(tiny_llama_dir, monkeyp
     started = []
     real_start = EngineProcessClient._start
 
-    def start_then_kill(self, config):
-        real_start(self, config)
+    def start_then_kill(self, config, env=None):
+        real_start(self, config, env)
         started.append(self._process)
         os.kill(self._process.pid, signal.SIGKILL)
 
