@@ -120,8 +120,16 @@ async def test_no_other_separator_or_trailing_text_passes(channel, value):
 
 ADMIN_KEY = "admin-key-89ab"
 # Every AdminService RPC, by whether a generation key may call it. A new RPC must be put in one.
-READ_ONLY = {"GetServerInfo", "GetModelInfo", "ListModels", "GetLoad", "IsSleeping", "Abort"}
-STATE_CHANGING = {"ResetPrefixCache", "Sleep", "WakeUp"}
+READ_ONLY = {
+    "GetServerInfo",
+    "GetModelInfo",
+    "ListModels",
+    "GetLoad",
+    "IsSleeping",
+    "Abort",
+    "ListLoraAdapters",
+}
+STATE_CHANGING = {"ResetPrefixCache", "Sleep", "WakeUp", "LoadLoraAdapter", "UnloadLoraAdapter"}
 ADMIN_METHODS = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].methods
 
 
