@@ -24,6 +24,14 @@ from llmrpc.gateway.openapi_docs import ERRORS
 from llmrpc.gateway.state import gateway_of
 
 router = APIRouter(route_class=JsonRoute, responses=ERRORS)
+# The success answer is vLLM's plain-text line; errors stay JSON (OpenAI's envelope), so the
+# route keeps the JSON response class and documents its 200 as text.
+_SUCCESS = {
+    200: {
+        "description": "vLLM's success line.",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 
 # gRPC field paths -> the body's fields (the same names)
 LORA_PARAMS: dict[str, str | None] = {
@@ -54,8 +62,8 @@ async def _on_every_replica(request: Request, method: str, *args, **kwargs) -> N
         raise from_grpc(error, LORA_PARAMS) from None
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
-async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
+@router.post("/v1/load_lora_adapter", response_model=None, responses=_SUCCESS)
+async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> PlainTextResponse:
     await _on_every_replica(
         request,
         "load_lora_adapter",
@@ -63,10 +71,10 @@ async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
         body.lora_path,
         base_model_name=body.base_model_name,
     )
-    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
-async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> str:
+@router.post("/v1/unload_lora_adapter", response_model=None, responses=_SUCCESS)
+async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> PlainTextResponse:
     await _on_every_replica(request, "unload_lora_adapter", body.lora_name)
-    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
