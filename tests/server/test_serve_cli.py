@@ -110,7 +110,7 @@ def test_flags_reach_the_configurations(tmp_path):
         (["--ssl-certfile", "c", "--ssl-keyfile", "k", "--ssl-cert-reqs", "2"], "--ssl-ca-certs"),
         (["--enable-ssl-refresh"], "--enable-ssl-refresh"),
         (["--ssl-cert-reqs", "3"], "--ssl-cert-reqs"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
         (["--hf-overrides", "[1]"], "--hf-overrides"),
         (["--grpc-max-concurrent-streams", "0"], "--grpc-max-concurrent-streams"),
     ],
