@@ -150,7 +150,8 @@ def test_reasoning_is_its_own_item_whole_and_streamed(sdk, scripted, grpc_client
     assert response.usage.output_tokens_details.reasoning_tokens == reasoning_tokens > 0
     events = list(sdk.responses.create(model="", input="Weather?", stream=True, **scripted(output)))
     kinds = [e.type for e in events]
-    assert kinds.count("response.reasoning_text.delta") > 3  # streamed as it comes
+    # streamed as it comes: in more than one delta (a lagging reader gets merged deltas)
+    assert kinds.count("response.reasoning_text.delta") > 1
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == f"\n{THOUGHT}\n"
