@@ -12,3 +12,17 @@ def process_ended(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return state in ("Z", "X")
+
+
+def children_of(pid: int) -> list[int]:
+    """The live (not zombie) child processes of ``pid``, read from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                children.append(int(entry.name))
+    return children

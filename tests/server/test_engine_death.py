@@ -18,7 +18,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_state import process_ended
+from process_state import children_of, process_ended
 from server_utils import frontend_config, serve_in_process, wait_until
 
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -30,19 +30,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 LONG = generation_pb2.GenerateRequest(
     text="Hello", stopping=common_pb2.StoppingCriteria(max_tokens=400, ignore_eos=True)
 )
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                children.append(int(entry.name))
-    return children
 
 
 async def health_status(address: str) -> int:

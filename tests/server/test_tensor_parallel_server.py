@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_state import process_ended
+from process_state import children_of, process_ended
 from server_utils import wait_until
 
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -24,24 +24,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def child_pids(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                children.append(int(entry.name))
-    return children
-
-
 def rank_worker_of(engine_pid: int) -> int:
     """The engine process's tensor-parallel worker (not multiprocessing's resource tracker)."""
     workers = [
         pid
-        for pid in child_pids(engine_pid)
+        for pid in children_of(engine_pid)
         if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
     assert len(workers) == 1, workers
@@ -83,7 +70,7 @@ async def test_a_killed_rank_stops_llmrpc_serve_with_the_cause(tiny_llama_dir):
                 timeout=60,
             )
         assert len(reply.token_ids) == 4
-        (engine_pid,) = child_pids(server.pid)
+        (engine_pid,) = children_of(server.pid)
         worker_pid = rank_worker_of(engine_pid)
         os.kill(worker_pid, signal.SIGKILL)  # the engine is idle: its stats refresh sees it
         assert await asyncio.to_thread(server.wait, 60) == 1
