@@ -1,6 +1,11 @@
 """vLLM's LoRA routes: ``POST /v1/load_lora_adapter`` ({"lora_name", "lora_path"}) and
-``POST /v1/unload_lora_adapter`` ({"lora_name"}), over AdminService's LoadLoraAdapter and
-UnloadLoraAdapter, on every serving replica (requests may go to any of them).
+``POST /v1/unload_lora_adapter`` ({"lora_name"}, and vLLM's optional "lora_int_id"), over
+AdminService's LoadLoraAdapter and UnloadLoraAdapter, on every serving replica (requests may go
+to any of them).
+
+An unload goes by ``lora_name`` alone, as vLLM's does: vLLM accepts ``lora_int_id`` and does not
+use it. Here too it is checked (a 32-bit integer) and not used: this API gives adapters no integer
+id (the engine's internal one differs between replicas), so there is nothing to compare it with.
 
 They answer as vLLM does: 200 with a plain-text "Success: ..." line. Errors are OpenAI error
 objects from the gRPC status: 400 naming the field (a bad folder, a rank over --max-lora-rank,
@@ -15,11 +20,12 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from pydantic import Field
 
 from llmrpc.clients import LlmrpcError
 from llmrpc.gateway.errors import from_grpc
 from llmrpc.gateway.json_body import JsonRoute
-from llmrpc.gateway.openai_models import StrictModel
+from llmrpc.gateway.openai_models import Int32, StrictModel
 from llmrpc.gateway.openapi_docs import ERRORS
 from llmrpc.gateway.state import gateway_of
 
@@ -49,7 +55,11 @@ class LoadLoraAdapterBody(StrictModel):
 
 class UnloadLoraAdapterBody(StrictModel):
     lora_name: str
-    lora_int_id: int | None = None  # vLLM's body may carry it; the name decides here
+    lora_int_id: Int32 | None = Field(
+        default=None,
+        description="Accepted as vLLM accepts it, and not used: the adapter unloaded is the one "
+        "lora_name names (vLLM's rule too).",
+    )
 
 
 async def _on_every_replica(request: Request, method: str, *args, **kwargs) -> None:

@@ -111,6 +111,24 @@ def test_load_and_unload_routes(sdk, gateway, adapters, tmp_path):
         _complete(sdk, "poem")
 
 
+def test_unload_goes_by_name_whatever_lora_int_id_says(sdk, gateway, adapters):
+    """vLLM's unload body may carry lora_int_id; vLLM unloads by lora_name, and so does this
+    route. The id must still be a 32-bit integer: anything else is a 400 naming it."""
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        for bad in ("seven", 2**31, -(2**31) - 1, 1.5):
+            body = {"lora_name": "sql", "lora_int_id": bad}
+            refused = http.post("/v1/unload_lora_adapter", json=body)
+            assert refused.status_code == 400, (bad, refused.text)
+            assert refused.json()["error"]["param"] == "lora_int_id"
+        assert "sql" in {model.id for model in sdk.models.list().data}  # nothing unloaded
+        body = {"lora_name": "twin", "lora_path": str(adapters["poem"][0])}
+        assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+        body = {"lora_name": "twin", "lora_int_id": 987654}
+        unloaded = http.post("/v1/unload_lora_adapter", json=body)
+        assert unloaded.status_code == 200, unloaded.text
+    assert "twin" not in {model.id for model in sdk.models.list().data}
+
+
 def test_python_client_lists_adapters_and_generates_with_one(grpc_client, adapters):
     listed = grpc_client.lora_adapters()
     assert [(a.name, a.path) for a in listed] == [("sql", str(adapters["sql"][0]))]
