@@ -9,7 +9,8 @@ id (the engine's internal one differs between replicas), so there is nothing to 
 
 They answer as vLLM does: 200 with a plain-text "Success: ..." line. Errors are OpenAI error
 objects from the gRPC status: 400 naming the field (a bad folder, a rank over --max-lora-rank,
-a server without --enable-lora), 404 (unload of an adapter not loaded), 409 (a name in use).
+a server without --enable-lora, and, with vLLM's status, a name in use: gRPC's ALREADY_EXISTS,
+its code "already_exists"), 404 (unload of an adapter not loaded).
 Like every other route, the caller's key reaches the server, which lets only an admin key
 (``--admin-api-key``, when set) change adapters.
 """
@@ -18,15 +19,16 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
 from llmrpc.clients import LlmrpcError
-from llmrpc.gateway.errors import from_grpc
+from llmrpc.gateway.errors import OpenAIError, from_grpc
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.openai_models import Int32, StrictModel
-from llmrpc.gateway.openapi_docs import ERRORS
+from llmrpc.gateway.openapi_docs import ERRORS, ErrorResponse
 from llmrpc.gateway.state import gateway_of
 
 router = APIRouter(route_class=JsonRoute, responses=ERRORS)
@@ -37,6 +39,17 @@ _SUCCESS = {
         "description": "vLLM's success line.",
         "content": {"text/plain": {"schema": {"type": "string"}}},
     }
+}
+_BAD_LOAD = {
+    "model": ErrorResponse,
+    "description": "A bad body or folder, a rank over --max-lora-rank, LoRA off, or a name "
+    "already loaded (vLLM's status for it; code already_exists).",
+}
+_LOAD_ANSWERS = {**_SUCCESS, 400: _BAD_LOAD}
+_UNLOAD_ANSWERS = {
+    **_SUCCESS,
+    400: {"model": ErrorResponse, "description": "A bad body, or LoRA off."},
+    404: {"model": ErrorResponse, "description": "No adapter of that name is loaded."},
 }
 
 # gRPC field paths -> the body's fields (the same names)
@@ -69,10 +82,19 @@ async def _on_every_replica(request: Request, method: str, *args, **kwargs) -> N
             await gateway_of(request).pool.call(method, *args, **kwargs)
         await asyncio.gather(*(getattr(b.client, method)(*args, **kwargs) for b in serving))
     except LlmrpcError as error:
-        raise from_grpc(error, LORA_PARAMS) from None
+        raise _openai_error(error) from None
 
 
-@router.post("/v1/load_lora_adapter", response_model=None, responses=_SUCCESS)
+def _openai_error(error: LlmrpcError) -> OpenAIError:
+    """The gRPC status as OpenAI's error; a name in use is vLLM's 400 on these routes (gRPC's
+    ALREADY_EXISTS is a 409 elsewhere), naming lora_name."""
+    answer = from_grpc(error, LORA_PARAMS)
+    if error.code != grpc.StatusCode.ALREADY_EXISTS:
+        return answer
+    return OpenAIError(400, answer.message, "lora_name", answer.code)
+
+
+@router.post("/v1/load_lora_adapter", response_model=None, responses=_LOAD_ANSWERS)
 async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> PlainTextResponse:
     await _on_every_replica(
         request,
@@ -84,7 +106,7 @@ async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> Plai
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_model=None, responses=_SUCCESS)
+@router.post("/v1/unload_lora_adapter", response_model=None, responses=_UNLOAD_ANSWERS)
 async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> PlainTextResponse:
     await _on_every_replica(request, "unload_lora_adapter", body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

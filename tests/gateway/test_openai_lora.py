@@ -98,7 +98,14 @@ def test_load_and_unload_routes(sdk, gateway, adapters, tmp_path):
         assert _complete(sdk, "poem") == adapters["poem"][1]
         assert "poem" in {model.id for model in sdk.models.list().data}
         again = http.post("/v1/load_lora_adapter", json={"lora_name": "poem", "lora_path": folder})
-        assert again.status_code == 409
+        assert again.status_code == 400  # vLLM's status for a name already loaded
+        error = again.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error",
+            "lora_name",
+            "already_exists",
+        )
+        assert error["message"].startswith("lora_name: ")
         missing = str(tmp_path / "nowhere")
         bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": missing})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
@@ -127,6 +134,17 @@ def test_unload_goes_by_name_whatever_lora_int_id_says(sdk, gateway, adapters):
         unloaded = http.post("/v1/unload_lora_adapter", json=body)
         assert unloaded.status_code == 200, unloaded.text
     assert "twin" not in {model.id for model in sdk.models.list().data}
+
+
+def test_the_lora_routes_document_their_error_statuses(gateway):
+    paths = httpx.get(gateway.url + "/openapi.json", timeout=10).json()["paths"]
+    for route, statuses in {
+        "/v1/load_lora_adapter": {"200", "400", "4XX", "5XX"},
+        "/v1/unload_lora_adapter": {"200", "400", "404", "4XX", "5XX"},
+    }.items():
+        responses = paths[route]["post"]["responses"]
+        assert set(responses) == statuses, route
+        assert "409" not in responses
 
 
 def test_python_client_lists_adapters_and_generates_with_one(grpc_client, adapters):
