@@ -1,20 +1,21 @@
 """EmbeddingService: a batch of inputs becomes one engine request each, run concurrently in the
 engine's batch; each input's result is its vector or its own error, so one bad input never fails
-the others. Errors of the whole call (model, dimensions, too many inputs, a stopped engine) are
-the call's status.
+the others. Errors of the whole call (model, dimensions, too many inputs, a stopped engine, an
+input dropped from the queue because the call's deadline cannot be met) are the call's status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.pooling import PoolingParams
-from llmrpc.engine.request import InvalidRequestError, SamplingParams
+from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 from llmrpc.server import convert
 from llmrpc.server.errors import InvalidArgument, handle_errors
 from llmrpc.server.logs import current_request_id
@@ -37,16 +38,15 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         engine = self.state.require_engine()
         model = self.state.model_name(request.model)
         self._check(request, engine.model_info)
-        params = _params(request)
+        params = _params(request, _deadline(context))
         admitted = self.state.admission.admit(engine, len(request.inputs))
-        with admitted, convert.engine_errors(request):  # the whole call's: engine stopped...
+        # The whole call's errors: engine stopped, an input dropped for the deadline...
+        with admitted, convert.engine_errors(request):
             prompts = await engine.run_tokenizer(_tokenize_inputs, request)
             base_id = current_request_id() or "embed"
-            results = await asyncio.gather(
-                *(
-                    _embed_one(engine, f"{base_id}/{i}", i, kind, prompt, params)
-                    for i, (kind, prompt) in enumerate(prompts)
-                )
+            results = await _gather_or_cancel(
+                _embed_one(engine, f"{base_id}/{i}", i, kind, prompt, params)
+                for i, (kind, prompt) in enumerate(prompts)
             )
         num_tokens = sum(r.num_prompt_tokens for r in results if not r.HasField("error"))
         usage = embedding_pb2.EmbedUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
@@ -70,7 +70,27 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
             raise InvalidArgument("truncate_prompt_tokens", "must be >= 1")
 
 
-def _params(request) -> SamplingParams:
+def _deadline(context) -> float | None:
+    """The call's deadline on the engine's clock (``time.monotonic()``), if it has one: each
+    input's engine request carries it, so one queued past hope is dropped before it is
+    computed (as generation's are)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def _gather_or_cancel(coroutines) -> list:
+    """Every input's result; when one raises (the call fails), the others are cancelled, which
+    aborts their engine requests."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+def _params(request, deadline: float | None) -> SamplingParams:
     pooling = PoolingParams(
         normalize=request.normalize if request.HasField("normalize") else None,
         dimensions=request.dimensions if request.HasField("dimensions") else None,
@@ -78,7 +98,9 @@ def _params(request) -> SamplingParams:
     truncate = (
         request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
     )
-    return SamplingParams(max_tokens=None, truncate_prompt_tokens=truncate, pooling=pooling)
+    return SamplingParams(
+        max_tokens=None, truncate_prompt_tokens=truncate, pooling=pooling, deadline=deadline
+    )
 
 
 def _tokenize_inputs(tokenizer, request) -> list[tuple[str, list[int] | status_pb2.Status]]:
@@ -125,6 +147,8 @@ async def _embed_one(engine, request_id: str, index: int, kind: str, prompt, par
         return result
     except (EngineDeadError, EngineStateError):
         raise  # the whole call's: convert.engine_errors in the caller's handler
+    if output.finish_reason is FinishReason.DEADLINE:  # dropped from the queue, not computed
+        raise convert.DeadlineDropped  # the whole call's: its deadline cannot be met
     if output.error is not None:
         field = output.error_field
         if field is None:

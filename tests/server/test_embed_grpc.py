@@ -21,7 +21,14 @@ from torch.nn import functional
 
 from llmrpc.engine.config import EngineConfig, ModelConfig
 from llmrpc.server.app import RunningServer, start_server
-from llmrpc.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc, generation_pb2
+from llmrpc.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    embedding_pb2,
+    embedding_pb2_grpc,
+    generation_pb2,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -140,6 +147,40 @@ async def test_bad_calls_name_their_field(embedding, fields, field):
         await embedding.Embed(embedding_pb2.EmbedRequest(**fields))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violations(error.value) == [field]
+
+
+async def test_a_queued_embed_that_cannot_meet_its_deadline_is_dropped_uncomputed(channel):
+    """As for generation: the call's deadline reaches the engine, which drops a queued request
+    that cannot start in time at its recent pace, before computing it; the call ends
+    DEADLINE_EXCEEDED from the server (its own message), not from the deadline passing."""
+    embedding = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    admin = admin_pb2_grpc.AdminServiceStub(channel)
+
+    def distinct_inputs(count: int, first: int) -> list[embedding_pb2.EmbedInput]:
+        return [
+            token_ids(*(first + (7 * i + j) % 20_000 for j in range(250))) for i in range(count)
+        ]
+
+    await embedding.Embed(embedding_pb2.EmbedRequest(inputs=distinct_inputs(4, 1000)))  # the pace
+    # 125k tokens queued ahead: far more than the engine computes in 5 s on any CPU.
+    busy = embedding.Embed(embedding_pb2.EmbedRequest(inputs=distinct_inputs(500, 2000)))
+    await wait_until_load(admin, lambda load: load.num_waiting_requests > 400)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await embedding.Embed(embedding_pb2.EmbedRequest(inputs=[token_ids(7592)]), timeout=5)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "dropped from the queue without being computed" in error.value.details()
+    busy.cancel()  # its engine requests are aborted
+    await wait_until_load(
+        admin, lambda load: load.num_waiting_requests + load.num_running_requests == 0
+    )
+
+
+async def wait_until_load(admin, condition, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition(await admin.GetLoad(admin_pb2.GetLoadRequest())):
+        assert loop.time() < deadline, "the engine's load never reached the condition"
+        await asyncio.sleep(0.05)
 
 
 async def test_unknown_model_is_not_found(embedding):
