@@ -184,6 +184,10 @@ class ModelInfo:
     default_sampling: dict = field(default_factory=dict)
     default_stopping: dict = field(default_factory=dict)
     default_output: dict = field(default_factory=dict)
+    # "generate" or "pooling" (embeddings only); None from a server that does not say.
+    runner: str | None = None
+    # An embedding's length; None unless the runner is "pooling".
+    embedding_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -341,7 +345,15 @@ def model_info_from_proto(response: admin_pb2.GetModelInfoResponse) -> ModelInfo
         default_sampling=_set_fields(response.default_sampling),
         default_stopping=_set_fields(response.default_stopping),
         default_output=_set_fields(response.default_output),
+        runner=_RUNNER_NAMES.get(response.runner) if response.HasField("runner") else None,
+        embedding_size=(response.embedding_size if response.HasField("embedding_size") else None),
     )
+
+
+_RUNNER_NAMES = {
+    admin_pb2.GetModelInfoResponse.RUNNER_GENERATE: "generate",
+    admin_pb2.GetModelInfoResponse.RUNNER_POOLING: "pooling",
+}
 
 
 def load_from_proto(response: admin_pb2.GetLoadResponse) -> Load:

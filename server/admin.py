@@ -14,6 +14,10 @@ logger = logging.getLogger(__name__)
 
 MAX_ABORT_REQUEST_IDS = 1024  # a bound on the one list AdminService takes; batches can repeat
 SLEEP_MODE_OFF = "sleep mode is off; start the server with --enable-sleep-mode"
+_RUNNERS = {  # the engine's ModelInfo.runner -> GetModelInfoResponse.Runner
+    "generate": admin_pb2.GetModelInfoResponse.RUNNER_GENERATE,
+    "pooling": admin_pb2.GetModelInfoResponse.RUNNER_POOLING,
+}
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -46,7 +50,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @handle_errors
     async def GetModelInfo(self, request, context):
         name = self.state.model_name(request.model)
-        return convert.model_info_response(name, self.state.require_engine().model_info)
+        info = self.state.require_engine().model_info
+        response = convert.model_info_response(name, info)
+        response.runner = _RUNNERS[info.runner]
+        if info.runner == "pooling":  # a generating model makes no embeddings
+            response.embedding_size = info.embedding_size
+        return response
 
     @handle_errors
     async def ListModels(self, request, context):

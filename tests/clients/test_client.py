@@ -93,6 +93,7 @@ async def test_models_and_info_describe_the_served_model(call, server):
     assert models[0].max_model_len == info.max_model_len == 512
     assert info.default_stopping["max_tokens"] == 16
     assert info.has_chat_template
+    assert (info.runner, info.embedding_size) == ("generate", None)
     server_info = await call("server_info")
     assert server_info.api_version == "v1"
     assert "llmrpc.v1.GenerationService" in server_info.services

@@ -71,6 +71,8 @@ async def test_model_info_and_list_models(admin, server: RunningServer):
     assert info.default_stopping.max_tokens == 16
     assert info.default_sampling.temperature == 1.0
     assert info.default_output.skip_special_tokens
+    assert info.runner == admin_pb2.GetModelInfoResponse.RUNNER_GENERATE
+    assert not info.HasField("embedding_size")  # a generating model makes no embeddings
     assert (await admin.GetModelInfo(admin_pb2.GetModelInfoRequest(model=name))).model == name
     models = await admin.ListModels(admin_pb2.ListModelsRequest())
     assert [(m.id, m.max_model_len, m.owned_by) for m in models.models] == [(name, 512, "llmrpc")]

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_utils import field_violations, frontend_config
 from torch.nn import functional
 
+from llmrpc.clients import AsyncClient
 from llmrpc.engine.config import EngineConfig, ModelConfig
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.v1 import (
@@ -181,6 +182,16 @@ async def wait_until_load(admin, condition, timeout: float = 30.0) -> None:
     while not condition(await admin.GetLoad(admin_pb2.GetLoadRequest())):
         assert loop.time() < deadline, "the engine's load never reached the condition"
         await asyncio.sleep(0.05)
+
+
+async def test_model_info_says_pooling_and_the_embedding_size(channel, server):
+    admin = admin_pb2_grpc.AdminServiceStub(channel)
+    info = await admin.GetModelInfo(admin_pb2.GetModelInfoRequest())
+    assert info.runner == admin_pb2.GetModelInfoResponse.RUNNER_POOLING
+    assert info.HasField("embedding_size") and info.embedding_size == 384  # MiniLM's
+    async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+        facts = await client.model_info()
+    assert (facts.runner, facts.embedding_size) == ("pooling", 384)
 
 
 async def test_unknown_model_is_not_found(embedding):

@@ -1,6 +1,7 @@
 from google.api import annotations_pb2 as _annotations_pb2
 from llmrpc.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -58,7 +59,15 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "dtype", "block_size", "num_kv_blocks", "default_sampling", "default_stopping", "default_output")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "dtype", "block_size", "num_kv_blocks", "default_sampling", "default_stopping", "default_output", "runner", "embedding_size")
+    class Runner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RUNNER_UNSPECIFIED: _ClassVar[GetModelInfoResponse.Runner]
+        RUNNER_GENERATE: _ClassVar[GetModelInfoResponse.Runner]
+        RUNNER_POOLING: _ClassVar[GetModelInfoResponse.Runner]
+    RUNNER_UNSPECIFIED: GetModelInfoResponse.Runner
+    RUNNER_GENERATE: GetModelInfoResponse.Runner
+    RUNNER_POOLING: GetModelInfoResponse.Runner
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +80,8 @@ class GetModelInfoResponse(_message.Message):
     DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STOPPING_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -83,7 +94,9 @@ class GetModelInfoResponse(_message.Message):
     default_sampling: _common_pb2.SamplingParams
     default_stopping: _common_pb2.StoppingCriteria
     default_output: _common_pb2.OutputOptions
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., default_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., default_stopping: _Optional[_Union[_common_pb2.StoppingCriteria, _Mapping]] = ..., default_output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ...) -> None: ...
+    runner: GetModelInfoResponse.Runner
+    embedding_size: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., default_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., default_stopping: _Optional[_Union[_common_pb2.StoppingCriteria, _Mapping]] = ..., default_output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ..., runner: _Optional[_Union[GetModelInfoResponse.Runner, str]] = ..., embedding_size: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
