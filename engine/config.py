@@ -25,6 +25,8 @@ COMPILATION_LEVELS = (0, 1, 2, 3)
 # Eager: compiled, a decode step took 0.91x eager's time at batch 1 but 0.97x at 32 (2 cores, the
 # packaged model, bf16), for a first start 45 s longer (README, --compilation-config's help).
 DEFAULT_COMPILATION_LEVEL = 0
+# --max-seq-len-to-capture's default, as vLLM's: longer contexts run their decode steps eager
+DEFAULT_MAX_SEQ_LEN_TO_CAPTURE = 8192
 
 
 @dataclass(frozen=True)
@@ -187,17 +189,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """``-O`` / ``--compilation-config`` and ``--enforce-eager``: whether decode steps run a
-    ``torch.compile`` of the model's forward (``engine/compilation.py``) or eager PyTorch.
+    """``-O`` / ``--compilation-config``, ``--enforce-eager``, ``--cuda-graph-sizes`` and
+    ``--max-seq-len-to-capture``: whether decode steps run a ``torch.compile`` of the model's
+    forward (``engine/compilation.py``, the CPU), CUDA graphs of it (``engine/cuda_graphs.py``,
+    a CUDA device) or eager PyTorch.
 
     ``config`` is vLLM's JSON object: ``{"level": N}`` (``-ON``), or ``{"mode": N}`` as newer
     vLLM names it; any other key is refused, so nothing given is silently ignored.
     """
 
     config: dict = field(default_factory=dict)  # {} : DEFAULT_COMPILATION_LEVEL
-    enforce_eager: bool = False  # level 0 whatever --compilation-config says
+    enforce_eager: bool = False  # level 0 and no CUDA graphs, whatever the rest says
+    # (): vLLM's default, [min(2 * --max-num-seqs, 512)]; one value N: 1, 2, 4 and the
+    # multiples of 8 up to N; several: those sizes (cuda_graphs.capture_sizes)
+    cuda_graph_sizes: tuple[int, ...] = ()
+    max_seq_len_to_capture: int | None = None  # None: DEFAULT_MAX_SEQ_LEN_TO_CAPTURE
 
     def __post_init__(self) -> None:
+        self._check_cuda_graph_flags()
         unknown = sorted(set(self.config) - {"level", "mode"})
         if unknown:
             raise ValueError(
@@ -217,6 +226,31 @@ class CompilationConfig:
                     f"--compilation-config: level must be one of "
                     f"{', '.join(map(str, COMPILATION_LEVELS))}, got {level!r}"
                 )
+
+    def _check_cuda_graph_flags(self) -> None:
+        for size in self.cuda_graph_sizes:
+            if type(size) is not int or size <= 0:
+                raise ValueError(f"--cuda-graph-sizes: each size must be positive, got {size!r}")
+        length = self.max_seq_len_to_capture
+        if length is not None and (type(length) is not int or length <= 0):
+            raise ValueError(f"--max-seq-len-to-capture must be positive, got {length!r}")
+
+    @property
+    def cuda_graph_flags_given(self) -> list[str]:
+        """``--cuda-graph-sizes`` and ``--max-seq-len-to-capture``, where set (not defaults)."""
+        given = []
+        if self.cuda_graph_sizes:
+            given.append("--cuda-graph-sizes")
+        if self.max_seq_len_to_capture is not None:
+            given.append("--max-seq-len-to-capture")
+        return given
+
+    @property
+    def capture_len(self) -> int:
+        """``--max-seq-len-to-capture``, or its default."""
+        if self.max_seq_len_to_capture is None:
+            return DEFAULT_MAX_SEQ_LEN_TO_CAPTURE
+        return self.max_seq_len_to_capture
 
     @property
     def requested_level(self) -> int:
@@ -261,3 +295,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_parallel_options(self.parallel, self.lora.enabled, self.model.runner)
+        if self.model.device == "cpu":
+            check_cuda_graph_flags(self.compilation, "cpu")
+
+
+def check_cuda_graph_flags(compilation: CompilationConfig, device_type: str) -> None:
+    """CUDA graphs are captured on a CUDA device only: on another (``device_type``, the device
+    the engine runs on) a CUDA graph flag that was set stops start-up; defaults pass."""
+    given = compilation.cuda_graph_flags_given
+    if device_type == "cuda" or not given:
+        return
+    raise ValueError(
+        f"{' and '.join(given)} size{'s' if len(given) == 1 else ''} CUDA graphs, which are "
+        f"captured on a CUDA device only; the engine runs on the {device_type.upper()} here "
+        "(--device cpu, or auto where no CUDA device is visible): leave "
+        f"{'it' if len(given) == 1 else 'them'} out"
+    )

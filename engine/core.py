@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from llmrpc.engine import loader, structured_output
-from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, check_cuda_graph_flags
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.cuda_graphs import plan_decode_graphs
 from llmrpc.engine.device import (
     DeviceMonitor,
     kv_blocks_for_device_memory,
@@ -241,6 +242,12 @@ class EngineCore:
             self.runner.resize_kv_cache(num_blocks)
         self.compilation = config.compilation
         self._compile_decode()
+        # --cuda-graph-sizes: None where decode steps run eager (a reason logged on CUDA)
+        self.graph_plan = plan_decode_graphs(
+            config, self.device, self.model, self.attention_backend, self.max_model_len
+        )
+        if self.graph_plan is not None:
+            self.runner.capture_decode_graphs(self.graph_plan)
         num_seqs, max_len = config.scheduler.max_num_seqs, self.max_model_len
         num_blocks = self.pooling.kv_blocks(num_blocks, num_seqs, max_len, block_size)
         self.kv_manager = KVCacheManager(
@@ -286,6 +293,7 @@ class EngineCore:
 
     def _check_device_options(self, config: EngineConfig) -> None:
         cuda = self.device.type == "cuda"
+        check_cuda_graph_flags(config.compilation, self.device.type)
         level = config.compilation.level
         if level and (cuda or self.attention_backend == "triton"):
             raise ValueError(
@@ -727,5 +735,7 @@ class EngineCore:
             self.runner.allocate_kv_cache()
             if self.sleep_level == 2 and self.compilation.level:
                 self.runner.compile_decode()  # from inductor's cache, for the new weights
+            if self.graph_plan is not None:  # the graphs held the freed cache's addresses
+                self.runner.capture_decode_graphs(self.graph_plan)
             logger.info("awake")
         self.sleep_level = 0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
+from llmrpc.engine.cuda_graphs import CudaGraphCapture, DecodeGraphPlan, DecodeGraphs, GraphCapture
 from llmrpc.engine.device import HostStaging
 from llmrpc.engine.models.llama import head_dim_of
 from llmrpc.engine.pooler import PoolSpan, gather
@@ -62,6 +63,7 @@ class ModelInput:
     prompt_spans: list[PromptLogitsSpan]
     lora_batch: LoRABatch | None = None  # the LoRA slot of each row; None: no adapted row
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling requests' rows
+    max_decode_seq_len: int = 0  # the longest context of a decode row (0: none)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.lora = None  # the engine's LoRAManager under --enable-lora
         self.parallel = None  # the engine's TensorParallel under --tensor-parallel-size > 1
+        self.graph_capture: GraphCapture | None = None  # None: torch.cuda graphs on the device
         self._staging = HostStaging(self._device)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
@@ -114,6 +117,7 @@ class ModelRunner:
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
 
     def free_kv_cache(self) -> None:
+        self.decode_graphs = None  # they hold the cache's addresses
         self.kv_caches = []
         self.kv_cache_bytes = 0
 
@@ -161,6 +165,7 @@ class ModelRunner:
     def model(self, model: nn.Module | None) -> None:
         self._model = model
         self.compiled_decode: CompiledDecode | None = None  # it holds the replaced model
+        self.decode_graphs: DecodeGraphs | None = None  # so do these, and its weights' addresses
 
     def compile_decode(self) -> bool:
         """Compile the model's forward for decodes-only steps and warm it up now (while no
@@ -173,6 +178,20 @@ class ModelRunner:
         if not compiled.warm_up(self.kv_caches, self.block_size):
             return False
         self.compiled_decode = compiled
+        return True
+
+    def capture_decode_graphs(self, plan: DecodeGraphPlan) -> bool:
+        """Capture CUDA graphs of the model's forward for decodes-only steps at ``plan``'s
+        batch sizes (while no request holds a KV block); False where those steps run eager (the
+        reason is logged)."""
+        self.decode_graphs = None
+        capture = self.graph_capture or CudaGraphCapture(self._device)
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.block_size, plan, self.backend, capture
+        )
+        if not graphs.capture_all():
+            return False
+        self.decode_graphs = graphs
         return True
 
     @property
@@ -196,7 +215,12 @@ class ModelRunner:
         if self.lora is not None:  # what the LoRA layers read during this forward
             self.lora.context.set_batch(model_input.lora_batch, len(model_input.input_ids))
         hidden = None
-        if self.compiled_decode is not None and metadata.decodes_only:
+        if self.decode_graphs is not None and metadata.decodes_only:
+            hidden = self.decode_graphs(  # None: run eager
+                model_input.input_ids, model_input.positions, metadata,
+                model_input.max_decode_seq_len,
+            )  # fmt: skip
+        if hidden is None and self.compiled_decode is not None and metadata.decodes_only:
             hidden = self.compiled_decode(*inputs)  # None: run eager
         if hidden is None:
             hidden = self.model(*inputs)
@@ -295,6 +319,7 @@ class ModelRunner:
             prompt_spans=prompt_spans,
             lora_batch=lora_batch,
             pool_spans=pool_spans,
+            max_decode_seq_len=max(decode_lens, default=0),
         )
 
     def _lora_batch(self, output: SchedulerOutput) -> LoRABatch | None:

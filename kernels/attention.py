@@ -40,6 +40,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length after this step
     prefills: list[PrefillSeq]
     decodes_only: bool = False  # every row of the batch is a decode row, in order
+    # Rows may be padding (a CUDA graph's bucket past the step's own rows): slot -1, whose key
+    # and value are not stored. The Triton store skips -1 always; the torch path where this is set.
+    padded: bool = False
     backend: str = "torch"  # --attention-backend, resolved: torch or triton
     # The triton backend takes every prompt chunk in one varlen call; prefills is then empty.
     prefill_indices: torch.Tensor | None = None  # [num_prefill_tokens] rows of the flat batch
@@ -65,6 +68,11 @@ def write_kv(
         triton_attention.store_kv(
             key, value, key_cache, value_cache, metadata.slot_mapping, *kv_scales
         )
+        return
+    if metadata.padded:  # a data-dependent selection: CUDA graphs take the Triton backend only
+        keep = metadata.slot_mapping >= 0
+        key, value, slots = key[keep], value[keep], metadata.slot_mapping[keep]
+        store_kv_rows(key, value, key_cache, value_cache, slots, kv_scales)
         return
     store_kv_rows(key, value, key_cache, value_cache, metadata.slot_mapping, kv_scales)
 

@@ -38,7 +38,11 @@ TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses A
 NO_HUB = "needs the model hub; this build loads local folders and .gguf files only"
 KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does not support"
 NOT_SUPPORTED = "is not supported by this build"
-CUDA_GRAPHS = "sizes CUDA graph capture; this build captures none: steps run eager on CUDA too"
+CUDA_GRAPHS_ONLY = (
+    "Graphs are captured on a CUDA device with --attention-backend triton, unless --enforce-eager, "
+    "--enable-lora, --tensor-parallel-size above 1 or --model-impl transformers (a warning says "
+    "which); set on the CPU, this flag stops start-up."
+)
 COMPILATION_HELP = (
     'torch.compile of decode steps: 0 (default) eager; 1-3 (-O3, {"level": 3}, {"mode": 3}; '
     "other keys refused) compile the native model's forward at start-up, one graph for all "
@@ -299,8 +303,12 @@ _MODEL = _group(
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),
     works("--rope-theta", None, float, "model.rope_theta", "Rope base frequency override."),
     works("--enforce-eager", False, None, "compilation.enforce_eager",
-          "Level 0 (eager) whatever -O says; a warning names the level it overrides."),
-    inert("--max-seq-len-to-capture", 8192, int, CUDA_GRAPHS),
+          "Level 0 (eager) whatever -O says, and no CUDA graphs; a warning names the level it "
+          "overrides."),
+    works("--max-seq-len-to-capture", None, int, "compilation.max_seq_len_to_capture",
+          "Longest context (capped at --max-model-len) of a decode step replayed from a CUDA "
+          "graph; a step with a longer one runs eager. It sets the width of the graphs' block "
+          "tables. Default 8192. " + CUDA_GRAPHS_ONLY),
     works("--max-logprobs", 20, int, "model.max_logprobs",
           "Most logprobs a request may ask for per token; -1: no limit."),
     works("--logprobs-mode", "raw_logprobs", str, "model.logprobs_mode",
@@ -496,7 +504,12 @@ _SCHEDULER = _group(
           choices=("recompute", "swap")),
     refused("--num-lookahead-slots", 0, int, NOT_SUPPORTED),
     refused("--scheduler-delay-factor", 0.0, float, NOT_SUPPORTED),
-    inert("--cuda-graph-sizes", [], int, CUDA_GRAPHS, nargs="+"),
+    works("--cuda-graph-sizes", [], int, "compilation.cuda_graph_sizes",
+          "Batch sizes at which decodes-only steps are captured as CUDA graphs at start-up "
+          "(a step is padded to the next size; a larger one runs eager): one value N gives 1, "
+          "2, 4 and the multiples of 8 up to N, several give those sizes; each capped at "
+          "--max-num-seqs. Default: N = min(2 x --max-num-seqs, 512). " + CUDA_GRAPHS_ONLY,
+          nargs="+", metavar="SIZE"),
     refused("--scheduler-cls", "vllm.core.scheduler.Scheduler", str, NOT_SUPPORTED),
     inert("--disable-hybrid-kv-cache-manager", False, None,
           "turns off the hybrid KV cache manager (for models mixing attention types); this "
