@@ -52,6 +52,23 @@ def _wake(client, args) -> int:
     return common.EXIT_OK
 
 
+def _lora_load(client, args) -> int:
+    adapter = client.load_lora_adapter(args.name, args.path, base_model_name=args.base_model_name)
+    common.print_json(adapter)
+    return common.EXIT_OK
+
+
+def _lora_unload(client, args) -> int:
+    client.unload_lora_adapter(args.name)
+    common.print_json({"unloaded": args.name})
+    return common.EXIT_OK
+
+
+def _lora_list(client, args) -> int:
+    common.print_json(client.lora_adapters(), indent=2)
+    return common.EXIT_OK
+
+
 def _health(client, args) -> int:
     status = client.health(args.service)
     print(status)
@@ -69,7 +86,8 @@ def build_parser() -> common.Parser:
         prog="llmrpc admin",
         description="Ask a running server about itself, or control its requests. Output is JSON. "
         f"The API key comes from --api-key, else {ADMIN_API_KEY_ENV}, else LLMRPC_API_KEY; "
-        "reset-prefix-cache, sleep and wake need the admin key of a server with --admin-api-key.",
+        "reset-prefix-cache, sleep, wake, lora-load and lora-unload need the admin key of a "
+        "server with --admin-api-key.",
     )
     commands = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
@@ -98,6 +116,26 @@ def build_parser() -> common.Parser:
         "--level", type=int, choices=(1, 2), help="1: drop the KV cache (default); 2: weights too."
     )
     add("wake", _wake, "Restore what sleep freed (server needs --enable-sleep-mode).")
+    lora_load = add(
+        "lora-load", _lora_load, "Load a PEFT LoRA adapter (server needs --enable-lora)."
+    )
+    lora_load.add_argument(
+        "name", metavar="NAME", help="The name requests will use (the lora field; OpenAI's model)."
+    )
+    lora_load.add_argument(
+        "path",
+        metavar="PATH",
+        help="The adapter's folder on the server's machine (adapter_config.json and "
+        "adapter_model.safetensors).",
+    )
+    lora_load.add_argument(
+        "--base-model-name", default="", help="The served model it adapts (default: the server's)."
+    )
+    lora_unload = add(
+        "lora-unload", _lora_unload, "Unload a LoRA adapter; requests running with it finish."
+    )
+    lora_unload.add_argument("name", metavar="NAME", help="The adapter's name.")
+    add("lora-list", _lora_list, "The loaded LoRA adapters, oldest first.")
     health = add("health", _health, "Print the health status; exit 0 only when SERVING.")
     health.add_argument("--service", default="", help="A service's full name (default: all).")
     return parser

@@ -34,7 +34,8 @@ exit codes:
   1    the server failed (INTERNAL and other unexpected statuses)
   2    bad command-line usage
   3    server unreachable, still loading or overloaded (UNAVAILABLE, RESOURCE_EXHAUSTED)
-  4    request rejected (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE)
+  4    request rejected (INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION,
+       OUT_OF_RANGE)
   5    not authorized (UNAUTHENTICATED, PERMISSION_DENIED)
   6    timed out (DEADLINE_EXCEEDED)
   130  interrupted
@@ -45,6 +46,7 @@ _EXIT_BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: EXIT_UNAVAILABLE,
     grpc.StatusCode.INVALID_ARGUMENT: EXIT_REJECTED,
     grpc.StatusCode.NOT_FOUND: EXIT_REJECTED,
+    grpc.StatusCode.ALREADY_EXISTS: EXIT_REJECTED,
     grpc.StatusCode.FAILED_PRECONDITION: EXIT_REJECTED,
     grpc.StatusCode.OUT_OF_RANGE: EXIT_REJECTED,
     grpc.StatusCode.UNAUTHENTICATED: EXIT_AUTH,
