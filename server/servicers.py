@@ -15,7 +15,7 @@ from contextlib import aclosing
 
 from llmrpc.server import convert, output_parsing
 from llmrpc.server.chat_render import check_request_template
-from llmrpc.server.errors import Internal, handle_errors
+from llmrpc.server.errors import Internal, NotFound, handle_errors
 from llmrpc.server.logs import current_request_id, log_output, log_request
 from llmrpc.server.output_parsing import ResponseParsing
 from llmrpc.server.state import ServerState
@@ -108,7 +108,7 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
     @handle_errors
     async def Tokenize(self, request, context):
         engine = self.state.require_engine()
-        self.state.model_name(request.model)
+        await self._check_model(engine, request.model)
         check_request_template(request.chat, self.state.trust_request_chat_template)
         parsers = self.state.output_parsers
         return await engine.run_tokenizer(_tokenize, request, engine.model_info, parsers)
@@ -116,8 +116,18 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
     @handle_errors
     async def Detokenize(self, request, context):
         engine = self.state.require_engine()
-        self.state.model_name(request.model)
+        await self._check_model(engine, request.model)
         return await engine.run_tokenizer(_detokenize, request, engine.model_info)
+
+    async def _check_model(self, engine, requested: str) -> None:
+        """``model`` names a served model or a loaded LoRA adapter (one of ListModels' names):
+        an adapter uses its base model's tokenizer. Anything else is NOT_FOUND."""
+        try:
+            self.state.model_name(requested)
+        except NotFound:
+            adapters = await engine.list_lora_adapters()  # [] with LoRA off
+            if requested not in {adapter["name"] for adapter in adapters}:
+                raise
 
 
 # Worker-side adapters: the worker's own tokenizer comes first.

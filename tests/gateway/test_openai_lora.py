@@ -147,6 +147,19 @@ def test_the_lora_routes_document_their_error_statuses(gateway):
         assert "409" not in responses
 
 
+def test_tokenize_and_detokenize_take_an_adapters_name(gateway):
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        base = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+        adapter = http.post("/tokenize", json={"model": "sql", "prompt": "Hello world"})
+        assert adapter.status_code == 200, adapter.text
+        assert adapter.json() == base
+        body = {"model": "sql", "tokens": base["tokens"]}
+        text = http.post("/detokenize", json=body)
+        assert (text.status_code, text.json()) == (200, {"prompt": "Hello world"})
+        unknown = http.post("/tokenize", json={"model": "no-such", "prompt": "x"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
 def test_python_client_lists_adapters_and_generates_with_one(grpc_client, adapters):
     listed = grpc_client.lora_adapters()
     assert [(a.name, a.path) for a in listed] == [("sql", str(adapters["sql"][0]))]

@@ -18,7 +18,14 @@ from server_utils import field_violations, frontend_config, status_detail, tiny_
 
 from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
 from llmrpc.server.app import RunningServer, start_server
-from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
+from llmrpc.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    tokenization_pb2,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -78,6 +85,34 @@ async def test_adapters_are_listed_with_their_base_model(admin, adapters, server
 async def test_generation_uses_the_named_adapter(generation, adapters):
     assert await _tokens(generation, "first") == adapters["first"][1]
     assert await _tokens(generation) != adapters["first"][1]  # the base model differs
+
+
+async def test_tokenization_takes_an_adapters_name_as_model(tokenization, admin):
+    """An adapter shares its base model's tokenizer: its name (a model in ListModels) tokenizes
+    and detokenizes as the base model does; a name that is neither is NOT_FOUND naming model."""
+    chat = common_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="Hi")])
+    base = (await admin.ListModels(admin_pb2.ListModelsRequest())).models[0].id
+    for fields in ({"text": "Hello world"}, {"chat": chat}):
+        by_base = await tokenization.Tokenize(
+            tokenization_pb2.TokenizeRequest(model=base, **fields)
+        )
+        by_adapter = await tokenization.Tokenize(
+            tokenization_pb2.TokenizeRequest(model="first", **fields)
+        )
+        assert by_adapter == by_base
+    ids = by_base.token_ids
+    text = await tokenization.Detokenize(
+        tokenization_pb2.DetokenizeRequest(model="first", token_ids=ids)
+    )
+    assert text == await tokenization.Detokenize(tokenization_pb2.DetokenizeRequest(token_ids=ids))
+    for call, request in (
+        (tokenization.Tokenize, tokenization_pb2.TokenizeRequest(model="no-such", text="x")),
+        (tokenization.Detokenize, tokenization_pb2.DetokenizeRequest(model="no-such")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await call(request)
+        assert failure.value.code() == grpc.StatusCode.NOT_FOUND
+        assert field_violations(failure.value) == ["model"]
 
 
 async def test_unknown_or_oversized_adapter_names_are_refused(generation):
