@@ -179,6 +179,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         """Build the engine on the thread (or process) that will step it: the torch thread
         count set here holds for the calling thread."""
+        self.parallel = None
+        try:
+            self._build(config)
+        except BaseException:
+            if self.parallel is not None:  # the other ranks started: end them now, not at exit
+                self.parallel.close(now=True)
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         configure_engine_threads()
         self.thread_budget: ThreadBudget | None = None
         model_config, cache_config = config.model, config.cache
@@ -218,7 +227,11 @@ class EngineCore:
             check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         # --tensor-parallel-size: the other ranks' processes, which load their shards meanwhile
         self.parallel = start_tensor_parallel(
-            config, self.hf_config, self.device, self.pooling.runner
+            config,
+            self.hf_config,
+            self.device,
+            self.pooling.runner,
+            num_tokens if profile else None,
         )
         self.model = self._load_model()
         # None: LoRA is off
@@ -238,6 +251,8 @@ class EngineCore:
         self.runner.parallel = self.parallel
         if profile:
             num_blocks = self._kv_blocks_on_device(config, num_tokens)
+            if self.parallel is not None:  # the same block count on every rank: the fewest
+                num_blocks = self.parallel.agree_on_kv_blocks(num_blocks)
             check_capacity(config, self.max_model_len, num_blocks)
             self.runner.resize_kv_cache(num_blocks)
         self.compilation = config.compilation
@@ -336,9 +351,11 @@ class EngineCore:
         free, total = torch.cuda.mem_get_info(device)
         peak = torch.cuda.max_memory_allocated(device)
         other = total - free - torch.cuda.memory_reserved(device)
-        block_bytes = kv_bytes_per_block(
-            self.hf_config, config.cache.block_size, self.kv_cache_dtype
+        # under tensor parallelism this rank's device holds its KV heads only
+        kv_config = (
+            self.parallel.rank_hf_config(self.hf_config) if self.parallel else self.hf_config
         )
+        block_bytes = kv_bytes_per_block(kv_config, config.cache.block_size, self.kv_cache_dtype)
         num_blocks = kv_blocks_for_device_memory(
             total, config.cache.gpu_memory_utilization, peak, other, block_bytes
         )

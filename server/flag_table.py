@@ -400,15 +400,18 @@ _STRUCTURED_OUTPUT = _group(
 _PARALLELISM = _group(
     "parallelism",
     works(("--tensor-parallel-size", "-tp"), 1, int, "parallel.tensor_parallel_size",
-          "Ranks the model is split over, on the CPU: rank 0 is the engine process, ranks "
-          "1..N-1 processes of their own (see --distributed-executor-backend), joined by "
-          "torch.distributed's gloo. Each holds its share of the attention heads (KV heads "
-          "copied where there are fewer than ranks), MLP features and vocabulary, and its "
-          "heads' part of the KV cache; every step costs two all-reduces per layer. Native "
-          "Llama-family models whose heads split evenly; refused on CUDA and with --enable-lora, "
-          "--runner pooling, --quantization, --model-impl transformers, -O1..3, "
-          "--enable-sleep-mode. Each rank takes its share of the cores (OMP_NUM_THREADS each, "
-          "if set). A rank that dies stops the server."),
+          "Ranks the model is split over: rank 0 is the engine process, ranks 1..N-1 processes "
+          "of their own (see --distributed-executor-backend), joined by torch.distributed: gloo "
+          "on the CPU; on CUDA NCCL, rank r on cuda:r of the visible devices (fewer than N "
+          "visible: refused), each rank's KV cache sized by --gpu-memory-utilization of its own "
+          "device (unless --num-gpu-blocks-override), all taking the fewest blocks of any rank. "
+          "Each holds its share of the attention heads (KV heads copied where there are fewer "
+          "than ranks), MLP features and vocabulary, and its heads' part of the KV cache; every "
+          "step costs two all-reduces per layer. Native Llama-family models whose heads split "
+          "evenly; refused with --enable-lora, --runner pooling, --quantization, --model-impl "
+          "transformers, -O1..3, --enable-sleep-mode. Each rank takes its share of the cores "
+          "(OMP_NUM_THREADS each, if set). A rank that dies stops the server. The NCCL path is "
+          "untested here (no GPU in this build's tests)."),
     refused(("--pipeline-parallel-size", "-pp"), 1, int,
             "splits a model by layers; this build splits one by tensor parallelism only "
             "(--tensor-parallel-size)"),
@@ -433,7 +436,8 @@ _PARALLELISM = _group(
     refused("--data-parallel-hybrid-lb", False, None, MULTI_NODE),
     works("--distributed-executor-backend", None, str, "parallel.distributed_executor_backend",
           "How tensor-parallel ranks run: mp (the default for --tensor-parallel-size > 1) starts "
-          "ranks 1..N-1 as processes on this machine; ray as Ray actors (one CPU each) on the "
+          "ranks 1..N-1 as processes on this machine; ray as Ray actors (one CPU each; on CUDA "
+          "also one GPU, which the actor computes on) on the "
           "running cluster RAY_ADDRESS names (ray start --head; pip install 'llmrpc[ray]'; the "
           "model path must exist on every node); uni (the default for one rank) runs the engine "
           "alone and refuses more ranks; external_launcher is refused.",

@@ -8,7 +8,8 @@ all-reduce sums the partial products). The embedding and LM head split the vocab
 forward pass costs two all-reduces per layer, one for the embedding and one gather of logits.
 
 Sharded layers stay plain ``nn.Linear`` inside, so CPU packing (``pack_linear_layers``) runs
-after sharding exactly as on one rank.
+after sharding exactly as on one rank. Their communication goes through one ``Collectives`` per
+rank (gloo on the CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -26,12 +27,65 @@ class Rank:
     size: int
 
 
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Collectives:
+    """This rank's all-reduces and its part of the logits gather.
+
+    Gloo fails a collective whose peer's socket closed; NCCL waits for a dead peer forever. So on
+    CUDA the executor watches the other ranks and, when one dies, records it in ``failure`` and
+    aborts the process group, which releases the collective waiting for it: from then on each
+    collective raises ``WorkerDied`` naming the rank rather than NCCL's error, and rank 0
+    (``sync_gather``) waits for the step's device work after the gather and checks ``failure``
+    before it returns the logits, so logits computed over an aborted group never get out. That
+    wait is one more host wait per step on CUDA; the sampler's read-back of the step's tokens,
+    which waits for the same work, follows it.
+    """
+
+    def __init__(self, rank: Rank, sync_gather: bool = False) -> None:
+        self.rank = rank
+        self.sync_gather = sync_gather
+        self.failure: str | None = None  # set by the executor's watcher (CUDA only)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(tensor)
+        except Exception as error:  # noqa: BLE001 - re-raised, as WorkerDied where a rank died
+            self._reraise(error)
+
+    def gather(self, local: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``local`` on rank 0 (in rank order); None on the other ranks."""
+        parts = None
+        if self.rank.rank == 0:
+            parts = [torch.empty_like(local) for _ in range(self.rank.size)]
+        try:
+            dist.gather(local, parts, dst=0)
+        except Exception as error:  # noqa: BLE001 - as in all_reduce
+            self._reraise(error)
+        if self.sync_gather and parts is not None:
+            torch.cuda.current_stream(local.device).synchronize()
+            self.raise_if_failed()
+        return parts
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise WorkerDied(self.failure)
+
+    def _reraise(self, error: Exception):
+        if self.failure is not None:
+            raise WorkerDied(self.failure) from error
+        raise error
+
+
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_r W_r^T) + b``: the input arrives split by columns (this rank's heads
     or features), the output is whole on every rank. The bias is added once, after the sum."""
 
-    def __init__(self, linear: nn.Linear, rank: Rank) -> None:
+    def __init__(self, linear: nn.Linear, comm: Collectives) -> None:
         super().__init__()
+        rank, self.comm = comm.rank, comm
         per_rank = linear.in_features // rank.size
         start = rank.rank * per_rank
         self.linear = nn.Linear(per_rank, linear.out_features, bias=False, device="meta")
@@ -42,7 +96,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x)
-        dist.all_reduce(out)
+        self.comm.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
@@ -50,9 +104,9 @@ class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows ``[start, start + per_rank)`` of the table; ids outside them give
     zeros there, and one all-reduce gives every rank the whole lookup."""
 
-    def __init__(self, weight: nn.Parameter, start: int, num_rows: int) -> None:
+    def __init__(self, weight: nn.Parameter, start: int, num_rows: int, comm: Collectives) -> None:
         super().__init__()
-        self.start, self.num_rows = start, num_rows
+        self.start, self.num_rows, self.comm = start, num_rows, comm
         self.embedding = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
         self.embedding.weight = weight  # the tied LM head's shard too, where it is tied
 
@@ -61,7 +115,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.num_rows)
         hidden = self.embedding(local.masked_fill(outside, 0))
         hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(hidden)
+        self.comm.all_reduce(hidden)
         return hidden
 
 
@@ -69,19 +123,17 @@ class ParallelLMHead(nn.Module):
     """Logits of this rank's vocabulary rows, gathered to rank 0, which returns all of them
     (``[rows, vocab_size]``); the other ranks return their own slice, which nothing reads."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, rank: Rank) -> None:
+    def __init__(self, weight: nn.Parameter, vocab_size: int, comm: Collectives) -> None:
         super().__init__()
         self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.linear.weight = weight
-        self.vocab_size, self.rank = vocab_size, rank
+        self.vocab_size, self.comm = vocab_size, comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.linear(hidden).contiguous()
-        if self.rank.rank != 0:
-            dist.gather(local, None, dst=0)
+        parts = self.comm.gather(local)
+        if parts is None:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.rank.size)]
-        dist.gather(local, parts, dst=0)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
@@ -130,12 +182,13 @@ def check_shardable(hf_config, size: int) -> None:
         )
 
 
-def shard_llama(model: nn.Module, rank: Rank) -> None:
-    """Keep this rank's part of a loaded native Llama-family model, in place."""
-    config = model.config
+def shard_llama(model: nn.Module, comm: Collectives) -> None:
+    """Keep this rank's part of a loaded native Llama-family model, in place; its collectives
+    go through ``comm``."""
+    rank, config = comm.rank, model.config
     check_shardable(config, rank.size)
     for layer in model.layers:
-        _shard_attention(layer.self_attn, rank)
+        _shard_attention(layer.self_attn, comm)
         mlp = layer.mlp
         per_rank = mlp.intermediate_size // rank.size
         start = rank.rank * per_rank
@@ -143,17 +196,18 @@ def shard_llama(model: nn.Module, rank: Rank) -> None:
         mlp.gate_up_proj = column_shard(
             mlp.gate_up_proj, [(start, per_rank), (full + start, per_rank)]
         )
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, comm)
         mlp.intermediate_size = per_rank
     tied = model.lm_head.weight is model.embed_tokens.weight
     weight, start, num_rows = vocab_shard(model.embed_tokens.weight, rank)
-    model.embed_tokens = VocabParallelEmbedding(weight, start, num_rows)
+    model.embed_tokens = VocabParallelEmbedding(weight, start, num_rows, comm)
     if not tied:
         weight = vocab_shard(model.lm_head.weight, rank)[0]
-    model.lm_head = ParallelLMHead(weight, config.vocab_size, rank)
+    model.lm_head = ParallelLMHead(weight, config.vocab_size, comm)
 
 
-def _shard_attention(attn: nn.Module, rank: Rank) -> None:
+def _shard_attention(attn: nn.Module, comm: Collectives) -> None:
+    rank = comm.rank
     heads = attn.num_heads // rank.size
     kv_heads = kv_heads_per_rank(attn.num_kv_heads, rank.size)
     # ranks that share a replicated KV head (fewer KV heads than ranks) take the same one
@@ -163,6 +217,6 @@ def _shard_attention(attn: nn.Module, rank: Rank) -> None:
     k_rows = (attn.q_size + first_kv * dim, kv_heads * dim)
     v_rows = (attn.q_size + attn.kv_size + first_kv * dim, kv_heads * dim)
     attn.qkv_proj = column_shard(attn.qkv_proj, [q_rows, k_rows, v_rows])
-    attn.o_proj = RowParallelLinear(attn.o_proj, rank)
+    attn.o_proj = RowParallelLinear(attn.o_proj, comm)
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
     attn.q_size, attn.kv_size = heads * dim, kv_heads * dim

@@ -1,8 +1,11 @@
 """A tensor-parallel worker: ranks 1..N-1, each a process of its own (``executor.py``).
 
-It loads the model as the engine does, keeps its shard (before the CPU packing, as rank 0),
-allocates its part of the KV cache (its KV heads of every block), then runs the forward of
-each step rank 0 sends it, until rank 0 says stop or its pipe closes.
+It loads the model as the engine does, keeps its shard (before the CPU packing, as rank 0;
+on CUDA then moved to its device), allocates its part of the KV cache (its KV heads of every
+block), then runs the forward of each step rank 0 sends it, until rank 0 says stop or its pipe
+closes. On CUDA, where ``--gpu-memory-utilization`` sizes the KV cache, it profiles the same
+step as rank 0 after it reports ready (the step's collectives join them) and takes the fewest
+blocks any rank has room for.
 """
 
 from __future__ import annotations
@@ -15,13 +18,22 @@ import signal
 
 import torch
 
-from llmrpc.engine.parallel.executor import join_group, rank_threads
-from llmrpc.engine.parallel.layers import Rank, shard_llama
+from llmrpc.engine.parallel.devices import map_step, min_across_ranks, rank_device
+from llmrpc.engine.parallel.executor import join_group, rank_kv_config, rank_threads
+from llmrpc.engine.parallel.layers import Collectives, Rank, shard_llama
 
 logger = logging.getLogger(__name__)
 
 
-def main(config, rank: int, port: int, conn, log_level: int) -> None:
+def main(
+    config,
+    rank: int,
+    port: int,
+    conn,
+    log_level: int,
+    device_type: str = "cpu",
+    profile_tokens: int | None = None,
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when its ranks stop
     logging.basicConfig(
         level=log_level,
@@ -29,12 +41,20 @@ def main(config, rank: int, port: int, conn, log_level: int) -> None:
     )
     try:
         size = config.parallel.tensor_parallel_size
+        device = rank_device(device_type, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         torch.set_num_threads(rank_threads(size))
         conn.send("started")
-        join_group(rank, size, port)
-        model, kv_caches = load_shard(config, Rank(rank, size))
-        conn.send("ready")
-        _serve(conn, model, kv_caches)
+        join_group(rank, size, port, device=device)
+        shard = Shard(config, Collectives(Rank(rank, size)), device)
+        if profile_tokens is None:
+            shard.allocate_kv_cache()
+            conn.send("ready")
+        else:  # rank 0 profiles once every shard is loaded: the step's collectives join them
+            conn.send("ready")
+            shard.size_kv_cache(profile_tokens)
+        _serve(conn, shard)
     except BaseException as error:  # noqa: BLE001 - reported to rank 0, then this rank ends
         logger.exception("tensor-parallel rank %d failed", rank)
         with contextlib.suppress(OSError):  # rank 0 may be gone
@@ -43,54 +63,123 @@ def main(config, rank: int, port: int, conn, log_level: int) -> None:
     os._exit(0)  # no interpreter teardown: nothing is left to save
 
 
-def load_shard(config, rank: Rank):
-    from llmrpc.engine import core, loader
-    from llmrpc.engine.model_runner import kv_cache_shape
-    from llmrpc.engine.models import build_model
-    from llmrpc.engine.parallel.executor import rank_kv_config
-    from llmrpc.kernels import cpu_ops
-    from llmrpc.kernels.linear import pack_linear_layers
+class Shard:
+    """One worker rank's part of the model and of the KV cache, on its device."""
 
-    model_config = config.model
-    model_dir = loader.resolve_model_dir(model_config.model)
-    hf_config = core.apply_config_overrides(loader.load_hf_config(model_dir), model_config)
-    dtype = core.resolve_dtype(model_config.dtype, hf_config)
-    kv_dtype = core._KV_CACHE_DTYPES.get(config.cache.cache_dtype, dtype)
-    num_blocks = core.num_kv_blocks(config.cache, hf_config, kv_dtype)
-    dummy = model_config.load_format == "dummy"
-    weights = None if dummy else loader.iter_weights(model_dir)
-    model = build_model(hf_config, dtype, weights, model_config.seed, model_config.model_impl)
-    shard_llama(model, rank)
-    pack_linear_layers(model)
-    cpu_ops.load()  # the C++ decode attention, as rank 0 uses it
-    shape = kv_cache_shape(
-        rank_kv_config(hf_config, rank.size), num_blocks, config.cache.block_size
-    )
-    kv_caches = [
-        (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-        for _ in range(hf_config.num_hidden_layers)
-    ]
-    logger.info("rank %d: shard loaded, KV cache %s per layer", rank.rank, list(shape))
-    return model, kv_caches
+    def __init__(self, config, comm: Collectives, device: torch.device) -> None:
+        from llmrpc.engine import core, loader
+        from llmrpc.engine.device import HostStaging
+        from llmrpc.engine.models import build_model
+
+        self.config, self.comm, self.device = config, comm, device
+        model_config = config.model
+        model_dir = loader.resolve_model_dir(model_config.model)
+        self.hf_config = core.apply_config_overrides(loader.load_hf_config(model_dir), model_config)
+        self.dtype = core.resolve_dtype(model_config.dtype, self.hf_config)
+        self.kv_dtype = core._KV_CACHE_DTYPES.get(config.cache.cache_dtype, self.dtype)
+        self.kv_config = rank_kv_config(self.hf_config, comm.rank.size)
+        dummy = model_config.load_format == "dummy"
+        weights = None if dummy else loader.iter_weights(model_dir)
+        model = build_model(
+            self.hf_config, self.dtype, weights, model_config.seed, model_config.model_impl
+        )
+        shard_llama(model, comm)
+        if device.type == "cpu":
+            from llmrpc.kernels import cpu_ops
+            from llmrpc.kernels.linear import pack_linear_layers
+
+            pack_linear_layers(model)
+            cpu_ops.load()  # the C++ decode attention, as rank 0 uses it
+        else:
+            model = model.to(device)
+        self.model = model
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the step's inputs arrive on the host: staged in pinned buffers, copied without blocking
+        self.staging = None if device.type == "cpu" else HostStaging(device)
+
+    def allocate_kv_cache(self) -> None:
+        """As many blocks as rank 0 has, known without profiling (``--kv-cache-memory`` for the
+        whole model's KV heads, or ``--num-gpu-blocks-override``)."""
+        from llmrpc.engine import core
+        from llmrpc.engine.model_runner import kv_cache_shape
+
+        num_blocks = core.num_kv_blocks(self.config.cache, self.hf_config, self.kv_dtype)
+        shape = kv_cache_shape(self.kv_config, num_blocks, self.config.cache.block_size)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            )
+            for _ in range(self.hf_config.num_hidden_layers)
+        ]
+        logger.info(
+            "rank %d: shard loaded, KV cache %s per layer", self.comm.rank.rank, list(shape)
+        )
+
+    def size_kv_cache(self, profile_tokens: int) -> None:
+        """Profile the step rank 0 profiles, measure what this device has left for KV blocks,
+        and allocate the fewest blocks any rank has room for."""
+        from llmrpc.engine.model_runner import ModelRunner
+
+        block_size = self.config.cache.block_size
+        runner = ModelRunner(
+            self.model,
+            self.kv_config,
+            -(-profile_tokens // block_size),
+            block_size,
+            self.kv_dtype,
+            self._attention_backend(),
+        )
+        num_blocks = self._kv_blocks_on_device(runner, profile_tokens)
+        num_blocks = min_across_ranks(num_blocks, self.device)
+        runner.resize_kv_cache(num_blocks)
+        self.kv_caches = runner.kv_caches
+        logger.info("rank %d: shard loaded, %d KV blocks", self.comm.rank.rank, num_blocks)
+
+    def _attention_backend(self) -> str:
+        from llmrpc.engine.device import resolve_attention_backend
+
+        return resolve_attention_backend(self.config.model.attention_backend, self.device)
+
+    def _kv_blocks_on_device(self, runner, num_tokens: int) -> int:
+        """``EngineCore._kv_blocks_on_device`` on this rank's device, for its KV heads."""
+        from llmrpc.engine.device import kv_blocks_for_device_memory
+        from llmrpc.engine.model_runner import kv_bytes_per_block
+
+        device, cache = self.device, self.config.cache
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
+        torch.cuda.synchronize(device)
+        runner.free_kv_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        other = total - free - torch.cuda.memory_reserved(device)
+        block_bytes = kv_bytes_per_block(self.kv_config, cache.block_size, self.kv_dtype)
+        return kv_blocks_for_device_memory(
+            total, cache.gpu_memory_utilization, peak, other, block_bytes
+        )
+
+    def run_step(self, data: bytes) -> bool:
+        """Run the forward of one step rank 0 pickled; False for its stop message."""
+        step = pickle.loads(data)
+        if step is None:
+            return False
+        if self.staging is not None:
+            stage = self.staging.to_device
+            step = map_step(step, lambda name, tensor: stage(name, tensor, tensor.dtype))
+        input_ids, positions, metadata, logits_indices = step
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            self.model.compute_logits(hidden[logits_indices])  # this rank's part of the gather
+        return True
 
 
-def _serve(conn, model, kv_caches) -> None:
+def _serve(conn, shard: Shard) -> None:
     while True:
         try:
             data = conn.recv_bytes()
         except EOFError:  # rank 0's process is gone
             return
-        if not run_step(model, kv_caches, data):
+        if not shard.run_step(data):
             return
-
-
-def run_step(model, kv_caches, data: bytes) -> bool:
-    """Run the forward of one step rank 0 pickled; False for its stop message."""
-    step = pickle.loads(data)
-    if step is None:
-        return False
-    input_ids, positions, metadata, logits_indices = step
-    with torch.inference_mode():
-        hidden = model(input_ids, positions, kv_caches, metadata)
-        model.compute_logits(hidden[logits_indices])  # this rank's part of the gather
-    return True

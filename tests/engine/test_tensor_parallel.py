@@ -1,15 +1,18 @@
-"""--tensor-parallel-size 2 on the CPU (gloo): the same greedy tokens as one rank, and a dead
-rank fails the engine instead of hanging it."""
+"""--tensor-parallel-size 2 on the CPU (gloo): the same greedy tokens as one rank, a dead rank
+fails the engine instead of hanging it, and a start-up that fails in rank 0 ends the others."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from engine_utils import run_to_completion
+from process_state import children_of
 
 from llmrpc.engine.config import (
     CacheConfig,
@@ -111,6 +114,36 @@ def test_options_it_cannot_shard_are_refused_at_start(tiny_llama_dir, tiny_model
                 tiny_model_factory(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), 2
             )
         )
+
+
+def _spawned_children() -> set[int]:
+    """This process's live children started by multiprocessing's spawn (the ranks)."""
+    spawned = set()
+    for pid in children_of(os.getpid()):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                spawned.add(pid)
+        except FileNotFoundError:
+            pass
+    return spawned
+
+
+def test_a_start_up_failure_in_rank_0_ends_the_other_ranks_at_once(tiny_llama_dir, caplog):
+    """--batch-invariant in float32 is refused by rank 0 once the model is loaded and sharded,
+    when the other ranks hold their shards and wait for steps."""
+    config = engine_config(tiny_llama_dir, 2)
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, batch_invariant=True)
+    )
+    before = _spawned_children()
+    logs = caplog.at_level(logging.INFO, logger="llmrpc.engine.parallel.executor")
+    with logs, pytest.raises(ValueError, match="^--batch-invariant needs"):
+        EngineCore(config)
+    assert "tensor parallel: 2 ranks" in caplog.text  # the failure came after the ranks started
+    deadline = time.monotonic() + 5
+    while _spawned_children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _spawned_children() - before
 
 
 def test_ray_ranks_give_one_ranks_greedy_tokens_and_a_dead_one_is_seen(tiny_llama_dir):
