@@ -18,7 +18,6 @@ from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.cuda_graphs import plan_decode_graphs
 from llmrpc.engine.device import (
     DeviceMonitor,
-    kv_blocks_for_device_memory,
     resolve_attention_backend,
     resolve_device,
 )
@@ -250,7 +249,9 @@ class EngineCore:
         self.runner.lora = self.lora
         self.runner.parallel = self.parallel
         if profile:
-            num_blocks = self._kv_blocks_on_device(config, num_tokens)
+            num_blocks = self.runner.kv_blocks_on_device(
+                num_tokens, config.scheduler.max_num_seqs, config.cache.gpu_memory_utilization
+            )
             if self.parallel is not None:  # the same block count on every rank: the fewest
                 num_blocks = self.parallel.agree_on_kv_blocks(num_blocks)
             check_capacity(config, self.max_model_len, num_blocks)
@@ -339,36 +340,6 @@ class EngineCore:
         if scheduler.enable_chunked_prefill:
             return scheduler.max_num_batched_tokens
         return max(scheduler.max_num_batched_tokens, self.max_model_len)
-
-    def _kv_blocks_on_device(self, config: EngineConfig, num_tokens: int) -> int:
-        """KV blocks for ``--gpu-memory-utilization``: what the largest step leaves of it."""
-        device = self.device
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        self.runner.profile_run(num_tokens, config.scheduler.max_num_seqs)
-        torch.cuda.synchronize(device)
-        self.runner.free_kv_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        other = total - free - torch.cuda.memory_reserved(device)
-        # under tensor parallelism this rank's device holds its KV heads only
-        kv_config = (
-            self.parallel.rank_hf_config(self.hf_config) if self.parallel else self.hf_config
-        )
-        block_bytes = kv_bytes_per_block(kv_config, config.cache.block_size, self.kv_cache_dtype)
-        num_blocks = kv_blocks_for_device_memory(
-            total, config.cache.gpu_memory_utilization, peak, other, block_bytes
-        )
-        logger.info(
-            "device memory: %.2f GiB in all, peak %.2f GiB in the profiled step of %d tokens, "
-            "%.2f GiB outside torch: %d KV blocks",
-            total / 2**30,
-            peak / 2**30,
-            num_tokens,
-            other / 2**30,
-            num_blocks,
-        )
-        return num_blocks
 
     def _load_model(self):
         dummy = self.model_config.load_format == "dummy"

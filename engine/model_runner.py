@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
 from llmrpc.engine.cuda_graphs import CudaGraphCapture, DecodeGraphPlan, DecodeGraphs, GraphCapture
-from llmrpc.engine.device import HostStaging
+from llmrpc.engine.device import HostStaging, kv_blocks_for_device_memory
 from llmrpc.engine.models.llama import head_dim_of
 from llmrpc.engine.pooler import PoolSpan, gather
 from llmrpc.engine.request import Request
@@ -156,6 +157,33 @@ class ModelRunner:
             positions %= self.model.config.max_position_embeddings
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         self.model.compute_logits(hidden[-min(num_sampled, num_tokens) :])
+
+    def kv_blocks_on_device(self, num_tokens: int, num_sampled: int, utilization: float) -> int:
+        """KV blocks for ``--gpu-memory-utilization`` on a CUDA device: what the largest step
+        (``profile_run``) leaves of that share of its memory, for this runner's KV heads (a
+        tensor-parallel rank's own). The KV cache is freed; ``resize_kv_cache`` makes it anew."""
+        device = self._device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        self.profile_run(num_tokens, num_sampled)
+        torch.cuda.synchronize(device)
+        self.free_kv_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        other = total - free - torch.cuda.memory_reserved(device)
+        block_bytes = 2 * self._num_layers * math.prod(self._kv_shape[1:]) * self._dtype.itemsize
+        num_blocks = kv_blocks_for_device_memory(total, utilization, peak, other, block_bytes)
+        logger.info(
+            "%s memory: %.2f GiB in all, peak %.2f GiB in the profiled step of %d tokens, "
+            "%.2f GiB outside torch: %d KV blocks",
+            device,
+            total / 2**30,
+            peak / 2**30,
+            num_tokens,
+            other / 2**30,
+            num_blocks,
+        )
+        return num_blocks
 
     @property
     def model(self) -> nn.Module | None:

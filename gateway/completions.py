@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 
 from llmrpc.clients import Delta, LlmrpcError, Sample, TokenLogprob, Usage
+from llmrpc.common.aio import gather_or_cancel
 from llmrpc.gateway import responses
 from llmrpc.gateway.errors import from_grpc, invalid
 from llmrpc.gateway.json_body import JsonRoute
@@ -25,7 +26,7 @@ from llmrpc.gateway.openapi_docs import ERRORS, Completion, generation
 from llmrpc.gateway.param_names import COMPLETION_PARAMS
 from llmrpc.gateway.params import completion_params
 from llmrpc.gateway.sse import DONE, ChunkFramer, first_then_rest, until_disconnect
-from llmrpc.gateway.state import GatewayState, gateway_of, gather_or_cancel, request_id
+from llmrpc.gateway.state import GatewayState, gateway_of, request_id
 
 router = APIRouter(route_class=JsonRoute, responses=ERRORS)
 

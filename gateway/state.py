@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from fastapi import Request
@@ -60,14 +59,3 @@ def gateway_of(request: Request) -> GatewayState:
 def request_id(request: Request) -> str:
     """The caller's ``X-Request-Id``, else a new one; it is also the gRPC request id."""
     return request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-
-
-async def gather_or_cancel(*awaitables):
-    """``asyncio.gather`` that cancels the others when one fails (no TaskGroup on 3.10)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise

@@ -6,13 +6,13 @@ input dropped from the queue because the call's deadline cannot be met) are the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from llmrpc.common.aio import gather_or_cancel
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.pooling import PoolingParams
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
@@ -44,9 +44,11 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         with admitted, convert.engine_errors(request):
             prompts = await engine.run_tokenizer(_tokenize_inputs, request)
             base_id = current_request_id() or "embed"
-            results = await _gather_or_cancel(
-                _embed_one(engine, f"{base_id}/{i}", i, kind, prompt, params)
-                for i, (kind, prompt) in enumerate(prompts)
+            results = await gather_or_cancel(
+                *(
+                    _embed_one(engine, f"{base_id}/{i}", i, kind, prompt, params)
+                    for i, (kind, prompt) in enumerate(prompts)
+                )
             )
         num_tokens = sum(r.num_prompt_tokens for r in results if not r.HasField("error"))
         usage = embedding_pb2.EmbedUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
@@ -76,18 +78,6 @@ def _deadline(context) -> float | None:
     computed (as generation's are)."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-async def _gather_or_cancel(coroutines) -> list:
-    """Every input's result; when one raises (the call fails), the others are cancelled, which
-    aborts their engine requests."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
 
 
 def _params(request, deadline: float | None) -> SamplingParams:

@@ -130,7 +130,11 @@ class Shard:
             self.kv_dtype,
             self._attention_backend(),
         )
-        num_blocks = self._kv_blocks_on_device(runner, profile_tokens)
+        num_blocks = runner.kv_blocks_on_device(
+            profile_tokens,
+            self.config.scheduler.max_num_seqs,
+            self.config.cache.gpu_memory_utilization,
+        )
         num_blocks = min_across_ranks(num_blocks, self.device)
         runner.resize_kv_cache(num_blocks)
         self.kv_caches = runner.kv_caches
@@ -140,25 +144,6 @@ class Shard:
         from llmrpc.engine.device import resolve_attention_backend
 
         return resolve_attention_backend(self.config.model.attention_backend, self.device)
-
-    def _kv_blocks_on_device(self, runner, num_tokens: int) -> int:
-        """``EngineCore._kv_blocks_on_device`` on this rank's device, for its KV heads."""
-        from llmrpc.engine.device import kv_blocks_for_device_memory
-        from llmrpc.engine.model_runner import kv_bytes_per_block
-
-        device, cache = self.device, self.config.cache
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
-        torch.cuda.synchronize(device)
-        runner.free_kv_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        other = total - free - torch.cuda.memory_reserved(device)
-        block_bytes = kv_bytes_per_block(self.kv_config, cache.block_size, self.kv_dtype)
-        return kv_blocks_for_device_memory(
-            total, cache.gpu_memory_utilization, peak, other, block_bytes
-        )
 
     def run_step(self, data: bytes) -> bool:
         """Run the forward of one step rank 0 pickled; False for its stop message."""
