@@ -26,8 +26,11 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers, each taking whole test files (a file's servers and fixtures stay in one process): in
+# one process the suite kept about one of 2 cores busy, its tests waiting on servers and child
+# processes for much of their time.
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 protos: install
 	$(BIN)/python protos/generate.py
