@@ -195,10 +195,11 @@ class _StaticInputs:
         self.slot_mapping[n:size].fill_(-1)
         self.decode_seq_lens[:n].copy_(metadata.decode_seq_lens)
         self.decode_seq_lens[n:size].fill_(1)
-        tables = self.decode_block_tables[:size]
-        tables.zero_()  # padding rows, and columns past the step's widest table, as eager pads
-        step_tables = metadata.decode_block_tables
-        tables[:n, : step_tables.shape[1]].copy_(step_tables)
+        # padding rows, and columns past the step's widest table, hold block 0 as eager pads
+        step_tables, width = metadata.decode_block_tables, metadata.decode_block_tables.shape[1]
+        self.decode_block_tables[:n, :width].copy_(step_tables)
+        self.decode_block_tables[:n, width:].zero_()
+        self.decode_block_tables[n:size].zero_()
 
 
 class DecodeGraphs:
