@@ -2,9 +2,13 @@
 
 A step whose every row attends like a decode (decodes, and prompt chunks short enough to run as
 rows of the decode kernel: ``AttentionMetadata.decodes_only``) runs the compiled forward; other
-steps, and level 0, run eager. Inductor turns the forward into one C++ function (its
+steps, and level 0, run eager. On the CPU inductor turns the forward into one C++ function (its
 ``cpp_wrapper``) that calls oneDNN for the packed linear layers and our kernels for the rest
 with no Python between them, which is what a decode step gains: the layers' Python overhead.
+With ``--attention-backend triton`` the Triton kernels are operations of the graph
+(``kernels/triton_ops.py``); on CUDA, where only that backend is compiled (``core.py`` refuses
+the torch one), inductor's own kernels do the rest and the CUDA graphs of
+``engine/cuda_graphs.py`` capture the compiled forward.
 
 - One graph serves every step: the token and block-table sizes are marked unbacked, so torch
   neither specializes them (on 1, say) nor recompiles for a new batch size.
@@ -64,35 +68,43 @@ def max_compiled_rows(model: nn.Module) -> int | None:
     return min(limits, default=None)
 
 
-def why_not_compiled(model: nn.Module) -> str | None:
-    """Why ``model`` is not compiled here, or None."""
+def why_not_compiled(model: nn.Module, backend: str) -> str | None:
+    """Why ``model`` is not compiled here on ``backend`` (``--attention-backend``), or None."""
     if isinstance(model, TransformersForCausalLM):
         return "the Transformers implementation (--model-impl transformers) is not compiled"
     if not getattr(model, "uses_kv_cache", True):
         return "an encoder's steps are not decodes"
-    if not cpu_ops.loaded():
-        return "the C++ kernels are not loaded"
-    if not register_fake_kernels():
+    # The Triton kernels' fakes come with them (kernels/triton_ops.py); the C++ kernels' are
+    # needed wherever they are loaded (on the CPU, where they pack the linear layers too).
+    if cpu_ops.loaded() and not register_fake_kernels():
         return f"kernels {', '.join(missing_fake_kernels())} are not built"
+    if backend != "triton" and not cpu_ops.loaded():
+        return "the C++ kernels are not loaded"
     return None
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 class CompiledDecode:
     """``model.forward`` compiled for decodes-only steps; ``__call__`` answers None where the
     step must run eager (the compile failed)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, backend: str) -> None:
         self.failure: str | None = None
         self.max_rows = max_compiled_rows(model)
+        self.backend = backend
+        self.device = _device_of(model)
         self._warm = False
         self.cache_dir = inductor_cache_dir()  # before torch sets its own default
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        if self.device.type == "cpu":
+            options["cpp_wrapper"] = True
         self._forward = torch.compile(
             model.forward,
             fullgraph=True,  # a graph break is a failure: logged, and the engine runs eager
-            options={
-                "cpp_wrapper": True,
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-            },
+            options=options,
             isolate_recompiles=True,
         )
 
@@ -126,7 +138,9 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(tensor, 0)
         num_slots = kv_caches[0][0].shape[0] * block_size
         for num_tokens in WARM_UP_NUM_TOKENS:
-            input_ids, positions, metadata = _warm_up_input(num_tokens, block_size, num_slots)
+            input_ids, positions, metadata = _warm_up_input(
+                num_tokens, block_size, num_slots, self.device, self.backend
+            )
             if self(input_ids, positions, kv_caches, metadata) is None:
                 return False
             self._warm = True
@@ -153,18 +167,21 @@ def _mark_unbacked(input_ids, positions, metadata: AttentionMetadata) -> None:
     mark(metadata.decode_block_tables, 1)
 
 
-def _warm_up_input(num_tokens: int, block_size: int, num_slots: int):
+def _warm_up_input(
+    num_tokens: int, block_size: int, num_slots: int, device: torch.device, backend: str
+):
     """A decode step of ``num_tokens`` requests: ``(input_ids, positions, metadata)``; request
     ``i`` has ``i + 1`` tokens of context and writes slot ``i``."""
-    positions = torch.arange(num_tokens)
+    positions = torch.arange(num_tokens, device=device)
     width = num_tokens // block_size + 1
     num_blocks = num_slots // block_size
     metadata = AttentionMetadata(
         slot_mapping=positions % num_slots,
         decode_indices=positions,
-        decode_block_tables=(torch.arange(width) % num_blocks).repeat(num_tokens, 1),
+        decode_block_tables=(torch.arange(width, device=device) % num_blocks).repeat(num_tokens, 1),
         decode_seq_lens=positions + 1,
         prefills=[],
         decodes_only=True,
+        backend=backend,
     )
-    return torch.zeros(num_tokens, dtype=torch.long), positions, metadata
+    return torch.zeros(num_tokens, dtype=torch.long, device=device), positions, metadata

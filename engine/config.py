@@ -191,8 +191,8 @@ class SchedulerConfig:
 class CompilationConfig:
     """``-O`` / ``--compilation-config``, ``--enforce-eager``, ``--cuda-graph-sizes`` and
     ``--max-seq-len-to-capture``: whether decode steps run a ``torch.compile`` of the model's
-    forward (``engine/compilation.py``, the CPU), CUDA graphs of it (``engine/cuda_graphs.py``,
-    a CUDA device) or eager PyTorch.
+    forward (``engine/compilation.py``), CUDA graphs of it (``engine/cuda_graphs.py``, a CUDA
+    device) or eager PyTorch.
 
     ``config`` is vLLM's JSON object: ``{"level": N}`` (``-ON``), or ``{"mode": N}`` as newer
     vLLM names it; any other key is refused, so nothing given is silently ignored.

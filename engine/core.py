@@ -311,11 +311,11 @@ class EngineCore:
         cuda = self.device.type == "cuda"
         check_cuda_graph_flags(config.compilation, self.device.type)
         level = config.compilation.level
-        if level and (cuda or self.attention_backend == "triton"):
+        if level and cuda and self.attention_backend != "triton":
             raise ValueError(
-                f"-O / --compilation-config level {level} compiles the torch backend's decode "
-                "step on the CPU only in this build; on CUDA or with --attention-backend triton "
-                "use level 0 (or --enforce-eager)"
+                f"-O / --compilation-config level {level} compiles the decode step on CUDA "
+                "with --attention-backend triton (auto's choice there) only; with "
+                f"{self.attention_backend} use level 0 (or --enforce-eager)"
             )
         if cuda and self.model_config.batch_invariant:
             raise ValueError(

@@ -5,7 +5,9 @@ On a GPU a decode step of a small batch can take longer to launch, its few hundr
 by one from Python, than to run. At start-up, on a CUDA device with the Triton attention backend,
 the forward is captured once per batch-size bucket; a step whose every row is a decode
 (``AttentionMetadata.decodes_only``) then copies its inputs into the graphs' static buffers and
-replays the graph of the smallest bucket that holds it: one launch for the whole forward.
+replays the graph of the smallest bucket that holds it: one launch for the whole forward. With
+``-O1`` to ``-O3`` the forward captured is the ``torch.compile``d one (``engine/compilation.py``,
+compiled before the capture): inductor's fused kernels, launched by the graph.
 
 - Buckets: vLLM's ``--cuda-graph-sizes`` (``capture_sizes``), each capped at ``--max-num-seqs``.
 - Static buffers, on the device, sized for the largest bucket: ``input_ids``, ``positions``,
@@ -214,7 +216,10 @@ class DecodeGraphs:
         plan: DecodeGraphPlan,
         backend: str,
         capture: GraphCapture,
+        compiled: Callable[..., torch.Tensor | None] | None = None,
     ) -> None:
+        """``compiled``: the ``torch.compile``d forward (``CompiledDecode``, ``-O1`` to ``-O3``)
+        to capture instead of the eager one where it runs."""
         self.plan = plan
         self.failure: str | None = None
         self.num_replays = 0
@@ -222,9 +227,11 @@ class DecodeGraphs:
         self._kv_caches = kv_caches
         self._backend = backend
         self._capture = capture
+        self._compiled = compiled
         self._device = next(model.parameters()).device
         self.width = -(-plan.max_seq_len // block_size)  # block-table columns
-        self._inputs = _StaticInputs(plan.sizes[-1], self.width, self._device)
+        with torch.inference_mode():  # as a step's own inputs: a compiled forward guards on it
+            self._inputs = _StaticInputs(plan.sizes[-1], self.width, self._device)
         # size -> (replay, static output [size, hidden_size])
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
 
@@ -270,8 +277,17 @@ class DecodeGraphs:
         inputs = self._inputs
         metadata = inputs.metadata(size, self._backend)
         input_ids, positions = inputs.input_ids[:size], inputs.positions[:size]
-        model, kv_caches = self._model, self._kv_caches
-        return lambda: model(input_ids, positions, kv_caches, metadata)
+        model, kv_caches, compiled = self._model, self._kv_caches, self._compiled
+        if compiled is None:
+            return lambda: model(input_ids, positions, kv_caches, metadata)
+
+        def compiled_forward() -> torch.Tensor:
+            hidden = compiled(input_ids, positions, kv_caches, metadata)
+            if hidden is None:  # its compile failed (logged by it): this bucket's graph is eager's
+                hidden = model(input_ids, positions, kv_caches, metadata)
+            return hidden
+
+        return compiled_forward
 
     def bucket(self, num_rows: int, max_seq_len: int) -> int | None:
         """The bucket a decodes-only step of ``num_rows`` rows whose longest context is

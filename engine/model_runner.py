@@ -197,11 +197,11 @@ class ModelRunner:
     def compile_decode(self) -> bool:
         """Compile the model's forward for decodes-only steps and warm it up now (while no
         request holds a KV block); False where those steps run eager (the reason is logged)."""
-        reason = why_not_compiled(self.model)
+        reason = why_not_compiled(self.model, self.backend)
         if reason is not None:
             logger.warning("decode steps run eager, not compiled: %s", reason)
             return False
-        compiled = CompiledDecode(self.model)
+        compiled = CompiledDecode(self.model, self.backend)
         if not compiled.warm_up(self.kv_caches, self.block_size):
             return False
         self.compiled_decode = compiled
@@ -214,8 +214,9 @@ class ModelRunner:
         self.decode_graphs = None
         capture = self.graph_capture or CudaGraphCapture(self._device)
         graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.block_size, plan, self.backend, capture
-        )
+            self.model, self.kv_caches, self.block_size, plan, self.backend, capture,
+            self.compiled_decode,
+        )  # fmt: skip
         if not graphs.capture_all():
             return False
         self.decode_graphs = graphs

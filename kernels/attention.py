@@ -63,11 +63,9 @@ def write_kv(
     """Store each new token's key and value in its slot (``metadata.slot_mapping``); an fp8
     cache (``--kv-cache-dtype``) gets ``key / k_scale`` and ``value / v_scale``, rounded once."""
     if metadata.backend == "triton":
-        from llmrpc.kernels import triton_attention
+        from llmrpc.kernels import triton_ops
 
-        triton_attention.store_kv(
-            key, value, key_cache, value_cache, metadata.slot_mapping, *kv_scales
-        )
+        triton_ops.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping, *kv_scales)
         return
     if metadata.padded:  # a data-dependent selection: CUDA graphs take the Triton backend only
         keep = metadata.slot_mapping >= 0
@@ -121,11 +119,11 @@ def paged_attention(
 
 
 def _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales) -> torch.Tensor:
-    from llmrpc.kernels import triton_attention
+    from llmrpc.kernels import triton_attention, triton_ops
 
     k_scale, v_scale = kv_scales
     decode = functools.partial(
-        triton_attention.decode_attention,
+        triton_ops.decode_attention,
         key_cache=key_cache,
         value_cache=value_cache,
         block_tables=metadata.decode_block_tables,

@@ -24,9 +24,9 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch"
 ) -> torch.Tensor:
     if backend == "triton":
-        from llmrpc.kernels import triton_elementwise
+        from llmrpc.kernels import triton_ops
 
-        return triton_elementwise.rms_norm(x, weight, eps)
+        return triton_ops.rms_norm(x, weight, eps)
     if _fused(x) and weight.dtype == x.dtype:
         return torch.ops.llmrpc_cpu.rms_norm(x.contiguous(), weight, eps)
     return rms_norm_torch(x, weight, eps)
@@ -41,9 +41,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``; the kernels reuse both tensors' memory."""
     if backend == "triton":
-        from llmrpc.kernels import triton_elementwise
+        from llmrpc.kernels import triton_ops
 
-        return triton_elementwise.add_rms_norm(x, residual, weight, eps)
+        return triton_ops.add_rms_norm(x, residual, weight, eps)
     if _fused(x) and weight.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous():
         torch.ops.llmrpc_cpu.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
@@ -65,9 +65,9 @@ def rotary(
     """Rotate-half rotary embedding of ``x`` ``[tokens, heads, head_dim]`` by ``cos``/``sin``
     ``[tokens, 1, head_dim]``. The kernel rotates ``x`` in place: use the result, not ``x``."""
     if backend == "triton":
-        from llmrpc.kernels import triton_elementwise
+        from llmrpc.kernels import triton_ops
 
-        return triton_elementwise.rotary(x, cos, sin)
+        return triton_ops.rotary(x, cos, sin)
     dense_heads = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     if _fused(x) and dense_heads and cos.dtype == x.dtype and cos.is_contiguous():
         torch.ops.llmrpc_cpu.rotary(x, cos, sin.contiguous())

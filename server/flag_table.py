@@ -50,7 +50,9 @@ COMPILATION_HELP = (
     "cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/llmrpc/inductor). 2 cores, bf16: "
     "decode steps 0.91x eager's time at batch 1, 0.97x at 32; start-up +45 s the first "
     "time, +5 s after. A quantized model's graph runs steps of at most the tokens its "
-    "packed kernels take (see --quantization). A failure is logged, then eager."
+    "packed kernels take (see --quantization). With --attention-backend triton (the only "
+    "backend compiled on CUDA) its kernels are operations of the graph, and CUDA graphs "
+    "capture the compiled forward. A failure is logged, then eager."
 )
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "

@@ -17,6 +17,7 @@ import torch
 from engine_utils import make_core
 
 from llmrpc.common.args import OneLineErrorParser
+from llmrpc.engine.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
 from llmrpc.engine.config import (
     CacheConfig,
     CompilationConfig,
@@ -230,6 +231,37 @@ def test_triton_backend_replays_with_its_store_kernel_skipping_padding(tiny_llam
     assert tokens == eager
     assert {(s["rows"], s["bucket"]) for s in steps if s["bucket"]} == {(3, 4), (2, 2), (1, 1)}
     assert all(s["bucket"] is None for s in steps if not s["decodes_only"])  # prompts: eager
+    _untouched_outside(core, {slot for s in steps for slot in s["slots"]})
+
+
+def test_compiled_triton_steps_are_what_the_graphs_capture(tiny_llama_dir, monkeypatch):
+    """-O3 with graphs: each bucket captures the compiled forward (its Triton kernels nodes of
+    the graph, kernels/triton_ops.py), and the replays give eager's tokens."""
+    arrivals = [(0, 4, 3), (0, 6, 4), (0, 5, 2)]
+    eager, _ = _drive(_core(tiny_llama_dir, "triton"), arrivals)
+    compiled_calls = []
+    call = CompiledDecode.__call__
+
+    def counting(self, input_ids, *args):
+        hidden = call(self, input_ids, *args)
+        compiled_calls.append(None if hidden is None else len(input_ids))
+        return hidden
+
+    monkeypatch.setattr(CompiledDecode, "__call__", counting)
+    capture = RerunCapture()
+    core = _core(tiny_llama_dir, "triton", capture, compilation=CompilationConfig({"level": 3}))
+    compiled = core.runner.compiled_decode
+    assert compiled is not None and compiled.failure is None
+    warm_up = len(WARM_UP_NUM_TOKENS)
+    # per bucket, largest first: the capture's warm-up and the capture itself
+    assert compiled_calls[warm_up:] == [size for size in reversed(SIZES) for _ in (0, 1)]
+    _poison(core)
+    tokens, steps = _drive(core, arrivals)
+    assert tokens == eager
+    replays = [s["bucket"] for s in steps if s["bucket"]]
+    assert sorted(replays) == [1, 2, 4]
+    # each replay ran the compiled forward; no step ran it outside a graph
+    assert compiled_calls[warm_up + 2 * len(SIZES) :] == sorted(replays, reverse=True)
     _untouched_outside(core, {slot for s in steps for slot in s["slots"]})
 
 

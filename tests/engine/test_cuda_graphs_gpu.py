@@ -2,7 +2,7 @@
 engine captures them at start-up with the Triton backend; replayed steps must give the greedy
 tokens of the same engine run eager (``--enforce-eager``), for a batch whose size changes as
 requests join and finish, with a context too long to replay, and after sleep and wake-up (new
-KV cache addresses, captured again)."""
+KV cache addresses, captured again); at -O3, the graphs hold the torch.compiled forward."""
 
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ def _drive(core, arrivals=ARRIVALS) -> dict[str, list[int]]:
     return tokens
 
 
-def _compilation(enforce_eager: bool) -> CompilationConfig:
+def _compilation(enforce_eager: bool, level: int = 0) -> CompilationConfig:
     return CompilationConfig(
-        enforce_eager=enforce_eager, cuda_graph_sizes=(8,), max_seq_len_to_capture=64
+        {"level": level},
+        enforce_eager=enforce_eager,
+        cuda_graph_sizes=(8,),
+        max_seq_len_to_capture=64,
     )
 
 
+@pytest.mark.parametrize("level", [0, 3])  # 3: the graphs capture the torch.compiled forward
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "smollm2_dir"])
-def test_replayed_decode_steps_give_the_eager_tokens(model, request):
+def test_replayed_decode_steps_give_the_eager_tokens(model, level, request):
     model_dir = request.getfixturevalue(model)
     results = {}
     for eager in (True, False):
@@ -63,14 +67,17 @@ def test_replayed_decode_steps_give_the_eager_tokens(model, request):
             num_blocks=128,
             max_num_seqs=8,
             max_num_batched_tokens=64,
-            compilation=_compilation(eager),
+            compilation=_compilation(eager, level),
         )
         graphs = core.runner.decode_graphs
         assert (graphs is None) == eager
+        compiled = core.runner.compiled_decode
+        assert (compiled is not None) == (level > 0 and not eager)
         results[eager] = _drive(core)
         if not eager:
             assert graphs.failure is None and graphs.num_replays > 0
             assert graphs.plan.sizes == (1, 2, 4, 8)
+            assert compiled is None or compiled.failure is None
     assert results[False] == results[True]
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from engine_utils import make_core, run_to_completion
 
+from llmrpc.engine import core as core_module
+from llmrpc.engine.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
 from llmrpc.engine.config import CompilationConfig
 from llmrpc.engine.device import resolve_attention_backend, resolve_device
 from llmrpc.engine.request import SamplingParams
@@ -30,7 +32,7 @@ def _spy(core) -> dict[str, set]:
     return seen
 
 
-def _run(tiny_llama_dir, backend: str):
+def _run(tiny_llama_dir, backend: str, compilation: CompilationConfig | None = None):
     # 20 blocks of 16 tokens hold about 4 of the 8 requests at full length: some are preempted.
     core = make_core(
         tiny_llama_dir,
@@ -38,8 +40,12 @@ def _run(tiny_llama_dir, backend: str):
         max_model_len=256,
         max_num_batched_tokens=48,
         attention_backend=backend,
+        compilation=compilation or CompilationConfig(),
     )
     assert core.runner.backend == backend
+    if compilation is not None:
+        assert core.runner.compiled_decode is not None
+        assert core.runner.compiled_decode.failure is None
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     shared = [(11 * j) % 400 + 20 for j in range(40)]
     first = run_to_completion(core, {"first": (shared + [5, 6, 7], params)})
@@ -73,12 +79,34 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
     assert resolve_attention_backend("torch", cpu) == "torch"
 
 
-def test_compiling_with_the_triton_backend_is_refused(tiny_llama_dir):
-    with pytest.raises(ValueError, match="with --attention-backend triton use level 0"):
+def test_a_compiled_triton_engine_gives_eager_tokens(tiny_llama_dir, monkeypatch):
+    """-O3 on the Triton backend: the compiled decode step, its Triton kernels operations of the
+    graph (kernels/triton_ops.py), interpreted here, gives eager's greedy tokens for the same
+    mixed batch; its decodes-only steps ran compiled, from the graph compiled at load."""
+    expected, _ = _run(tiny_llama_dir, "triton")
+    calls = [0]
+    make = CompiledDecode.__call__
+
+    def counting(self, *args):
+        hidden = make(self, *args)
+        calls[0] += hidden is not None
+        return hidden
+
+    monkeypatch.setattr(CompiledDecode, "__call__", counting)
+    outputs, _ = _run(tiny_llama_dir, "triton", CompilationConfig({"level": 3}))
+    assert {k: o.token_ids for k, o in outputs.items()} == {
+        k: o.token_ids for k, o in expected.items()
+    }
+    assert calls[0] > len(WARM_UP_NUM_TOKENS) + 10  # the warm-up's, then the decode steps'
+
+
+def test_compiling_the_torch_backend_on_cuda_is_refused(tiny_llama_dir, monkeypatch):
+    """On CUDA the compiled decode step is the Triton backend's: -O3 with the torch backend
+    stops start-up (checked before anything touches the device)."""
+    monkeypatch.setattr(core_module, "resolve_device", lambda name: torch.device("cuda"))
+    with pytest.raises(ValueError, match="with --attention-backend triton .* only; with torch"):
         make_core(
-            tiny_llama_dir,
-            attention_backend="triton",
-            compilation=CompilationConfig(config={"level": 3}),
+            tiny_llama_dir, attention_backend="torch", compilation=CompilationConfig({"level": 3})
         )
 
 
