@@ -374,9 +374,12 @@ class EngineCore:
                 "--enforce-eager overrides --compilation-config level %d: the engine runs eager",
                 compilation.requested_level,
             )
-        if compilation.level and self.kv_cache_dtype != self.dtype:
+        fp8_in_torch = self.kv_cache_dtype != self.dtype and self.attention_backend == "torch"
+        if compilation.level and fp8_in_torch:  # the Triton kernels store and read fp8 in the graph
             logger.warning(
-                "decode steps run eager, not compiled: the KV cache is %s", self.kv_cache_dtype
+                "decode steps run eager, not compiled: the KV cache is %s (compiled on "
+                "--attention-backend triton only)",
+                self.kv_cache_dtype,
             )
         elif compilation.level:
             self.runner.compile_decode()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_utils import FIXED_TEXT, engine_perplexity, make_core, run_to_completion
 
-from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
+from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core import EngineCore
 from llmrpc.engine.request import SamplingParams
 
@@ -49,19 +49,26 @@ def test_fp8_cache_holds_more_blocks_in_the_same_memory(tiny_llama_dir):
 
 
 def test_both_backends_read_an_fp8_cache_alike(tiny_llama_dir):
+    """And the Triton backend's compiled decode step (-O3), whose kernels store and read fp8
+    in the graph, as its eager one."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = {f"r{i}": [(13 * i + j) % 700 + 10 for j in range(2 + 11 * i)] for i in range(6)}
     tokens = {}
-    for backend in ("torch", "triton"):
+    for backend, level in (("torch", 0), ("triton", 0), ("triton", 3)):
         core = make_core(
             tiny_llama_dir,
             attention_backend=backend,
             kv_cache_dtype="fp8",
             max_num_batched_tokens=32,
+            compilation=CompilationConfig({"level": level}),
         )
+        compiled = core.runner.compiled_decode
+        assert (compiled is not None) == (level > 0)
         outputs = run_to_completion(core, {k: (p, params) for k, p in prompts.items()})
-        tokens[backend] = {k: o.token_ids for k, o in outputs.items()}
-    assert tokens["triton"] == tokens["torch"]
+        assert compiled is None or compiled.failure is None
+        tokens[backend, level] = {k: o.token_ids for k, o in outputs.items()}
+    assert tokens["triton", 0] == tokens["torch", 0]
+    assert tokens["triton", 3] == tokens["triton", 0]
 
 
 def test_fp8_inc_is_refused_naming_the_flag():
