@@ -58,9 +58,15 @@ def _run(tiny_llama_dir, backend: str, compilation: CompilationConfig | None = N
     return outputs, seen
 
 
-def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_llama_dir):
+@pytest.fixture(scope="module")
+def triton_run(tiny_llama_dir):
+    """The Triton backend's eager run (interpreted: about 10 s), for the tests that compare it."""
+    return _run(tiny_llama_dir, "triton")
+
+
+def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_llama_dir, triton_run):
     expected, _ = _run(tiny_llama_dir, "torch")
-    outputs, seen = _run(tiny_llama_dir, "triton")
+    outputs, seen = triton_run
     assert {k: o.token_ids for k, o in outputs.items()} == {
         k: o.token_ids for k, o in expected.items()
     }
@@ -79,11 +85,11 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
     assert resolve_attention_backend("torch", cpu) == "torch"
 
 
-def test_a_compiled_triton_engine_gives_eager_tokens(tiny_llama_dir, monkeypatch):
+def test_a_compiled_triton_engine_gives_eager_tokens(tiny_llama_dir, triton_run, monkeypatch):
     """-O3 on the Triton backend: the compiled decode step, its Triton kernels operations of the
     graph (kernels/triton_ops.py), interpreted here, gives eager's greedy tokens for the same
     mixed batch; its decodes-only steps ran compiled, from the graph compiled at load."""
-    expected, _ = _run(tiny_llama_dir, "triton")
+    expected, _ = triton_run
     calls = [0]
     make = CompiledDecode.__call__
 
