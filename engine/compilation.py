@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from llmrpc.engine.device import model_device
 from llmrpc.engine.loader import cache_root
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.quantization import QuantizedLinear
@@ -83,10 +84,6 @@ def why_not_compiled(model: nn.Module, backend: str) -> str | None:
     return None
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 class CompiledDecode:
     """``model.forward`` compiled for decodes-only steps; ``__call__`` answers None where the
     step must run eager (the compile failed)."""
@@ -95,7 +92,7 @@ class CompiledDecode:
         self.failure: str | None = None
         self.max_rows = max_compiled_rows(model)
         self.backend = backend
-        self.device = _device_of(model)
+        self.device = model_device(model)
         self._warm = False
         self.cache_dir = inductor_cache_dir()  # before torch sets its own default
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}

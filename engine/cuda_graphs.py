@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.device import model_device
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.kernels.attention import AttentionMetadata
 
@@ -228,7 +229,7 @@ class DecodeGraphs:
         self._backend = backend
         self._capture = capture
         self._compiled = compiled
-        self._device = next(model.parameters()).device
+        self._device = model_device(model)
         self.width = -(-plan.max_seq_len // block_size)  # block-table columns
         with torch.inference_mode():  # as a step's own inputs: a compiled forward guards on it
             self._inputs = _StaticInputs(plan.sizes[-1], self.width, self._device)

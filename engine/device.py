@@ -27,6 +27,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device ``model``'s weights are on."""
+    return next(model.parameters()).device
+
+
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """``--attention-backend``: auto is triton on CUDA (where Triton imports), torch elsewhere."""
     if name == "auto":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmrpc.engine.device import model_device
 from llmrpc.engine.lora_peft import LoRAAdapter
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.kernels.linear import pack_linear_layers
@@ -204,7 +205,7 @@ class LoRAModel:
                 f"--enable-lora serves the native Llama-family models; {type(model).__name__} "
                 "(e.g. --model-impl transformers) has no LoRA support here"
             )
-        device = next(model.parameters()).device
+        device = model_device(model)
         self.context = LoRAContext(dense_allowed=dense and device.type == "cpu")
         self.shapes = module_shapes(model)
         self.num_layers = len(model.layers)

@@ -13,7 +13,7 @@ from torch import nn
 
 from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
 from llmrpc.engine.cuda_graphs import CudaGraphCapture, DecodeGraphPlan, DecodeGraphs, GraphCapture
-from llmrpc.engine.device import HostStaging, kv_blocks_for_device_memory
+from llmrpc.engine.device import HostStaging, kv_blocks_for_device_memory, model_device
 from llmrpc.engine.models.llama import head_dim_of
 from llmrpc.engine.pooler import PoolSpan, gather
 from llmrpc.engine.request import Request
@@ -66,7 +66,8 @@ class ModelInput:
     prompt_spans: list[PromptLogitsSpan]
     lora_batch: LoRABatch | None = None  # the LoRA slot of each row; None: no adapted row
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling requests' rows
-    max_decode_seq_len: int = 0  # the longest context of a decode row (0: none)
+    # the longest context of a decode row, for the CUDA graphs (0: none, or no graphs)
+    max_decode_seq_len: int = 0
 
 
 @dataclass
@@ -89,7 +90,7 @@ class ModelRunner:
         batch_invariant: bool = False,
     ) -> None:
         self.model = model  # eager; compile_decode() adds a compiled forward for decode steps
-        self._device = _device_of(model)
+        self._device = model_device(model)
         self.backend = backend  # --attention-backend, resolved: torch or triton
         # --batch-invariant: every token takes one attention path, whatever the batch
         self.batch_invariant = batch_invariant
@@ -227,7 +228,7 @@ class ModelRunner:
         """The device the model's weights are on (asleep at level 2, where they were)."""
         model = self.model  # the engine thread may drop or reload it meanwhile
         if model is not None:
-            self._device = _device_of(model)
+            self._device = model_device(model)
         return self._device
 
     @torch.inference_mode()
@@ -347,7 +348,8 @@ class ModelRunner:
             prompt_spans=prompt_spans,
             lora_batch=lora_batch,
             pool_spans=pool_spans,
-            max_decode_seq_len=max(decode_lens, default=0),
+            # what the graphs' bucket choice reads (eager steps need no pass over the rows)
+            max_decode_seq_len=max(decode_lens, default=0) if self.decode_graphs is not None else 0,
         )
 
     def _lora_batch(self, output: SchedulerOutput) -> LoRABatch | None:
@@ -373,10 +375,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     buffer = np.zeros(num_bytes + _ALIGNMENT, dtype=np.uint8)
     start = -buffer.ctypes.data % _ALIGNMENT
     return torch.from_numpy(buffer[start : start + num_bytes]).view(dtype).view(shape)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _prompt_logits_span(request: Request, start: int, end: int) -> PromptLogitsSpan | None:

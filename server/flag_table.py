@@ -40,8 +40,8 @@ KV_TRANSFER = "needs disaggregated serving (KV transfer), which this build does 
 NOT_SUPPORTED = "is not supported by this build"
 CUDA_GRAPHS_ONLY = (
     "Graphs are captured on a CUDA device with --attention-backend triton, unless --enforce-eager, "
-    "--enable-lora, --tensor-parallel-size above 1 or --model-impl transformers (a warning says "
-    "which); set on the CPU, this flag stops start-up."
+    "--enable-lora, --tensor-parallel-size above 1, --model-impl transformers or an encoder "
+    "model (a warning says which); set on the CPU, this flag stops start-up."
 )
 COMPILATION_HELP = (
     'torch.compile of decode steps: 0 (default) eager; 1-3 (-O3, {"level": 3}, {"mode": 3}; '

@@ -101,35 +101,16 @@ class Shard:
         """As many blocks as rank 0 has, known without profiling (``--kv-cache-memory`` for the
         whole model's KV heads, or ``--num-gpu-blocks-override``)."""
         from llmrpc.engine import core
-        from llmrpc.engine.model_runner import kv_cache_shape
 
         num_blocks = core.num_kv_blocks(self.config.cache, self.hf_config, self.kv_dtype)
-        shape = kv_cache_shape(self.kv_config, num_blocks, self.config.cache.block_size)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
-            for _ in range(self.hf_config.num_hidden_layers)
-        ]
-        logger.info(
-            "rank %d: shard loaded, KV cache %s per layer", self.comm.rank.rank, list(shape)
-        )
+        self.kv_caches = self._runner(num_blocks).kv_caches
+        shape = list(self.kv_caches[0][0].shape)
+        logger.info("rank %d: shard loaded, KV cache %s per layer", self.comm.rank.rank, shape)
 
     def size_kv_cache(self, profile_tokens: int) -> None:
         """Profile the step rank 0 profiles, measure what this device has left for KV blocks,
         and allocate the fewest blocks any rank has room for."""
-        from llmrpc.engine.model_runner import ModelRunner
-
-        block_size = self.config.cache.block_size
-        runner = ModelRunner(
-            self.model,
-            self.kv_config,
-            -(-profile_tokens // block_size),
-            block_size,
-            self.kv_dtype,
-            self._attention_backend(),
-        )
+        runner = self._runner(-(-profile_tokens // self.config.cache.block_size))
         num_blocks = runner.kv_blocks_on_device(
             profile_tokens,
             self.config.scheduler.max_num_seqs,
@@ -139,6 +120,20 @@ class Shard:
         runner.resize_kv_cache(num_blocks)
         self.kv_caches = runner.kv_caches
         logger.info("rank %d: shard loaded, %d KV blocks", self.comm.rank.rank, num_blocks)
+
+    def _runner(self, num_blocks: int):
+        """A ``ModelRunner`` of this shard: the engine's own KV cache allocation (zero-filled;
+        on the host calloc'd, resident only as blocks are written) and device profiling."""
+        from llmrpc.engine.model_runner import ModelRunner
+
+        return ModelRunner(
+            self.model,
+            self.kv_config,
+            num_blocks,
+            self.config.cache.block_size,
+            self.kv_dtype,
+            self._attention_backend(),
+        )
 
     def _attention_backend(self) -> str:
         from llmrpc.engine.device import resolve_attention_backend
