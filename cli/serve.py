@@ -19,6 +19,7 @@ import os
 import sys
 
 from llmrpc.cli import rest
+from llmrpc.common.fd_limit import raise_open_file_limit
 from llmrpc.engine.config import EngineConfig
 from llmrpc.gateway.server import BindError as RestBindError
 from llmrpc.server import options
@@ -44,6 +45,7 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
     from llmrpc.engine.memory import limit_arenas
 
     limit_arenas()  # before the engine, gRPC and tokenizer threads start allocating
+    raise_open_file_limit()  # before the listeners' connection caps are derived from it
 
     try:
         return asyncio.run(serve(engine_config, frontend))

@@ -15,6 +15,7 @@ import sys
 
 from llmrpc.common.args import OneLineErrorParser
 from llmrpc.common.chat_template import read_chat_template
+from llmrpc.common.fd_limit import raise_open_file_limit
 from llmrpc.gateway.settings import (
     CONTENT_FORMATS,
     DEFAULT_MAX_REQUEST_BODY_SIZE,
@@ -228,6 +229,7 @@ def main(argv: list[str]) -> int:
     )
     try:
         settings = settings_from_args(args)
+        raise_open_file_limit()  # before the listener's connection cap is derived from it
         return asyncio.run(run(settings))
     except ValueError as error:
         parser.error(str(error))

@@ -35,6 +35,7 @@ from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, Request
 from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
 from llmrpc.server.loopback import HandlerRegistry, LoopbackChannel
+from llmrpc.server.message_deadline import RequestMessageDeadline
 from llmrpc.server.options import effective_config
 from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.ports import check_can_listen
@@ -210,6 +211,14 @@ def _interceptors(
     return interceptors
 
 
+def _on_the_network(interceptors: list, limits) -> list:
+    """The network server's chain: the in-process one with the request-message deadline just
+    inside the key check, so a call with a refused key ends before its message is read."""
+    position = 1 if interceptors and isinstance(interceptors[0], ApiKeyInterceptor) else 0
+    deadline = RequestMessageDeadline(limits.request_message_timeout_s)
+    return [*interceptors[:position], deadline, *interceptors[position:]]
+
+
 def _add_services(servers, state: ServerState, health: Health) -> None:
     """The services, on the network server and the in-process channel's registry alike."""
     services = (
@@ -269,7 +278,10 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
     calls = CallsInFlight()
     tracing = ServerTracing(frontend.tracing) if frontend.tracing.enabled else None
     interceptors = _interceptors(frontend, calls, state.owners, tracing)
-    server = grpc.aio.server(options=channel_options(frontend.limits), interceptors=interceptors)
+    server = grpc.aio.server(
+        options=channel_options(frontend.limits),
+        interceptors=_on_the_network(interceptors, frontend.limits),
+    )
     registry = HandlerRegistry()
     _add_services((server, registry), state, health)
     loopback = LoopbackChannel(registry, interceptors)
@@ -303,7 +315,10 @@ async def listen(running: RunningServer, frontend: FrontendConfig) -> None:
     )
     if frontend.health_port is not None:
         running.health_server, running.health_port = await running.health.start_plaintext_port(
-            frontend.host, frontend.health_port
+            frontend.host,
+            frontend.health_port,
+            channel_options(frontend.limits),
+            [RequestMessageDeadline(frontend.limits.request_message_timeout_s)],
         )
     _warn_if_open(frontend)
 

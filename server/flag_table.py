@@ -135,8 +135,20 @@ _OURS = _group(
     ours("--grpc-max-connection-age-grace", None, float, "limits.max_connection_age_grace_s",
          "Calls in flight on a connection past its age get this long to finish. Default: "
          "unlimited.", metavar="SECONDS"),
-    ours("--grpc-max-concurrent-streams", None, int, "limits.max_concurrent_streams",
-         "Most calls in flight on one connection; more wait on the client. Default: no limit."),
+    ours("--grpc-max-concurrent-streams", 256, int, "limits.max_concurrent_streams",
+         "Most calls in flight on one connection; more wait on the client (256: a full batch "
+         "of the default --max-num-seqs)."),
+    ours("--grpc-max-connections", None, int, "limits.max_connections",
+         "Most connections the gRPC port holds at once; more are closed as they are accepted, "
+         "before any handshake. Default: a quarter of the process's open-file limit (which "
+         "llmrpc serve raises to its hard limit at start-up)."),
+    ours("--grpc-handshake-timeout", 10.0, float, "limits.handshake_timeout_s",
+         "Seconds a new gRPC connection has to finish its TLS and HTTP/2 handshake.",
+         metavar="SECONDS"),
+    ours("--grpc-request-message-timeout", 30.0, float, "limits.request_message_timeout_s",
+         "Seconds a call has, from its headers, to send its request message; later, the call "
+         "ends DEADLINE_EXCEEDED. A call with a wrong API key ends before its message is read.",
+         metavar="SECONDS"),
 )  # fmt: skip
 
 _FRONTEND = _group(

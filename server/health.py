@@ -66,10 +66,13 @@ class Health:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     async def start_plaintext_port(
-        self, host: str | None, port: int
+        self, host: str | None, port: int, options=(), interceptors=()
     ) -> tuple[grpc.aio.Server, int]:
-        """A server answering health alone on ``host:port`` (0: the OS chooses)."""
-        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        """A server answering health alone on ``host:port`` (0: the OS chooses), with the main
+        port's transport ``options`` and ``interceptors`` (its limits hold here too)."""
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *options], interceptors=interceptors
+        )
         self.add_to(server)
         address = grpc_bind_address(host, port)
         try:

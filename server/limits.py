@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from llmrpc.common.fd_limit import default_max_connections
 from llmrpc.server.errors import InvalidArgument, ResourceExhausted
 from llmrpc.server.settings import LimitsConfig
 
@@ -38,8 +39,14 @@ def channel_options(limits: LimitsConfig) -> list[tuple[str, int]]:
     if limits.max_connection_age_grace_s is not None:
         grace = _ms(limits.max_connection_age_grace_s)
         options.append(("grpc.max_connection_age_grace_ms", grace))
-    if limits.max_concurrent_streams is not None:
-        options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
+    max_connections = limits.max_connections or default_max_connections()
+    options += [
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+        # Refused at accept, before any handshake: the port's file descriptors stay bounded.
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        # A connection that never finishes its TLS and HTTP/2 handshake is closed (core: 120 s).
+        ("grpc.server_handshake_timeout_ms", _ms(limits.handshake_timeout_s)),
+    ]
     return options
 
 

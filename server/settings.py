@@ -55,7 +55,11 @@ class LimitsConfig:
     min_ping_interval_s: float = 10.0  # a client pinging more often is disconnected
     max_connection_age_s: float | None = None
     max_connection_age_grace_s: float | None = None
-    max_concurrent_streams: int | None = None
+    # A connection's streams at once: as many as a batch holds by default (--max-num-seqs).
+    max_concurrent_streams: int = 256
+    max_connections: int | None = None  # None: a quarter of the open-file limit
+    handshake_timeout_s: float = 10.0  # a new connection's TLS and HTTP/2 handshake
+    request_message_timeout_s: float = 30.0  # a call's request message, from its headers
     max_waiting_requests: int | None = None  # None: the waiting queue is unbounded
 
     def __post_init__(self) -> None:
@@ -68,6 +72,9 @@ class LimitsConfig:
             ("--grpc-max-connection-age", self.max_connection_age_s),
             ("--grpc-max-connection-age-grace", self.max_connection_age_grace_s),
             ("--grpc-max-concurrent-streams", self.max_concurrent_streams),
+            ("--grpc-max-connections", self.max_connections),
+            ("--grpc-handshake-timeout", self.handshake_timeout_s),
+            ("--grpc-request-message-timeout", self.request_message_timeout_s),
         ):
             _check_positive(flag, value)
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
