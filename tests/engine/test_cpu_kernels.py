@@ -251,8 +251,8 @@ def test_a_failed_build_is_logged_with_the_compiler_error_and_leaves_the_torch_p
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
     """torch waits, without end, while a build's lock file exists; a build killed midway leaves
     it behind. In a process of its own: a process loads the kernels' library once. It loads the
-    build this module's fixture made (torch takes the lock for every load, a built one too), so
-    the test costs a load, not a build."""
+    build this module's fixture made (the lock is checked before every load, a built one too),
+    so the test costs a load, not a build."""
     script = textwrap.dedent(
         """
         import logging, os, sys, time
