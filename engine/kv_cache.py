@@ -160,6 +160,10 @@ class BlockPool:
         block.token_ids = token_ids
         self.cached[block_hash] = block
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Forget one block's cached content (its KV was never written)."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks:
@@ -283,9 +287,16 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = max(first, num_tokens // size)
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks; its tail blocks are evicted first."""
+        """Release a request's blocks; its tail blocks are evicted first.
+
+        Blocks are cached when allocated, for the tokens the step is about to compute; those
+        holding tokens at or past ``request.num_computed_tokens`` (a request freed before its
+        step ran: preempted after being scheduled) leave the cache, their KV never written.
+        """
         blocks = self.req_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
+            self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

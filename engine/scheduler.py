@@ -105,12 +105,14 @@ class Scheduler:
                 self.running.remove(victim)
                 self._preempt(victim)
                 output.preempted.append(victim)
-                if victim is request:
-                    return budget
+                if victim is request:  # the requests behind it still run
+                    index -= 1
+                    break
                 index = self.running.index(request) + 1
-            chunks.take(request, request.num_computed_tokens, num_new)
-            output.scheduled.append((request, num_new))
-            budget -= num_new
+            else:
+                chunks.take(request, request.num_computed_tokens, num_new)
+                output.scheduled.append((request, num_new))
+                budget -= num_new
         return budget
 
     @staticmethod

@@ -16,11 +16,13 @@ def make_request(request_id: str, tokens: list[int]) -> Request:
 
 
 def schedule_all(manager: KVCacheManager, request: Request) -> list[int]:
-    """Prefix hits, then room for the rest of the prompt: what the scheduler does on admission."""
+    """Prefix hits, then room for the rest of the prompt (what the scheduler does on admission),
+    then the forward pass computes it; ``request.num_cached_tokens`` are the hits."""
     hits = manager.get_computed_blocks(request)
     num_hit_tokens = len(hits) * BLOCK
     assert manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits) is not None
-    request.num_computed_tokens = num_hit_tokens
+    request.num_cached_tokens = num_hit_tokens
+    request.num_computed_tokens = request.num_tokens
     return manager.block_ids(request.request_id)
 
 
@@ -59,7 +61,7 @@ def test_shared_prefix_reuses_full_blocks_and_counts_references(hash_algo):
     schedule_all(manager, a)
     b = make_request("b", list(range(8)) + [50, 51, 52])
     assert schedule_all(manager, b) == [0, 1, 3]
-    assert b.num_computed_tokens == 8
+    assert b.num_cached_tokens == 8
     assert [manager.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
     assert manager.num_prefix_hits == 8
 
@@ -69,7 +71,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     schedule_all(manager, make_request("a", list(range(8))))
     again = make_request("b", list(range(8)))
     assert schedule_all(manager, again) == [0, 2]
-    assert again.num_computed_tokens == 4
+    assert again.num_cached_tokens == 4
 
 
 def test_freed_blocks_stay_cached_and_tails_are_evicted_first():
@@ -155,5 +157,21 @@ def test_prefix_blocks_are_shared_only_under_the_same_lora_adapter(hash_algo):
     assert schedule_all(manager, under("lora2", 2)) == [6, 7, 8]
     again = under("lora1-again", 1)
     assert schedule_all(manager, again) == [3, 4, 9]  # lora1's own blocks
-    assert again.num_computed_tokens == 8
+    assert again.num_cached_tokens == 8
     assert schedule_all(manager, under("base-again", None)) == [0, 1, 10]
+
+
+def test_freeing_a_request_before_its_chunk_is_computed_uncaches_that_chunk():
+    """Blocks are registered when allocated, for the tokens the step will compute; a request that
+    leaves the step (preempted) and is freed takes back the registrations of what it never
+    computed, and keeps those of what it did."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    request = make_request("a", list(range(20)))
+    assert manager.allocate_slots(request, 8) is not None  # tokens 0..7: blocks 0, 1
+    request.num_computed_tokens = 8  # the forward pass ran
+    assert manager.allocate_slots(request, 8) is not None  # tokens 8..15: blocks 2, 3
+    manager.free(request)  # before that chunk was computed
+    assert sorted(block.block_id for block in manager.pool.cached.values()) == [0, 1]
+    again = make_request("b", list(range(20)))
+    assert [block.block_id for block in manager.get_computed_blocks(again)] == [0, 1]
+    assert manager.pool.free_queue.block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from llmrpc.engine.config import SchedulerConfig
 from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -9,17 +11,20 @@ from llmrpc.engine.scheduler import Scheduler, SchedulerOutput
 
 BLOCK = 4
 
+# Per scheduler, what the steps' forward passes wrote to the KV cache: slot -> token id.
+_KV_WRITTEN: weakref.WeakKeyDictionary[Scheduler, dict[int, int]] = weakref.WeakKeyDictionary()
 
-def make_scheduler(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=8, caching=True):
+
+def make_scheduler(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=8, caching=True, **more):
     manager = KVCacheManager(num_blocks, BLOCK, enable_caching=caching)
     config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **more
     )
     return Scheduler(config, manager, max_model_len=1024)
 
 
-def add(scheduler, request_id, num_prompt_tokens, max_tokens=100, first_token=0):
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def add(scheduler, request_id, num_prompt_tokens, max_tokens=100, first_token=0, priority=0):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority)
     tokens = list(range(first_token, first_token + num_prompt_tokens))
     request = Request(request_id, tokens, params)
     scheduler.add_request(request)
@@ -27,13 +32,42 @@ def add(scheduler, request_id, num_prompt_tokens, max_tokens=100, first_token=0)
 
 
 def step(scheduler) -> tuple[list[tuple[str, int]], SchedulerOutput]:
-    """Schedule one step and feed back token 7 for every request that reached its end."""
+    """Schedule one step, write its tokens' KV as the model runner would, feed back token 7
+    for every request that reached its end, then check the prefix cache."""
     output = scheduler.schedule()
+    write_kv(scheduler, output)
     sampled = {
         r.request_id: 7 for r, n in output.scheduled if r.num_computed_tokens + n == r.num_tokens
     }
     scheduler.update_from_output(output, sampled)
+    check_prefix_cache(scheduler)
     return [(r.request_id, n) for r, n in output.scheduled], output
+
+
+def write_kv(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """The forward pass's writes: each scheduled token into its slot (block_id * size + offset)."""
+    written = _KV_WRITTEN.setdefault(scheduler, {})
+    manager = scheduler.kv_manager
+    for request, num_new in output.scheduled:
+        block_ids = manager.block_ids(request.request_id)
+        for position in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
+            slot = block_ids[position // BLOCK] * BLOCK + position % BLOCK
+            written[slot] = request.all_token_ids[position]
+
+
+def check_prefix_cache(scheduler: Scheduler) -> None:
+    """No block in the prefix cache holds tokens whose KV was not written: a request that hits
+    it would attend to whatever the block held before."""
+    manager = scheduler.kv_manager
+    written = _KV_WRITTEN.get(scheduler, {})
+    for block in manager.pool.cached.values():
+        slots = range(block.block_id * BLOCK, (block.block_id + 1) * BLOCK)
+        kv = tuple(written.get(slot) for slot in slots)
+        assert kv == block.token_ids, f"block {block.block_id} cached as {block.token_ids}: {kv}"
+    for request in scheduler.running:  # a cached block's tokens are all computed by its owner
+        for index, block in enumerate(manager.req_blocks.get(request.request_id, ())):
+            if block.block_hash is not None:
+                assert (index + 1) * BLOCK <= request.num_computed_tokens, (request, index)
 
 
 def test_long_prompt_is_chunked_and_newcomers_join_the_running_batch():
@@ -131,3 +165,37 @@ def test_priority_victim_already_scheduled_this_step_leaves_the_step():
     assert a.status is RequestStatus.PREEMPTED and a.num_computed_tokens == 0
     assert manager.block_ids("b") == [1, 0]
     assert scheduler.running == [b]
+
+
+def test_priority_victim_scheduled_this_step_leaves_no_uncomputed_block_in_the_prefix_cache():
+    """v (least urgent) is scheduled first with its chunk 16..23 (blocks 5 and 6), then u needs a
+    block and v is preempted: v's chunk is never computed, so its blocks must not stay cached
+    where a request with the same first tokens would find them."""
+    scheduler = make_scheduler(
+        num_blocks=7, scheduling_policy="priority", long_prefill_token_threshold=8
+    )
+    manager = scheduler.kv_manager
+    victim = add(scheduler, "v", 32, priority=5)
+    assert step(scheduler)[0] == [("v", 8)]
+    add(scheduler, "u", 4, first_token=100)
+    assert step(scheduler)[0] == [("v", 8), ("u", 4)]
+    scheduled, output = step(scheduler)
+    assert scheduled == [("u", 1)] and output.preempted == [victim]
+    assert manager.block_ids("u") == [4, 6]  # v's tail block, freed first
+    same_start = Request("same", list(range(21)), SamplingParams())
+    hits = manager.get_computed_blocks(same_start)
+    assert [block.block_id for block in hits] == [0, 1, 2, 3]  # v's computed tokens 0..15 only
+
+
+def test_least_urgent_request_preempting_itself_lets_the_requests_behind_it_run():
+    scheduler = make_scheduler(num_blocks=2, scheduling_policy="priority")
+    x = add(scheduler, "x", 3, priority=5)
+    assert step(scheduler)[0] == [("x", 3)]
+    y = add(scheduler, "y", 2, first_token=50)
+    assert step(scheduler)[0] == [("x", 1), ("y", 2)]
+    # x's fifth token needs a second block; none is free and x itself is the least urgent.
+    scheduled, output = step(scheduler)
+    assert output.preempted == [x] and x.status is RequestStatus.PREEMPTED
+    assert scheduled == [("y", 1)]
+    assert y.output_token_ids == [7, 7]
+    assert scheduler.running == [y]
