@@ -44,6 +44,9 @@ def gateway_settings(frontend: FrontendConfig) -> GatewaySettings:
         disable_uvicorn_access_log=rest.disable_uvicorn_access_log,
         max_request_body_size=_body_limit(frontend),
         request_body_timeout_s=rest.request_body_timeout_s,
+        max_connections=rest.max_connections,
+        header_timeout_s=rest.header_timeout_s,
+        keep_alive_timeout_s=rest.keep_alive_timeout_s,
     )  # fmt: skip
     cors = CorsSettings(
         rest.allowed_origins, rest.allowed_methods, rest.allowed_headers, rest.allow_credentials

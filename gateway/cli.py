@@ -18,6 +18,8 @@ from llmrpc.common.chat_template import read_chat_template
 from llmrpc.common.fd_limit import raise_open_file_limit
 from llmrpc.gateway.settings import (
     CONTENT_FORMATS,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BODY_SIZE,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     UVICORN_LOG_LEVELS,
@@ -107,6 +109,32 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="A request body must arrive within this long, else HTTP 408 (slow clients cannot "
         "hold connections). Default: %(default)s.",
+    )
+    add(
+        "--request-header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        dest="header_timeout_s",
+        metavar="SECONDS",
+        help="A new connection's TLS handshake, then each request head, must arrive within "
+        "this long (an unfinished head gets HTTP 408), else the connection closes. Default: "
+        "%(default)s.",
+    )
+    add(
+        "--rest-keep-alive-timeout",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        dest="keep_alive_timeout_s",
+        metavar="SECONDS",
+        help="A connection idle this long after a response is closed. Default: %(default)s.",
+    )
+    add(
+        "--rest-max-connections",
+        type=int,
+        dest="max_connections",
+        metavar="N",
+        help="Most connections held at once; more are closed as they are accepted. Default: a "
+        "quarter of the process's open-file limit (raised to its hard limit at start-up).",
     )
     add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add("--disable-uvicorn-access-log", action="store_true")

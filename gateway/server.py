@@ -1,5 +1,8 @@
 """Serving the gateway's app with uvicorn: the listening socket, TLS, HTTP/1.1 limits, logging.
 
+The listener's connections are bounded in number and in the time a request head may take
+(``connections``).
+
 The socket is bound here, before uvicorn starts (``bind``, or ``start`` if not bound yet), so a
 port in use is one clear error and the port the OS chose (``--port 0``) is known at once. The
 program running the gateway handles SIGTERM and SIGINT (uvicorn's own handlers are not
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -19,7 +23,14 @@ import ssl
 
 import uvicorn
 
+from llmrpc.common.fd_limit import default_max_connections
 from llmrpc.common.tls_files import check_tls_files
+from llmrpc.gateway.connections import (
+    ConnectionBudget,
+    GuardedH11Protocol,
+    GuardedListener,
+    install_accept_error_filter,
+)
 from llmrpc.gateway.settings import HttpSettings
 
 logger = logging.getLogger(__name__)
@@ -38,7 +49,7 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def uvicorn_config(app, http: HttpSettings) -> uvicorn.Config:
+def uvicorn_config(app, http: HttpSettings, budget: ConnectionBudget) -> uvicorn.Config:
     """uvicorn's configuration, its TLS context loaded; ValueError naming the flag for a TLS
     file that is wrong."""
     if http.tls:
@@ -46,7 +57,10 @@ def uvicorn_config(app, http: HttpSettings) -> uvicorn.Config:
     config = uvicorn.Config(
         app,
         root_path=http.root_path or "",
-        http="h11",  # the parser --h11-max-incomplete-event-size and --h11-max-header-count limit
+        # h11, the parser --h11-max-incomplete-event-size and --h11-max-header-count limit,
+        # with a deadline on each request head
+        http=functools.partial(GuardedH11Protocol, budget=budget),
+        timeout_keep_alive=http.keep_alive_timeout_s,
         h11_max_incomplete_event_size=http.h11_max_incomplete_event_size,
         log_level=http.uvicorn_log_level,
         access_log=not http.disable_uvicorn_access_log,
@@ -61,17 +75,18 @@ def uvicorn_config(app, http: HttpSettings) -> uvicorn.Config:
     return config
 
 
-def bind_socket(http: HttpSettings) -> socket.socket:
+def bind_socket(http: HttpSettings, budget: ConnectionBudget) -> GuardedListener:
+    """The listening socket, accepting within ``budget``; BindError naming the flag."""
     try:
-        if http.uds:
-            return _bind_unix(http.uds)
-        return _bind_tcp(http.host, http.port)
+        sock = _bind_unix(http.uds) if http.uds else _bind_tcp(http.host, http.port)
     except OSError as error:
         reason = error.strerror or str(error)
         if http.uds:
             raise BindError(f"--uds {http.uds}: cannot listen there: {reason}") from None
         address = _shown_address(http.host, http.port)
         raise BindError(f"--port {http.port}: cannot listen on {address}: {reason}") from None
+    sock.budget = budget
+    return sock
 
 
 def _shown_address(host: str | None, port: int) -> str:
@@ -83,13 +98,13 @@ def _all_addresses() -> str:
     return "::" if socket.has_ipv6 else "0.0.0.0"
 
 
-def _bind_unix(path: str) -> socket.socket:
+def _bind_unix(path: str) -> GuardedListener:
     if os.path.exists(path) and not os.path.isdir(path):
         if _listened_on(path):
             raise OSError(errno.EADDRINUSE, "in use by a running process")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a socket file left by an earlier run
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = GuardedListener(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     return sock
 
@@ -105,14 +120,14 @@ def _listened_on(path: str) -> bool:
         return True
 
 
-def _bind_tcp(host: str | None, port: int) -> socket.socket:
+def _bind_tcp(host: str | None, port: int) -> GuardedListener:
     if not host:  # all addresses: IPv6 and IPv4 on one socket where the machine has IPv6
         host = _all_addresses()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
     # connections whose socket says TCP, and with it on a chunk written after a small unacknowledged
     # one (an SSE event after the headers) waits for the client's delayed ACK, about 40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = GuardedListener(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -132,16 +147,19 @@ class GatewayServer:
 
     def __init__(self, app, http: HttpSettings) -> None:
         self.http = http
-        self.config = uvicorn_config(app, http)
+        max_connections = http.max_connections or default_max_connections()
+        self.connections = ConnectionBudget(max_connections, http.header_timeout_s)
+        self.config = uvicorn_config(app, http, self.connections)
         self.server = _EmbeddedServer(self.config)
-        self.socket: socket.socket | None = None
+        self.socket: GuardedListener | None = None
         self._task: asyncio.Task | None = None
         self._refresher: asyncio.Task | None = None
 
     def bind(self) -> None:
         """Take the listening socket now; BindError if it cannot be bound."""
         if self.socket is None:
-            self.socket = bind_socket(self.http)
+            self.socket = bind_socket(self.http, self.connections)
+            install_accept_error_filter()
 
     @property
     def port(self) -> int | None:

@@ -16,6 +16,8 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 # could not reach them anyway.
 DEFAULT_MAX_REQUEST_BODY_SIZE = 16 * 1024 * 1024
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -58,6 +60,9 @@ class HttpSettings:
     disable_uvicorn_access_log: bool = False
     max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE  # bytes; larger bodies get 413
     request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S  # slower bodies get 408
+    max_connections: int | None = None  # None: a quarter of the open-file limit
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # handshake and each request head
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S  # idle after a response
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -76,9 +81,16 @@ class HttpSettings:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
-        if not self.request_body_timeout_s > 0:
+        for flag, seconds in (
+            ("--request-body-timeout", self.request_body_timeout_s),
+            ("--request-header-timeout", self.header_timeout_s),
+            ("--rest-keep-alive-timeout", self.keep_alive_timeout_s),
+        ):
+            if not seconds > 0:
+                raise ValueError(f"{flag} must be positive, got {seconds}")
+        if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(
-                f"--request-body-timeout must be positive, got {self.request_body_timeout_s}"
+                f"--rest-max-connections must be at least 1, got {self.max_connections}"
             )
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}")

@@ -77,6 +77,17 @@ _OURS = _group(
     ours("--request-body-timeout", 30.0, float, "rest.request_body_timeout_s",
          "Seconds a REST request body has to arrive in full; a slower one gets HTTP 408, so a "
          "client trickling its body cannot hold a connection.", metavar="SECONDS"),
+    ours("--request-header-timeout", 10.0, float, "rest.header_timeout_s",
+         "Seconds a new REST connection has to finish its TLS handshake, then each request "
+         "head to arrive (from the connection's start or the previous response's end); an "
+         "unfinished head gets HTTP 408 and the connection closes.", metavar="SECONDS"),
+    ours("--rest-keep-alive-timeout", 5.0, float, "rest.keep_alive_timeout_s",
+         "Seconds a REST connection may stay idle after a response before it is closed.",
+         metavar="SECONDS"),
+    ours("--rest-max-connections", None, int, "rest.max_connections",
+         "Most connections the REST gateway holds at once; more are closed as they are "
+         "accepted, before a byte is read. Default: a quarter of the process's open-file limit "
+         "(raised to its hard limit at start-up).", metavar="N"),
     ours(
         "--health-port", None, int, "frontend.health_port",
         "A second, plaintext port serving grpc.health.v1 alone, for Kubernetes gRPC probes "

@@ -130,6 +130,9 @@ class RestConfig:
     enable_server_load_tracking: bool = False
     max_request_body_size: int | None = None  # None: the gRPC receive limit
     request_body_timeout_s: float = 30.0
+    max_connections: int | None = None  # None: a quarter of the open-file limit
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)

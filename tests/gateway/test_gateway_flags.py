@@ -16,12 +16,14 @@ from envoy_support import TestCa
 from gateway_support import post, running_gateway, sse_json
 
 from llmrpc.gateway.app import create_app
+from llmrpc.gateway.connections import ConnectionBudget
 from llmrpc.gateway.server import BindError, bind_socket
 from llmrpc.gateway.settings import ApiSettings, HttpSettings
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 SHORT = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
+BUDGET = ConnectionBudget(max_connections=16, header_timeout_s=10.0)  # for bare listeners
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +303,7 @@ def test_uds_in_use_by_a_live_server_is_refused_and_kept(tmp_path):
     live.listen()
     with live:
         with pytest.raises(BindError, match=r"^--uds .*live\.sock: .*in use"):
-            bind_socket(HttpSettings(uds=path))
+            bind_socket(HttpSettings(uds=path), BUDGET)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.connect(path)  # the live listener still has its file
 
@@ -309,7 +311,7 @@ def test_uds_in_use_by_a_live_server_is_refused_and_kept(tmp_path):
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(stale)
     dead.close()  # the file stays, nobody listens
-    bind_socket(HttpSettings(uds=stale)).close()
+    bind_socket(HttpSettings(uds=stale), BUDGET).close()
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", None])
@@ -319,7 +321,7 @@ async def test_accepted_connections_send_without_nagle_delay(host):
     added to the first token over REST)."""
     if host == "::1" and not socket.has_ipv6:
         pytest.skip("no IPv6")
-    listener = bind_socket(HttpSettings(host=host, port=0))
+    listener = bind_socket(HttpSettings(host=host, port=0), BUDGET)
     seen = asyncio.get_running_loop().create_future()
 
     async def accepted(reader, writer):
