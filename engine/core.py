@@ -36,7 +36,7 @@ from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output_processor import OutputProcessor
 from llmrpc.engine.parallel.executor import start_tensor_parallel
 from llmrpc.engine.pooler import EnginePooling
-from llmrpc.engine.quantization import QuantizedLinear, plan_quantization
+from llmrpc.engine.quantization import QuantizedLinear, describe_linear_layers, plan_quantization
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -47,7 +47,12 @@ from llmrpc.engine.request import (
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
 from llmrpc.engine.structured_output import Grammar, GrammarCompiler
-from llmrpc.engine.threads import ThreadBudget, configure_engine_threads, idle_core_budget
+from llmrpc.engine.threads import (
+    ThreadBudget,
+    configure_engine_threads,
+    cpu_threads,
+    idle_core_budget,
+)
 from llmrpc.engine.timings import record_step, start_timings
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
@@ -359,7 +364,8 @@ class EngineCore:
         if self.device.type != "cpu":
             return model.to(self.device)
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
-            logger.info("%d linear layers packed", pack_linear_layers(model))
+            packed = pack_linear_layers(model)
+            logger.info("%s", describe_linear_layers(model, packed, config.quantization))
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         if self.model_config.batch_invariant:
@@ -489,16 +495,16 @@ class EngineCore:
             return False
         if self.runner.compiled_decode is not None:
             logger.info(
-                "engine: %d CPU threads, fixed: the compiled step's graph holds for that count",
-                torch.get_num_threads(),
+                "engine: %s, fixed: the compiled step's graph holds for that count",
+                cpu_threads(torch.get_num_threads()),
             )
             return False
         self.thread_budget = idle_core_budget()
         if self.thread_budget is not None:
             logger.info(
-                "engine: %d CPU threads while the rest of the machine uses half a core or more, "
+                "engine: %s while the rest of the machine uses half a core or more, "
                 "%d while it uses less",
-                self.thread_budget.threads,
+                cpu_threads(self.thread_budget.threads),
                 self.thread_budget.cores,
             )
         return self.thread_budget is not None

@@ -9,15 +9,18 @@ every Transformers call is local only.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import hashlib
 import logging
 import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -164,25 +167,68 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM  # heavy; only needed for a conversion
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    with tqdm(total=4, desc=f"Converting {name}", unit="stage") as bar:
-        bar.set_postfix_str("read GGUF")
+    with _conversion_progress(name, 4) as stage:
+        stage("read GGUF")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        bar.update()
-        bar.set_postfix_str("dequantize and build model")
+        stage("dequantize and build model")
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, local_files_only=True
         )
         _drop_gguf_quantizer(model)
-        bar.update()
-        bar.set_postfix_str("save weights")
+        stage("save weights")
         model.save_pretrained(out_dir, safe_serialization=True)
-        bar.update()
-        bar.set_postfix_str("save tokenizer")
+        stage("save tokenizer")
         # GGUF tokenizers carry no length limit; the model's context length is the real one.
         tokenizer.model_max_length = model.config.max_position_embeddings
         tokenizer.save_pretrained(out_dir)
         _check_chat_template(tokenizer, out_dir)
-        bar.update()
+
+
+@contextlib.contextmanager
+def _conversion_progress(name: str, num_stages: int) -> Iterator[Callable[[str], None]]:
+    """Yields ``stage(label)``, called as each stage starts. On a terminal, a tqdm bar; where
+    stderr is a log (not a TTY), a plain line per stage, and Transformers' own bars (its GGUF
+    tensors, its weight loading) off while it lasts: their carriage returns and cursor-up codes
+    (``ESC[A``) garble a log file."""
+    started = time.monotonic()
+    if sys.stderr.isatty():
+        with tqdm(total=num_stages, desc=f"Converting {name}", unit="stage") as bar:
+
+            def advance(label: str) -> None:
+                bar.update(0 if bar.postfix is None else 1)
+                bar.set_postfix_str(label)
+
+            yield advance
+            bar.update()
+        return
+    done = [0]
+
+    def log_stage(label: str) -> None:
+        done[0] += 1
+        logger.info(
+            "converting %s: %s (stage %d of %d, %.0f s so far)",
+            *(name, label, done[0], num_stages, time.monotonic() - started),
+        )
+
+    with _transformers_bars_off():
+        yield log_stage
+    logger.info("converted %s in %.0f s", name, time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _transformers_bars_off() -> Iterator[None]:
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    were_on, gguf_tqdm = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True)  # it calls tqdm.auto directly
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if were_on:
+            hf_logging.enable_progress_bar()
 
 
 def _drop_gguf_quantizer(model: torch.nn.Module) -> None:

@@ -37,6 +37,7 @@ import ctypes
 import functools
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -477,6 +478,19 @@ class QuantizationPlan:
         if self.method == "gguf":
             return quantize_model_from_gguf(model, self.gguf_path, hf_config, dtype)
         return quantize_model(model, self.method, dtype)
+
+
+def describe_linear_layers(model: nn.Module, num_packed: int, method: str | None) -> str:
+    """The log's line on the linear layers' form after load: quantized ones by kind (they are
+    packed by their quantization, not by ``pack_linear_layers``), float ones packed for the CPU."""
+    kinds = Counter(type(m).__name__ for m in model.modules() if isinstance(m, QuantizedLinear))
+    parts = []
+    if kinds:
+        by_kind = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+        parts.append(f"{kinds.total()} quantized by --quantization {method} ({by_kind})")
+    if num_packed or not kinds:
+        parts.append(f"{num_packed} in floating point, packed for this CPU")
+    return "linear layers: " + "; ".join(parts)
 
 
 def plan_quantization(model_config: ModelConfig) -> QuantizationPlan | None:

@@ -42,15 +42,19 @@ def engine_threads(environ=os.environ, cores: int | None = None) -> int:
     return max(1, cores - 1)
 
 
+def cpu_threads(count: int) -> str:
+    """``1 CPU thread``, ``2 CPU threads``: for the log."""
+    return f"{count} CPU thread{'' if count == 1 else 's'}"
+
+
 def configure_engine_threads() -> int:
     """Apply the rule on the calling thread (OpenMP teams are per calling thread: call it from
     the thread that runs the model) and return the count."""
     threads = engine_threads()
     torch.set_num_threads(threads)
     logger.info(
-        "engine: %d CPU thread%s for torch kernels (%s)",
-        threads,
-        "" if threads == 1 else "s",
+        "engine: %s for torch kernels (%s)",
+        cpu_threads(threads),
         "OMP_NUM_THREADS"
         if os.environ.get("OMP_NUM_THREADS", "").strip()
         else "usable cores minus one, left to the frontend",

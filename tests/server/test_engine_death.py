@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -185,4 +186,4 @@ async def test_llmrpc_serve_loads_torch_in_its_engine_process_only(tiny_llama_di
     assert "PyTorch was not found" not in log and "Traceback" not in log, log
     if len(os.sched_getaffinity(0)) > 1 and not os.environ.get("OMP_NUM_THREADS", "").strip():
         # its own process's CPU time is the engine's: it may take the core left to the frontend
-        assert "CPU threads while the rest of the machine uses half a core or more" in log, log
+        assert re.search(r"CPU threads? while the rest of the machine uses half a core", log), log
