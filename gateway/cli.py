@@ -22,6 +22,7 @@ from llmrpc.gateway.settings import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BODY_SIZE,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_RESPONSES_STORE_MAX_BYTES,
     UVICORN_LOG_LEVELS,
     ApiSettings,
     BackendSettings,
@@ -181,6 +182,14 @@ def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="IMPORT.PATH",
         help="ASGI middleware class or async HTTP middleware function; repeatable.",
+    )
+    add(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_MAX_BYTES,
+        metavar="BYTES",
+        help="Bytes the Responses API's store may hold (0: nothing is kept); past them the least "
+        "recently used responses go first. Default: %(default)s (256 MiB).",
     )
     add(
         "--otlp-traces-endpoint",

@@ -25,6 +25,9 @@ LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # X-Request-Id: at most 128 characters, half the gRPC bound, leaving room for the "-N" suffix
 # the gateway gives each prompt of a batch.
 MAX_REQUEST_ID_HEADER_LENGTH = 128
+# The ASGI scope key holding the SHA-256 digest of the caller's API key (never the key itself):
+# what the Responses store scopes its entries to.
+KEY_DIGEST_SCOPE = "llmrpc.key_digest"
 
 
 def _path(scope) -> str:
@@ -39,8 +42,13 @@ async def _reply_error(scope, receive, send, error: OpenAIError, headers=()) -> 
     await response(scope, receive, send)
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def caller_key_digest(scope) -> bytes | None:
+    """The digest of the key the caller presented; None on a gateway that takes no keys."""
+    return scope.get(KEY_DIGEST_SCOPE)
 
 
 class ApiKeyMiddleware:
@@ -49,24 +57,25 @@ class ApiKeyMiddleware:
 
     ``forward_key``: the gRPC calls made for the request carry the caller's own key, so the
     server authorizes the caller (whose key it knows: ``llmrpc serve``) rather than the gateway.
+    The digest of the caller's key goes into the scope (``caller_key_digest``).
     """
 
     def __init__(self, app, keys: tuple[str, ...], forward_key: bool = False) -> None:
         self.app = app
-        self.digests = [_digest(key) for key in keys]
+        self.digests = [key_digest(key) for key in keys]
         self.forward_key = forward_key
 
-    def _known(self, key: str | None) -> bool:
-        if key is None:
-            return False
+    def _known(self, digest: bytes) -> bool:
         # Each key compared in constant time over equal-length digests; all of them, always.
-        return any([hmac.compare_digest(_digest(key), known) for known in self.digests])
+        return any([hmac.compare_digest(digest, known) for known in self.digests])
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or _path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         key = bearer_key(dict(scope["headers"]).get(b"authorization"))
-        if self._known(key):
+        digest = None if key is None else key_digest(key)
+        if digest is not None and self._known(digest):
+            scope[KEY_DIGEST_SCOPE] = digest
             forwarding = acting_for(key) if self.forward_key else contextlib.nullcontext()
             with forwarding:
                 return await self.app(scope, receive, send)

@@ -4,7 +4,8 @@ A response is a chat request to the gRPC API: the instructions, the stored conve
 ``previous_response_id`` and the input become chat messages (``responses_api_input``), rendered
 with the chat template on the replica; the result becomes a Response object
 (``responses_api_output``) or, streamed, OpenAI's typed events (``responses_api_stream``).
-Responses are kept for later turns unless ``store`` is false (``responses_api_store``).
+Responses are kept for later turns unless ``store`` is false (``responses_api_store``), each
+for the API key that made it alone.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from llmrpc.clients import ChatOptions, Completion, Delta, LlmrpcError
 from llmrpc.gateway import responses
@@ -20,6 +21,7 @@ from llmrpc.gateway import responses_api_output as out
 from llmrpc.gateway.errors import OpenAIError, from_grpc, invalid
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
+from llmrpc.gateway.middleware import caller_key_digest
 from llmrpc.gateway.openapi_docs import ERRORS, ResponseObject, answer, response_events
 from llmrpc.gateway.param_names import CHAT_PARAMS
 from llmrpc.gateway.responses_api_input import (
@@ -53,13 +55,12 @@ RESPONSES_PARAMS: dict[str, str | None] = {
 @router.post("/v1/responses", responses=response_events(ResponseObject))
 async def create_response(body: ResponsesRequest, request: Request):
     refuse_unhonoured(body)
-    store = store_of(request)
-    history = (
-        store.previous(body.previous_response_id).messages if body.previous_response_id else ()
-    )
+    store, owner = store_of(request), caller_key_digest(request.scope)
+    previous = body.previous_response_id
+    history = store.previous(previous, owner).messages if previous else ()
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))
-    call = ResponseCall(gateway, body, request_id(request), model, history, store)
+    call = ResponseCall(gateway, body, request_id(request), model, history, store, owner)
     if body.stream:
         return await open_stream(request, call.events(), call.names)
     try:
@@ -74,16 +75,16 @@ def _not_found(response_id: str) -> OpenAIError:
 
 
 @router.get("/v1/responses/{response_id}", responses=answer(ResponseObject))
-async def retrieve_response(response_id: str, request: Request) -> dict:
-    entry = store_of(request).get(response_id)
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    entry = store_of(request).get(response_id, caller_key_digest(request.scope))
     if entry is None:
         raise _not_found(response_id)
-    return entry.response
+    return Response(entry.body, media_type="application/json")  # the JSON as it was stored
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict:
-    if not store_of(request).delete(response_id):
+    if not store_of(request).delete(response_id, caller_key_digest(request.scope)):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -135,11 +136,13 @@ class ResponseCall:
         model: str,
         history: tuple[dict, ...],
         store: ResponseStore,
+        owner: bytes | None = None,
     ) -> None:
         self.gateway = gateway
         self.body = body
         self.request_id = rid
         self.store = store
+        self.owner = owner  # the digest of the caller's key: the stored response is its alone
         prompt, self.turn = _prompt(body, history)
         self.messages = prompt.messages
         self.names = _param_names(prompt, body)
@@ -182,7 +185,8 @@ class ResponseCall:
 
     def _end(self, response: dict, usage, reason) -> None:
         if self.body.store:
-            self.store.put(response, (*self.turn, out.assistant_message(response["output"])))
+            messages = (*self.turn, out.assistant_message(response["output"]))
+            self.store.put(response, messages, self.owner)
         prompt, generated = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
         self.timer.finish(prompt, generated, [responses.finish_reason(reason) or "stop"])
 

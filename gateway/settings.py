@@ -18,6 +18,8 @@ DEFAULT_MAX_REQUEST_BODY_SIZE = 16 * 1024 * 1024
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's
+# The Responses API's store (--responses-store-max-bytes): some thousands of typical responses.
+DEFAULT_RESPONSES_STORE_MAX_BYTES = 256 * 1024 * 1024
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -125,10 +127,14 @@ class ApiSettings:
     disable_fastapi_docs: bool = False
     middleware: tuple[str, ...] = ()  # import paths of ASGI middleware
     otlp_traces_endpoint: str | None = None  # OpenTelemetry collector: a span per request
+    responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
 
     def __post_init__(self) -> None:
         if any(not key for key in self.api_keys):
             raise ValueError("--api-key must not be empty")
+        store_bytes = self.responses_store_max_bytes
+        if store_bytes < 0:
+            raise ValueError(f"--responses-store-max-bytes must be 0 or more, got {store_bytes}")
         check_endpoint("--otlp-traces-endpoint", self.otlp_traces_endpoint)
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(

@@ -100,6 +100,10 @@ _OURS = _group(
          "LLMRPC_ADMIN_API_KEY environment variable, if set; without one, --api-key keys may "
          "call the admin-only RPCs.",
          nargs="+", secret=True),
+    ours("--responses-store-max-bytes", 256 * MIB, human_readable_int,
+         "rest.responses_store_max_bytes",
+         "Bytes the Responses API's store may hold (256M = 256 MiB; 0: nothing is kept); past "
+         "them the least recently used responses go first. Default: 256 MiB.", metavar="BYTES"),
     ours("--log-level", "info", str, "logs.level", "Logging level.",
          choices=("debug", "info", "warning", "error", "critical")),
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",

@@ -123,6 +123,7 @@ class RestConfig:
     h11_max_header_count: int = 256
     chat_template_content_format: str = "auto"
     response_role: str = "assistant"
+    responses_store_max_bytes: int = 256 * MIB  # the gateway's own default too
     return_tokens_as_token_ids: bool = False
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False

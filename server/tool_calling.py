@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 MAX_TOOLS = 128
 MAX_TOOL_NAME_CHARS = 256
+# What a chat template may never show the model (many ignore tools), so no context window bounds
+# it: a description, a parameters schema (its JSON text), and all of them together.
+MAX_TOOL_DESCRIPTION_CHARS = 16_384
+MAX_TOOL_PARAMETERS_CHARS = 65_536
+MAX_TOOLS_CHARS = 1_048_576
 _Mode = common_pb2.ToolChoice.Mode
 # Integers beyond this are left as the floats a Struct holds (JSON numbers past 2^53 are lossy).
 _LARGEST_INT = 2**53
@@ -79,7 +84,13 @@ def _check_tool(tool: common_pb2.Tool, index: int, seen: set[str]) -> None:
     if name in seen:
         raise InvalidArgument(f"{path}.function.name", f"{name!r} names an earlier tool too")
     seen.add(name)
+    _check_length(
+        f"{path}.function.description", tool.function.description, MAX_TOOL_DESCRIPTION_CHARS
+    )
     if tool.function.HasField("parameters"):
+        _check_length(
+            f"{path}.function.parameters", tool.function.parameters, MAX_TOOL_PARAMETERS_CHARS
+        )
         try:
             parameters = json.loads(tool.function.parameters)
         except (ValueError, RecursionError) as error:
@@ -88,12 +99,24 @@ def _check_tool(tool: common_pb2.Tool, index: int, seen: set[str]) -> None:
             raise InvalidArgument(f"{path}.function.parameters", "must be a JSON object")
 
 
+def _check_length(field: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise InvalidArgument(field, f"at most {limit} characters, got {len(text)}")
+
+
 def _check_tools(chat: common_pb2.Chat) -> None:
     if len(chat.tools) > MAX_TOOLS:
         raise InvalidArgument("chat.tools", f"at most {MAX_TOOLS} tools, got {len(chat.tools)}")
     seen: set[str] = set()
     for index, tool in enumerate(chat.tools):
         _check_tool(tool, index, seen)
+    total = sum(len(t.function.description) + len(t.function.parameters) for t in chat.tools)
+    if total > MAX_TOOLS_CHARS:
+        raise InvalidArgument(
+            "chat.tools",
+            f"descriptions and parameters of at most {MAX_TOOLS_CHARS} characters in all, got "
+            f"{total}",
+        )
 
 
 def _mode(chat: common_pb2.Chat) -> tuple[ToolMode, str | None]:

@@ -1,7 +1,7 @@
 """The shapes ``/v1/responses`` answers in, without a server: streams of reasoning, text and
 tool calls (which a random-weight model does not produce) read by the OpenAI SDK's own
-accumulator, whole responses validated as its types, input items as chat messages, and the
-store's bound."""
+accumulator, whole responses validated as its types, and input items as chat messages (the
+store's bounds: ``test_responses_api_store``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from responses_support import sse_events
 from llmrpc.clients import FinishReason, ToolCall, Usage
 from llmrpc.gateway import responses_api_output as out
 from llmrpc.gateway.responses_api_input import ResponsesRequest, input_conversation
-from llmrpc.gateway.responses_api_store import ResponseStore
 from llmrpc.gateway.responses_api_stream import ResponseEvents
 
 CALL = ToolCall("call_7", "get_weather", '{"city": "Paris"}')
@@ -104,12 +103,3 @@ def test_a_whole_response_with_reasoning_and_calls_validates_as_the_sdks():
         "tool_calls": [{"id": "call_7", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}],
     }  # fmt: skip
-
-
-def test_the_store_keeps_the_most_recently_used():
-    store = ResponseStore(capacity=2)
-    for name in ("a", "b"):
-        store.put({"id": name}, ())
-    assert store.get("a") is not None  # now the most recently used
-    store.put({"id": "c"}, ())
-    assert store.get("b") is None and store.get("a") and store.get("c") and len(store) == 2
