@@ -150,7 +150,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_num_partial_prefills: int = 1  # prompts left part-computed by one step
     max_long_partial_prefills: int = 1  # of those, how many may be long
-    long_prefill_token_threshold: int = 0  # a longer prompt is "long"; also its chunk cap
+    long_prefill_token_threshold: int = 0  # more tokens left: "long"; also a chunk's cap
     scheduling_policy: str = "fcfs"
     preemption_mode: str | None = None  # None: recompute
 

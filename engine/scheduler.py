@@ -3,6 +3,8 @@
 There are no prefill and decode phases. Each step, every running request is given tokens until its
 ``num_computed_tokens`` reaches its ``num_tokens`` (one token for a decoding request, a chunk of a
 prompt otherwise), then waiting requests join under what is left of the step's token budget.
+While requests wait for a seat, a prompt in progress takes at most a share of the budget, so a
+long prefill holds no newcomer back; what the queue leaves goes back to the prompts.
 """
 
 from __future__ import annotations
@@ -84,17 +86,40 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         chunks = _ChunkRules(self.config)
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens, chunks)
+        budget = self.config.max_num_batched_tokens
+        share = self._prompt_share(budget)
+        budget = self._schedule_running(output, budget, chunks, share)
         if not output.preempted:
-            self._schedule_waiting(output, budget, chunks)
+            budget = self._schedule_waiting(output, budget, chunks)
+        if budget and share < self.config.max_num_batched_tokens:
+            self._extend_prompt_chunks(output, budget, chunks)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int, chunks) -> int:
+    def _prompt_share(self, budget: int) -> int:
+        """Most tokens a running prompt gets before the decodes and the queue have had their turn.
+
+        The running prompts, and the queue as one while a request there may take a seat, share
+        equally what the decodes leave of the budget.
+        """
+        config = self.config
+        if not config.enable_chunked_prefill:
+            return budget  # no prompt is in progress: each is computed in one step
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_prompts = len(self.running) - num_decodes
+        queue_joins = bool(self.waiting) and len(self.running) < config.max_num_seqs
+        if not num_prompts or (num_prompts + queue_joins == 1 and not num_decodes):
+            return budget
+        return max(1, (budget - num_decodes) // (num_prompts + queue_joins))
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int, chunks, share: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             index += 1
-            num_new = chunks.num_new_tokens(request, request.num_computed_tokens, budget)
+            num_computed = request.num_computed_tokens
+            num_new = chunks.num_new_tokens(request, num_computed, min(budget, share))
+            if not num_new:  # its whole rest, where its share would be a split the limits refuse
+                num_new = chunks.num_new_tokens(request, num_computed, budget)
             if not num_new:
                 continue
             while self.kv_manager.allocate_slots(request, num_new) is None:
@@ -125,19 +150,29 @@ class Scheduler:
                 return num_new
         return 0
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int, chunks) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, chunks) -> int:
         loras = LoRAAdmission(self.max_loras, self.running) if self.max_loras else None
-        held = []  # their adapter finds no slot this step: they keep their place, others pass
+        # Their adapter finds no slot, or their prompt neither fits whole nor may be split
+        # (partial-prefill limits) this step: they keep their place, others pass.
+        held = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if loras is not None and not loras.admits(request):
                 held.append(self.waiting.pop())
                 continue
+            if self.config.enable_chunked_prefill and not self._may_start(request, budget, chunks):
+                held.append(self.waiting.pop())
+                continue
             hits = self.kv_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.kv_manager.block_size
             num_new = chunks.num_new_tokens(request, num_hit_tokens, budget)
-            if not num_new or self.kv_manager.allocate_slots(request, num_new, hits) is None:
+            if num_new and self.kv_manager.allocate_slots(request, num_new, hits) is None:
                 break
+            if not num_new:
+                if not self.config.enable_chunked_prefill:
+                    break  # the whole prompt in a later step; those behind it keep their place
+                held.append(self.waiting.pop())
+                continue
             self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -151,6 +186,32 @@ class Scheduler:
                 loras.admit(request)
         for request in reversed(held):
             self.waiting.add_preempted(request)
+        return budget
+
+    def _may_start(self, request: Request, budget: int, chunks: _ChunkRules) -> bool:
+        """False when even a prefix hit of all its full blocks leaves a split the limits refuse
+        (no need to look the blocks up)."""
+        size = self.kv_manager.block_size
+        num_hit_tokens = (
+            (request.num_tokens - 1) // size * size if self.kv_manager.enable_caching else 0
+        )
+        return bool(chunks.num_new_tokens(request, num_hit_tokens, budget))
+
+    def _extend_prompt_chunks(self, output: SchedulerOutput, budget: int, chunks) -> None:
+        """Give what the queue left of the budget to the prompts cut short, in batch order."""
+        for position, (request, num_new) in enumerate(output.scheduled):
+            if not budget:
+                return
+            num_computed = request.num_computed_tokens
+            if num_new >= request.num_tokens - num_computed:
+                continue  # a decode, or a prompt's whole rest
+            chunks.untake(request, num_computed, num_new)
+            more = chunks.num_new_tokens(request, num_computed, num_new + budget)
+            if more > num_new and self.kv_manager.allocate_slots(request, more) is not None:
+                output.scheduled[position] = (request, more)
+                budget -= more - num_new
+                num_new = more
+            chunks.take(request, num_computed, num_new)
 
     def _preemption_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":  # the least urgent, latest arrival

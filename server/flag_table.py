@@ -518,17 +518,25 @@ _KV_CACHE = _group(
 _SCHEDULER = _group(
     "scheduler",
     works("--max-num-batched-tokens", 2048, human_readable_int,
-          "scheduler.max_num_batched_tokens", "Most tokens computed in one engine step."),
+          "scheduler.max_num_batched_tokens",
+          "Most tokens computed in one engine step. Decodes take theirs first; the prompts in "
+          "progress, and the queue as one while a request there may take a seat, share the rest "
+          "equally, and what the queue leaves goes back to the prompts: a long prefill does "
+          "not hold back a waiting request that fits the queue's share."),
     works("--max-num-seqs", 256, int, "scheduler.max_num_seqs", "Most requests in one batch."),
     works("--enable-chunked-prefill", True, None, "scheduler.enable_chunked_prefill",
-          "Split long prompts over steps; off: a prompt is computed in one step."),
+          "Split long prompts over steps, each shared with the decodes and the queue; off: a "
+          "prompt is computed in one step, and one that does not fit what a step leaves waits "
+          "with those behind it."),
     works("--max-num-partial-prefills", 1, int, "scheduler.max_num_partial_prefills",
-          "Most prompts one step may leave part-computed."),
+          "Most prompts one step may leave part-computed; a waiting prompt that would be one "
+          "more waits, and shorter ones behind it that fit the step whole go first."),
     works("--max-long-partial-prefills", 1, int, "scheduler.max_long_partial_prefills",
-          "Of those, how many may be longer than --long-prefill-token-threshold."),
+          "Of those, how many may be long (see --long-prefill-token-threshold)."),
     works("--long-prefill-token-threshold", 0, human_readable_int,
           "scheduler.long_prefill_token_threshold",
-          "A prompt longer than this is long; it also caps one prompt's chunk (0: off)."),
+          "A prompt with more than this many tokens left to compute is long; it also caps "
+          "the tokens one prompt computes in a step (0: off)."),
     works("--scheduling-policy", "fcfs", str, "scheduler.scheduling_policy",
           "fcfs, or priority: a request's priority (lower first), ties by arrival.",
           choices=("fcfs", "priority")),

@@ -97,6 +97,33 @@ def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled(tiny_ll
     assert steps_with_long >= 400 // 32  # the prompt really was spread over many steps
 
 
+def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_the_next_step(
+    core, tiny_llama_dir
+):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    long_prompt = [(13 * j) % 400 + 20 for j in range(300)]
+    short_prompt = _tokens(core, "Hi there")
+    expected = {
+        request_id: run_to_completion(core, {request_id: (prompt, greedy)})[request_id].token_ids
+        for request_id, prompt in (("long", long_prompt), ("short", short_prompt))
+    }
+    busy = make_core(tiny_llama_dir, num_blocks=256, max_num_batched_tokens=32)
+    busy.add_request("long", long_prompt, greedy)
+    assert busy.step() == []  # the long prompt's first chunk
+    busy.add_request("short", short_prompt, greedy)
+    outputs = {output.request_id: output for output in busy.step()}
+    assert list(outputs) == ["short"] and outputs["short"].token_ids  # its first token
+    long = busy.scheduler.requests["long"]
+    assert 0 < long.num_computed_tokens < len(long_prompt)  # still in its prefill
+    while busy.has_unfinished_requests:
+        for output in busy.step():
+            if output.request_id in outputs:
+                outputs[output.request_id].merge(output)
+            else:
+                outputs[output.request_id] = output
+    assert {request_id: o.token_ids for request_id, o in outputs.items()} == expected
+
+
 def test_priority_policy_admits_the_most_urgent_first(tiny_llama_dir):
     core = make_core(tiny_llama_dir, num_blocks=256, max_num_seqs=1, scheduling_policy="priority")
     params = {

@@ -199,3 +199,75 @@ def test_least_urgent_request_preempting_itself_lets_the_requests_behind_it_run(
     assert scheduled == [("y", 1)]
     assert y.output_token_ids == [7, 7]
     assert scheduler.running == [y]
+
+
+def test_a_request_arriving_during_a_long_prefill_is_scheduled_in_the_next_step():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "long", 100)
+    assert step(scheduler)[0] == [("long", 16)]
+    short = add(scheduler, "short", 4, first_token=500)
+    # The prompt in progress and the queue share the budget; what short leaves goes back.
+    assert step(scheduler)[0] == [("long", 12), ("short", 4)]
+    assert short.output_token_ids == [7]
+    # Nothing waits: the prompt takes all the decode leaves.
+    assert step(scheduler)[0] == [("long", 15), ("short", 1)]
+
+
+def test_the_queue_gets_a_share_of_each_step_while_a_prompt_is_in_progress():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "long", 100)
+    step(scheduler)
+    add(scheduler, "one", 6, first_token=300)
+    add(scheduler, "two", 6, first_token=400)
+    # Half the budget each: one fits the queue's half; two would be a second partial prefill
+    # (--max-num-partial-prefills 1), so it waits a step and long takes what is left.
+    assert step(scheduler)[0] == [("long", 10), ("one", 6)]
+    assert step(scheduler)[0] == [("long", 9), ("one", 1), ("two", 6)]
+
+
+def test_a_short_prompt_passes_a_waiting_one_that_cannot_be_split_this_step():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "long", 100)
+    step(scheduler)
+    add(scheduler, "medium", 30, first_token=300)
+    add(scheduler, "short", 4, first_token=400)
+    assert step(scheduler)[0] == [("long", 12), ("short", 4)]
+    assert [request.request_id for request in scheduler.waiting] == ["medium"]
+
+
+def test_what_the_queue_leaves_goes_back_within_the_long_prefill_threshold():
+    scheduler = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    add(scheduler, "long", 100)
+    assert step(scheduler)[0] == [("long", 6)]
+    add(scheduler, "short", 2, first_token=400)
+    assert step(scheduler)[0] == [("long", 6), ("short", 2)]
+
+
+def test_no_share_is_held_for_a_queue_that_has_no_seat():
+    scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=1)
+    add(scheduler, "long", 100)
+    step(scheduler)
+    add(scheduler, "short", 4, first_token=400)
+    assert step(scheduler)[0] == [("long", 16)]
+
+
+def test_without_chunked_prefill_a_prompt_is_never_split():
+    scheduler = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    add(scheduler, "a", 12)
+    add(scheduler, "b", 10, first_token=100)
+    add(scheduler, "c", 3, first_token=200)
+    # b does not fit what a leaves, and c keeps its place behind b.
+    assert step(scheduler)[0] == [("a", 12)]
+    assert step(scheduler)[0] == [("a", 1), ("b", 10), ("c", 3)]
+
+
+def test_a_decode_behind_a_prompt_in_progress_gets_its_token_every_step():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "long", 60)
+    step(scheduler)
+    short = add(scheduler, "short", 2, first_token=500)
+    assert step(scheduler)[0] == [("long", 14), ("short", 2)]
+    assert step(scheduler)[0] == [("long", 15), ("short", 1)]
+    assert step(scheduler)[0] == [("long", 15), ("short", 1)]
+    assert short.output_token_ids == [7, 7, 7]
+    assert step(scheduler)[0] == [("long", 1), ("short", 1)]
