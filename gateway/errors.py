@@ -2,7 +2,8 @@
 
 gRPC statuses map to the HTTP statuses of Google's API design guide; a BadRequest field
 violation's path (``sampling.temperature``) becomes the OpenAI parameter (``temperature``), in
-``param`` and in the message (see ``param_names``).
+``param`` and in the message (see ``param_names``). A NOT_FOUND naming ``model`` is OpenAI's
+``model_not_found``, with the server's words (what it serves).
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ def from_grpc(error: LlmrpcError, names: dict[str, str | None] | None = None) ->
     """The OpenAI error for a failed gRPC call; ``names`` maps its field paths to the endpoint's
     parameters (``param_names.COMPLETION_PARAMS`` when not given)."""
     violations = error.field_violations
+    if error.code == grpc.StatusCode.NOT_FOUND and violations and violations[0].field == "model":
+        # OpenAI's shape; the server's description names what it serves
+        return OpenAIError(404, violations[0].description, "model", "model_not_found")
     param = param_of(violations[0].field, names) if violations else None
     message = error.message
     if violations:

@@ -22,7 +22,6 @@ class GatewayState:
         self.metrics = GatewayMetrics()
         self.server_load = 0  # requests in flight (--enable-server-load-tracking)
         self._max_list_items: int | None = None
-        self._base_models: frozenset[str] | None = None  # served names; others: LoRA adapters
 
     async def max_list_items(self) -> int | None:
         """The longest list a request can usefully carry: the served model's context length or
@@ -39,17 +38,13 @@ class GatewayState:
         """The name a response reports: the one asked for, else the default model's."""
         if not self.metrics.model_name:
             self.metrics.model_name = await self.pool.default_model()
-        if self._base_models is None:
-            cards = await self.pool.call("models")
-            self._base_models = frozenset(card.id for card in cards if not card.parent)
         return requested or self.metrics.model_name
 
     def grpc_model(self, requested: str | None) -> dict[str, str]:
-        """The gRPC fields an OpenAI ``model`` sets (after ``model_name``): a served model's name
-        is ``model``; any other name is a LoRA adapter's (``lora``; NOT_FOUND if none)."""
-        if not requested or self._base_models is None or requested in self._base_models:
-            return {"model": requested or ""}
-        return {"model": "", "lora": requested}
+        """The gRPC fields an OpenAI ``model`` sets: ``model``, which names a served model or a
+        loaded LoRA adapter; the server resolves it (NOT_FOUND naming ``model`` and what is
+        served, if neither)."""
+        return {"model": requested or ""}
 
 
 def gateway_of(request: Request) -> GatewayState:

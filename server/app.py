@@ -272,6 +272,7 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
         logs=frontend.logs,
         admission=AdmissionControl(frontend.limits.max_waiting_requests),
         trust_request_chat_template=frontend.trust_request_chat_template,
+        lora_enabled=engine_config.lora.enabled,
         output_parsers=OutputParsers.from_config(frontend.parsing),
     )
     health = Health(SERVICE_NAMES)

@@ -30,8 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def _prepare(self, request, context, engine):
-        self.state.model_name(request.model)
+    async def _prepare(self, request, context, engine, adapter: str | None):
         check_request_template(request.chat, self.state.trust_request_chat_template)
         # Tokenizing, chat rendering and the tools' checks grow with the input: off the loop.
         prompt, params, plan = await engine.run_tokenizer(
@@ -41,6 +40,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             _deadline(context),
             self.state.output_parsers,
         )
+        if adapter is not None:  # ``model`` named an adapter (convert read ``lora``)
+            params.lora_name = adapter
         logs = self.state.logs
         if logs.enable_log_requests:
             text = request.text if request.WhichOneof("input") == "text" else None
@@ -64,13 +65,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """Run one request to its end; with ``stream_to``, write each delta as it comes.
         Returns the outputs and how chat outputs are read (None: as they are)."""
         engine = self.state.require_engine()
+        model, adapter = self.state.model_target(request.model, request.lora)
+        try:
+            return await self._run(request, context, engine, (model, adapter), stream_to)
+        except NotFound as error:
+            if adapter is not None and error.field == "lora":  # no adapter of ``model``'s name
+                raise await self.state.adapter_not_found(engine, request.model) from None
+            raise
+
+    async def _run(self, request, context, engine, target: tuple[str, str | None], stream_to):
         # A place in the queue first: a request waiting for a tokenizer worker waits too.
         num_samples = max(request.sampling.n, 1) if request.sampling.HasField("n") else 1
         with self.state.admission.admit(engine, num_samples), convert.engine_errors(request):
-            request_id, prompt, params, parsing = await self._prepare(request, context, engine)
+            prepared = await self._prepare(request, context, engine, target[1])
+            request_id, prompt, params, parsing = prepared
             traced = traced_call()  # None unless tracing is on and this call is sampled
             if traced is not None:
-                traced.ask_timings(params, self.state.model_name(request.model))
+                traced.ask_timings(params, target[0])
             outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
@@ -125,9 +136,11 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
         try:
             self.state.model_name(requested)
         except NotFound:
-            adapters = await engine.list_lora_adapters()  # [] with LoRA off
-            if requested not in {adapter["name"] for adapter in adapters}:
+            if not self.state.lora_enabled:
                 raise
+            adapters = await engine.list_lora_adapters()
+            if requested not in {adapter["name"] for adapter in adapters}:
+                raise await self.state.adapter_not_found(engine, requested) from None
 
 
 # Worker-side adapters: the worker's own tokenizer comes first.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, field
 
+from llmrpc.engine.lora_types import MAX_LORA_NAME_CHARS
 from llmrpc.server.auth import RequestOwners
 from llmrpc.server.errors import NotFound, Unavailable
 from llmrpc.server.limits import AdmissionControl
@@ -43,6 +44,7 @@ class ServerState:
     owners: RequestOwners = field(default_factory=RequestOwners)  # who started each live call
     trust_request_chat_template: bool = False  # --trust-request-chat-template
     output_parsers: OutputParsers = field(default_factory=OutputParsers)  # tools, reasoning
+    lora_enabled: bool = False  # --enable-lora: ``model`` may name a loaded adapter
     engine: object | None = None
 
     def require_engine(self):
@@ -59,10 +61,35 @@ class ServerState:
         if not requested:
             return names[0]
         if requested not in names:
-            raise NotFound(
-                "model",
-                requested,
-                "model",
-                f"no model named {requested!r}; this server serves {', '.join(map(repr, names))}",
-            )
+            raise model_not_found(requested, names)
         return requested
+
+    def model_target(self, requested: str, lora: str = "") -> tuple[str, str | None]:
+        """``(served name, adapter or None)`` for a request's ``model`` (and ``lora``): a served
+        model's name, or, with --enable-lora and no ``lora`` set, a LoRA adapter's, which the
+        engine resolves (``adapter_not_found`` then says what is served)."""
+        names = self.require_engine().model_info.served_model_names
+        if not requested or requested in names:
+            return requested or names[0], None
+        if not self.lora_enabled or lora or len(requested) > MAX_LORA_NAME_CHARS:
+            raise model_not_found(requested, names)
+        return names[0], requested
+
+    async def adapter_not_found(self, engine, requested: str) -> NotFound:
+        """NOT_FOUND for a ``model`` that is neither a served model nor a loaded adapter."""
+        adapters = [adapter["name"] for adapter in await engine.list_lora_adapters()]
+        return model_not_found(requested, engine.model_info.served_model_names, adapters)
+
+
+def model_not_found(requested: str, served, adapters: list[str] | None = None) -> NotFound:
+    """NOT_FOUND naming the field ``model`` and what is served: the served models, and with
+    ``adapters`` (--enable-lora) the loaded LoRA adapters. Worded as OpenAI's ``model_not_found``
+    (the REST gateway answers it as such)."""
+    description = f"The model `{requested}` does not exist. Served models: {_quoted(served)}"
+    if adapters is not None:
+        description += f"; loaded LoRA adapters: {_quoted(adapters) if adapters else 'none'}"
+    return NotFound("model", requested, "model", description + ".")
+
+
+def _quoted(names) -> str:
+    return ", ".join(f"`{name}`" for name in names)

@@ -69,7 +69,7 @@ def test_malformed_json_is_a_400(gateway):
 
 def test_unknown_model_is_a_404_and_unknown_path_too(gateway):
     error = _error(post(gateway, "/v1/completions", {"prompt": "x", "model": "no"}), 404, "model")
-    assert error["type"] == "not_found_error" and error["code"] == "not_found"
+    assert error["type"] == "not_found_error" and error["code"] == "model_not_found"
     assert httpx.get(gateway.url + "/v1/nothing-here").json()["error"]["type"] == "not_found_error"
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -14,6 +15,7 @@ from envoy_support import Replica, ServerLoop, tiny_engine_config
 from gateway_support import RunningGateway, in_process_gateway
 from lora_adapters import AdapterSpec, greedy_tokens, make_adapter
 
+from llmrpc.clients import LlmrpcError
 from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282]
@@ -83,10 +85,31 @@ def test_model_naming_an_adapter_generates_with_it(sdk, adapters):
     assert chat.model == "sql" and chat.choices[0].message.content is not None
 
 
-def test_an_unknown_model_is_404_naming_model(sdk):
-    with pytest.raises(openai.NotFoundError) as caught:
-        _complete(sdk, "no-such-adapter")
-    assert caught.value.body["param"] == "model"
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/tokenize", {"prompt": "x"}),
+    ],
+)
+def test_an_unknown_model_is_404_naming_the_models_and_adapters(gateway, path, body):
+    reply = httpx.post(gateway.url + path, json={**body, "model": "no-such"}, timeout=60)
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found", error
+    assert error["message"].startswith("The model `no-such` does not exist"), error
+    assert "LoRA adapters: `sql`" in error["message"] and "--enable-lora" not in error["message"]
+
+
+def test_grpc_model_naming_an_adapter_generates_with_it(grpc_client, adapters):
+    kwargs = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    by_model = grpc_client.generate(PROMPT, model="sql", **kwargs)
+    assert by_model.text == adapters["sql"][1]
+    with pytest.raises(LlmrpcError) as caught:
+        grpc_client.generate(PROMPT, model="no-such", max_tokens=MAX_TOKENS)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert [violation.field for violation in caught.value.field_violations] == ["model"]
 
 
 def test_load_and_unload_routes(sdk, gateway, adapters, tmp_path):
