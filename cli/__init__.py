@@ -15,7 +15,6 @@ import sys
 
 from llmrpc.common.args import OneLineErrorParser
 from llmrpc.server import options
-from llmrpc.server.state import server_version
 
 # verb -> (module whose main(argv) runs it, one-line help)
 DELEGATED_VERBS: dict[str, tuple[str, str]] = {
@@ -40,7 +39,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = OneLineErrorParser(
         prog="llmrpc", description="LLM inference server with a gRPC-first API."
     )
-    parser.add_argument("--version", action="version", version=f"llmrpc {server_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
@@ -53,6 +52,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     for verb, (_, summary) in DELEGATED_VERBS.items():
         commands.add_parser(verb, help=summary, add_help=False)
     return parser, serve
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, read only when asked: ``server.state``, which says it, imports gRPC and
+    the generated stubs, which ``--help`` and a bad flag need not wait for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        kwargs.setdefault("help", "show the version and exit")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from llmrpc.server.state import server_version
+
+        print(f"llmrpc {server_version()}")
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:

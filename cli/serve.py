@@ -18,10 +18,8 @@ import logging
 import os
 import sys
 
-from llmrpc.cli import rest
 from llmrpc.common.fd_limit import raise_open_file_limit
 from llmrpc.engine.config import EngineConfig
-from llmrpc.gateway.server import BindError as RestBindError
 from llmrpc.server import options
 from llmrpc.server.logs import configure_logging
 from llmrpc.server.preflight import check_before_binding
@@ -33,6 +31,9 @@ logger = logging.getLogger("llmrpc.cli.serve")
 def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
     serve_values = options.parse_serve_values(serve_parser, argv)
     engine_config, frontend = options.configs_or_exit(serve_parser, serve_values)
+    from llmrpc.cli import rest  # FastAPI: once the flags are known good
+    from llmrpc.gateway.server import BindError as RestBindError
+
     try:
         configure_logging(frontend.logs)
         check_before_binding(engine_config, frontend)
@@ -61,6 +62,7 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
     --no-rest-gateway; the exit status."""
     if not frontend.disable_frontend_multiprocessing:
         _keep_torch_out()
+    from llmrpc.cli import rest
     from llmrpc.server import app  # the engine: imported only when serving
 
     beside = None

@@ -36,7 +36,6 @@ from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
-from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.settings import (
     FrontendConfig,
     LimitsConfig,
@@ -240,6 +239,8 @@ def build_configs(serve: ServeValues) -> tuple[EngineConfig, FrontendConfig]:
     engine = EngineConfig(**{part: cls(**fields[part]) for part, cls in _ENGINE_PARTS.items()})
     parts = {part: cls(**fields[part]) for part, cls in _FRONTEND_PARTS.items()}
     # Plugins load now, so a bad file or parser name stops start-up before anything is bound.
+    from llmrpc.server.output_parsing import OutputParsers  # gRPC: once the flags are parsed
+
     OutputParsers.from_config(parts["parsing"])
     return engine, FrontendConfig(**fields["frontend"], **parts)
 
