@@ -127,6 +127,9 @@ def test_a_response_larger_than_the_store_is_not_kept():
     store.put({"id": "big", "text": "x" * 10_000}, ())
     assert store.get("big") is None and store.get("small") is not None
     assert store.nbytes <= 4_000
+    off = ResponseStore(max_bytes=0)  # --responses-store-max-bytes 0
+    off.put({"id": "small"}, ())
+    assert off.get("small") is None and off.nbytes == 0
 
 
 def test_the_store_keeps_the_most_recently_used():
