@@ -1,9 +1,13 @@
 """The gRPC replicas behind the gateway: one ``AsyncClient`` each, their health watched.
 
 Each replica's ``grpc.health.v1`` Watch stream says whether it is SERVING; requests go to the
-serving replica with the fewest calls in flight (in turn on a tie), so a replica
-that turns NOT_SERVING (loading, draining) stops getting new requests at once. A replica that
-cannot be reached is watched again after a short pause.
+serving replica with the fewest calls in flight (in turn on a tie), so a replica that turns
+NOT_SERVING (loading, draining) stops getting new requests at once while another serves. While
+none serves, a replica that answers NOT_SERVING still gets them, and answers for itself: one
+draining after SIGTERM serves them until its --drain-delay ends (as it does gRPC calls; the
+in-process replica of ``llmrpc serve`` is this case, its REST following its gRPC drain), one
+loading or stopping says UNAVAILABLE with its reason. A replica that cannot be reached gets
+none, and is watched again after a short pause.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ REWATCH_DELAY_S = 0.5
 
 
 class Backend:
-    """One replica: its client, whether it serves, and its calls in flight."""
+    """One replica: its client, whether it serves, whether it answers, its calls in flight."""
 
     def __init__(self, target: str, client: AsyncClient) -> None:
         self.target = target
         self.client = client
-        self.serving = False
+        self.serving = False  # its health says SERVING
+        self.answering = False  # its health Watch is open (SERVING or NOT_SERVING)
         self.in_flight = 0
 
     async def watch(self) -> None:
@@ -37,16 +42,24 @@ class Backend:
         while True:
             try:
                 async for status in self.client.watch_health():
-                    self._set_serving(status == "SERVING")
+                    self._set_status(status == "SERVING", answering=True)
             except LlmrpcError as error:
                 logger.debug("health watch of %s ended: %s", self.target, error)
-            self._set_serving(False)
+            self._set_status(False, answering=False)
             await asyncio.sleep(REWATCH_DELAY_S)
 
-    def _set_serving(self, serving: bool) -> None:
-        if serving != self.serving:
-            logger.info("gRPC replica %s is %s", self.target, "up" if serving else "down")
-        self.serving = serving
+    def _set_status(self, serving: bool, answering: bool) -> None:
+        if (serving, answering) != (self.serving, self.answering):
+            logger.info("gRPC replica %s is %s", self.target, _describe(serving, answering))
+        self.serving, self.answering = serving, answering
+
+
+def _describe(serving: bool, answering: bool) -> str:
+    if serving:
+        return "up"
+    if answering:
+        return "not serving (loading or draining): it gets calls only while no replica serves"
+    return "down"
 
 
 class NoBackendError(LlmrpcError):
@@ -100,10 +113,13 @@ class BackendPool:
         return [b for b in self.backends if b.serving]
 
     def pick(self, exclude: tuple[Backend, ...] = ()) -> Backend:
-        """The serving replica with the fewest calls in flight; ties taken in turn."""
+        """The serving replica with the fewest calls in flight, ties taken in turn; while none
+        serves, one that answers NOT_SERVING (draining, it still serves; else it says why not)."""
         self._turn = (self._turn + 1) % len(self.backends)
         rotated = self.backends[self._turn :] + self.backends[: self._turn]
         candidates = [b for b in rotated if b.serving and b not in exclude]
+        if not candidates:
+            candidates = [b for b in rotated if b.answering and b not in exclude]
         if not candidates:
             raise NoBackendError([b.target for b in self.backends])
         return min(candidates, key=lambda b: b.in_flight)
@@ -148,7 +164,7 @@ class BackendPool:
                 backend.in_flight -= 1
 
     def _has_untried(self, tried: tuple[Backend, ...]) -> bool:
-        return any(b not in tried for b in self.serving)
+        return any(b not in tried for b in self.backends if b.serving or b.answering)
 
     async def default_model(self) -> str:
         """The served name of the replicas' default model (asked once)."""

@@ -97,7 +97,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 @router.get("/health", response_class=Response, responses=PROBE)
 @router.get("/ping", response_class=Response, responses=PROBE)
 async def health(request: Request) -> Response:
-    """200 while at least one replica serves, else 503."""
+    """200 while at least one replica's gRPC health says SERVING, else 503: so 503 while a
+    replica loads or drains (NOT_SERVING), though a draining one still serves calls."""
     return Response(status_code=200 if gateway_of(request).pool.serving else 503)
 
 

@@ -121,12 +121,14 @@ _OURS = _group(
          "--gpu-memory-utilization sizes it); it sets the number of KV blocks unless "
          "--num-gpu-blocks-override does.", metavar="GIB"),
     ours("--drain-delay", 0.0, float, "frontend.drain_delay_s",
-         "On SIGTERM, health turns NOT_SERVING at once and new calls are still served for this "
-         "many seconds, so load balancers can stop routing here; then the server stops. Set it "
-         "to the probe period behind a load balancer.", metavar="SECONDS"),
+         "On SIGTERM, health turns NOT_SERVING at once (REST /health: 503) and new calls, gRPC "
+         "and REST, are still served for this many seconds, so load balancers can stop routing "
+         "here; then the server stops. Set it to the probe period behind a load balancer.",
+         metavar="SECONDS"),
     ours("--shutdown-grace", 10.0, float, "frontend.shutdown_grace_s",
-         "After the drain delay, calls in flight get this long to finish; new calls get "
-         "UNAVAILABLE. A second SIGTERM cancels them at once.", metavar="SECONDS"),
+         "After the drain delay, calls in flight (REST streams included) get this long to "
+         "finish; new calls get UNAVAILABLE (REST: 503). A second SIGTERM cancels them at once.",
+         metavar="SECONDS"),
     ours("--max-waiting-requests", None, int, "limits.max_waiting_requests",
          "Most generation requests waiting for a place in the batch; past it, calls get "
          "RESOURCE_EXHAUSTED with a RetryInfo detail. Default: no bound."),

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
-from gateway_support import post, sse_data
+from gateway_support import RunningGateway, gateway_settings, post, sse_data
 
 from llmrpc.clients import ErrorDetails, FieldViolation, LlmrpcError
 from llmrpc.gateway.errors import from_grpc, install_handlers
@@ -143,20 +143,35 @@ async def test_an_error_before_the_first_chunk_gets_its_http_status():
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
 
 
-def test_no_serving_replica_is_a_503(gateway, replica):
+def test_a_replica_not_serving_still_answers_while_no_other_serves(gateway, replica):
+    """/health follows gRPC health (503 while the replica says NOT_SERVING: loading, draining);
+    with no other replica serving, calls still go to it and it answers for itself (a draining
+    one serves them, as it does gRPC calls)."""
     replica.set_serving(False)
     try:
         deadline = time.monotonic() + 10
         while gateway.state.pool.serving and time.monotonic() < deadline:
             time.sleep(0.01)
         assert httpx.get(gateway.url + "/health").status_code == 503
-        _error(post(gateway, "/v1/completions", {"prompt": "x"}), 503, None)
+        reply = post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
     finally:
         replica.set_serving(True)
     deadline = time.monotonic() + 10
     while not gateway.state.pool.serving and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert httpx.get(gateway.url + "/health").status_code == 200
+
+
+def test_no_reachable_replica_is_a_503(server_loop):
+    unreachable = "127.0.0.1:1"  # nothing listens there
+    gateway = RunningGateway(server_loop, gateway_settings([unreachable]))
+    try:
+        assert httpx.get(gateway.url + "/health").status_code == 503
+        error = _error(post(gateway, "/v1/completions", {"prompt": "x"}), 503, None)
+        assert error["message"] == f"no gRPC replica is serving ({unreachable})", error
+    finally:
+        gateway.stop()
 
 
 # --- disconnects ------------------------------------------------------------------------------

@@ -142,3 +142,34 @@ def test_serve_stops_at_once_when_the_rest_port_is_taken(tiny_llama_dir):
         finally:
             serve.kill()
     assert any(f"--port {port}" in line for line in serve.log), "".join(serve.log)
+
+
+def test_rest_serves_during_the_drain_delay_and_its_stream_in_flight_finishes(tiny_llama_dir):
+    """As gRPC does: after SIGTERM with --drain-delay, /health says 503 (NOT_SERVING) while new
+    calls are still served; the stream begun before SIGTERM finishes; the process exits 0."""
+    serve = Serve(
+        *_tiny_serve_args(tiny_llama_dir), "--port", "0",
+        "--drain-delay", "3", "--shutdown-grace", "30",
+    )  # fmt: skip
+    try:
+        port = int(serve.wait_for(r"REST gateway \(http\) listening on port (\d+)").group(1))
+        serve.wait_for(r"serving .* on gRPC port")
+        body = {"prompt": "Hello", "max_tokens": 64, "ignore_eos": True, "stream": True}
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        with http, http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            serve.process.send_signal(signal.SIGTERM)
+            serve.wait_for(r"draining for")
+            during = http.post("/v1/chat/completions", json=chat)
+            health = http.get("/health").status_code
+            rest = [line for line in lines if line]
+        assert during.status_code == 200, during.text
+        assert during.json()["choices"][0]["message"]["content"] is not None
+        assert health == 503  # as gRPC health: NOT_SERVING while draining
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in rest[-2].replace(" ", "")
+        assert serve.process.wait(timeout=60) == 0
+    finally:
+        serve.kill()

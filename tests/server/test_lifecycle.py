@@ -139,10 +139,11 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
         return gateways[-1]
 
     monkeypatch.setattr(rest_cli, "in_process_gateway", build_and_record)
-    frontend = frontend_config(engine_mode, drain_delay_s=0.5, shutdown_grace_s=30)
+    frontend = frontend_config(engine_mode, drain_delay_s=1.0, shutdown_grace_s=30)
     serving, running = await serve_in_process(tiny_llama_dir, frontend, monkeypatch, with_rest=True)
     url = f"http://127.0.0.1:{gateways[0].port}"
-    body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
+    short = {"prompt": "Hi", "max_tokens": 1}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         await wait_until(lambda: _status_is(http, "/health", 200), what="REST health 200")
         slow_down(running.engine, 0.02)
@@ -150,7 +151,15 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
             events = reply.aiter_lines()
             assert (await anext(events)).startswith("data: {")
             os.kill(os.getpid(), signal.SIGTERM)
+            # as gRPC: health NOT_SERVING at once, new calls served for the drain delay...
             await wait_until(lambda: _status_is(http, "/health", 503), what="REST health 503")
+            during = await http.post("/v1/completions", json=short)
+            assert during.status_code == 200, during.text
+            # ...then refused (503) while the stream in flight goes on
+            await wait_until(
+                lambda: _post_status_is(http, short, 503), timeout=20, what="new calls refused"
+            )
+            assert num_live_requests(running.engine) == 1
             rest = [line async for line in events if line]
     assert rest[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
@@ -160,6 +169,10 @@ async def test_sigterm_drains_the_rest_gateway_and_its_stream_in_flight_finishes
 
 async def _status_is(http: httpx.AsyncClient, path: str, status: int) -> bool:
     return (await http.get(path)).status_code == status
+
+
+async def _post_status_is(http: httpx.AsyncClient, body: dict, status: int) -> bool:
+    return (await http.post("/v1/completions", json=body)).status_code == status
 
 
 def long_request(max_tokens: int) -> generation_pb2.GenerateRequest:
