@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak proofs gpu-check
+.PHONY: install serve test lint protos soak attack proofs gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ protos: install
 # concurrency, cancellations, malformed inputs, tight deadlines, preemption, a SIGTERM drain).
 soak: install
 	$(BIN)/python tests/robustness/soak.py --tiny $(ARGS)
+
+# Not part of `make test`: attacks that once took a server down, bounded and on loopback (about 1.5
+# minutes): idle and trickling REST connections past the open-file limit, idle gRPC sockets, and
+# HTTP/2 streams that never send their message, with a wrong key and with the right one. Each
+# prints held / degraded / failed with its figures; any failure exits 1.
+attack: install
+	$(BIN)/python tests/robustness/attack.py $(ARGS)
 
 # Not part of `make test`: the longer proofs (about 2 minutes on 2 cores). --batch-invariant with
 # the Triton kernels interpreted on the CPU, every one of the 32 requests run alone as well.
