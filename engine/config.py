@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from llmrpc.engine.lora_types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig, check_parallel_options
 from llmrpc.engine.pooling import check_pooling_flags
+from llmrpc.engine.request import DEFAULT_MAX_JSON_WHITESPACE
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -274,8 +275,14 @@ class StructuredOutputConfig:
     disable_fallback: bool = False  # auto: xgrammar alone
     disable_any_whitespace: bool = False  # JSON without optional whitespace
     disable_additional_properties: bool = False  # guidance: objects closed to unnamed keys
+    max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE  # JSON: per run; None: unbounded
 
     def __post_init__(self) -> None:
+        if self.max_whitespace is not None and not 0 <= self.max_whitespace <= 10_000:
+            raise ValueError(
+                "--structured-output-max-whitespace must be 0 to 10000 or none, "
+                f"got {self.max_whitespace}"
+            )
         if self.backend not in GUIDED_DECODING_BACKENDS:
             raise ValueError(
                 f"--guided-decoding-backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)}"

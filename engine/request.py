@@ -65,6 +65,11 @@ _FLOAT_FIELDS = (
 )
 
 
+# JSON: the longest run of whitespace between two JSON tokens (--structured-output-max-whitespace):
+# room for pretty-printing 3 levels deep with 4-space indents, none for a model running away in tabs
+DEFAULT_MAX_JSON_WHITESPACE = 16
+
+
 @dataclass(frozen=True)
 class StructuredOutputSpec:
     """A constraint on the output's form (``engine/structured_output.py``)."""
@@ -73,6 +78,7 @@ class StructuredOutputSpec:
     value: str = ""  # the schema's or structural tag's JSON text, the regex, the grammar
     choices: tuple[str, ...] = ()
     any_whitespace: bool = True  # JSON: optional whitespace allowed
+    max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE  # JSON: per run (None: unbounded)
     additional_properties: bool = True  # JSON, guidance backend: unnamed properties allowed
     reasoning_end: tuple[int, ...] = ()  # applies once the output has these tokens in a row
     reasoning_start: int | None = None  # with reasoning_end: a first token that opens it

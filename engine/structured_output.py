@@ -122,7 +122,12 @@ def _xgrammar_build(spec: StructuredOutputSpec, compiler=None):
     kind, value = spec.kind, spec.value
     if kind in ("json_schema", "json_object"):
         schema = value if kind == "json_schema" else _ANY_OBJECT
-        options = {"any_whitespace": spec.any_whitespace, "strict_mode": True}
+        any_whitespace = spec.any_whitespace and spec.max_whitespace != 0
+        options = {
+            "any_whitespace": any_whitespace,
+            "max_whitespace_cnt": spec.max_whitespace if any_whitespace else None,
+            "strict_mode": True,
+        }
         if compiler is None:
             return xgrammar.Grammar.from_json_schema(schema, **options)
         return compiler.compile_json_schema(schema, **options)
@@ -152,6 +157,17 @@ def _closed_objects(schema):
     return closed
 
 
+def _guidance_json_options(spec: StructuredOutputSpec) -> dict:
+    """llguidance's JSON options for ``spec``'s whitespace: as xgrammar's, runs of space, tab,
+    newline and carriage return of at most ``spec.max_whitespace`` (a schema's own
+    ``x-guidance`` options win over these defaults)."""
+    flexible = spec.any_whitespace and spec.max_whitespace != 0
+    options = {"whitespace_flexible": flexible}
+    if flexible and spec.max_whitespace is not None:
+        options["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{spec.max_whitespace}}}"
+    return options
+
+
 def _guidance_grammar(spec: StructuredOutputSpec) -> str:
     import llguidance
 
@@ -160,8 +176,9 @@ def _guidance_grammar(spec: StructuredOutputSpec) -> str:
         schema = json.loads(spec.value) if kind == "json_schema" else {"type": "object"}
         if not spec.additional_properties:
             schema = _closed_objects(schema)
-        defaults = {"whitespace_flexible": spec.any_whitespace}
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=_guidance_json_options(spec)
+        )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
     if kind == "choice":

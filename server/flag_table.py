@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from llmrpc.engine.config import DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS
+from llmrpc.engine.request import DEFAULT_MAX_JSON_WHITESPACE
 from llmrpc.server.flags import (
     Flag,
     compilation_config,
@@ -24,6 +25,7 @@ from llmrpc.server.flags import (
 )
 from llmrpc.server.reasoning_parsers import reasoning_parser_names
 from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
+from llmrpc.server.structured_output import max_whitespace
 from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
@@ -416,6 +418,10 @@ _STRUCTURED_OUTPUT = _group(
           "auto: xgrammar alone."),
     works("--guided-decoding-disable-any-whitespace", False, None,
           "structured_output.disable_any_whitespace", "JSON without optional whitespace."),
+    ours("--structured-output-max-whitespace", DEFAULT_MAX_JSON_WHITESPACE, max_whitespace,
+         "structured_output.max_whitespace",
+         "JSON: at most N whitespace characters in a row between tokens (both backends); none: "
+         "unbounded.", metavar="N"),
     works("--guided-decoding-disable-additional-properties", False, None,
           "structured_output.disable_additional_properties",
           "guidance: JSON objects closed to unnamed properties (xgrammar's always are)."),

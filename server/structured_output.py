@@ -30,6 +30,11 @@ def _check_json_object(text: str, field: str) -> None:
         raise InvalidRequestError(field, "a JSON schema is an object (or true or false)")
 
 
+def max_whitespace(text: str) -> int | None:
+    """``--structured-output-max-whitespace``'s value: a count, or ``none`` (unbounded)."""
+    return None if text.strip().lower() == "none" else int(text)
+
+
 def _option(message: common_pb2.StructuredOutput, name: str, default: bool) -> bool:
     return getattr(message, name) if message.HasField(name) else default
 
@@ -67,6 +72,7 @@ def engine_spec(
         additional_properties=not _option(
             message, "disable_additional_properties", config.disable_additional_properties
         ),
+        max_whitespace=config.max_whitespace,
         reasoning_end=reasoning_end,
     )
     structured_output.check_form(spec)

@@ -16,7 +16,9 @@ import pytest
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine import structured_output
+from llmrpc.engine.grammar_step import allocate_bitmask, bitmask_to_bool
 from llmrpc.engine.request import (
+    DEFAULT_MAX_JSON_WHITESPACE,
     FinishReason,
     InvalidRequestError,
     SamplingParams,
@@ -248,3 +250,49 @@ def test_the_first_token_may_open_reasoning_or_begin_the_answer(core):
     assert end in outputs[0].token_ids and outputs[0].text.endswith(("yes", "no"))
     for output in outputs[1:]:
         assert output.text in ("yes", "no")
+
+
+def _allows(core, grammar: structured_output.Grammar, token_id: int) -> bool:
+    """Whether the grammar's token mask lets ``token_id`` be sampled next."""
+    bitmask = allocate_bitmask(1, core.hf_config.vocab_size)
+    grammar.fill(bitmask, 0)
+    return bool(bitmask_to_bool(bitmask, core.hf_config.vocab_size)[0, token_id])
+
+
+def _whitespace_grammar(core, backend: str, **options) -> structured_output.Grammar:
+    spec = StructuredOutputSpec("json_schema", json.dumps(SCHEMA), **options)
+    compiled = core.grammar_compiler.submit(spec, backend)
+    compiled.result(timeout=120)
+    grammar = structured_output.Grammar(spec, compiled, core.eos_token_ids)
+    prefix = core.tokenizer.encode('{"name":', add_special_tokens=False)
+    for end in range(1, len(prefix) + 1):
+        assert grammar.accept(prefix[:end]) is None
+    return grammar
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_json_whitespace_runs_are_bounded_by_default(core, backend):
+    # A seeded sample of the packaged model once spent its whole budget on tabs after a key:
+    # by default a run of whitespace between JSON tokens is at most DEFAULT_MAX_JSON_WHITESPACE.
+    grammar = _whitespace_grammar(core, backend)
+    tab, space, newline = (core.tokenizer.encode(c, add_special_tokens=False)[0] for c in "\t \n")
+    output = []
+    for _ in range(DEFAULT_MAX_JSON_WHITESPACE):
+        assert _allows(core, grammar, tab)
+        output.append(tab)
+        assert grammar.accept(output) is None
+    assert not any(_allows(core, grammar, token) for token in (tab, space, newline))
+    quote = core.tokenizer.encode('"', add_special_tokens=False)[0]
+    assert _allows(core, grammar, quote), "the value can still begin"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_the_whitespace_bound_can_be_set_or_lifted(core, backend):
+    (tab,) = core.tokenizer.encode("\t", add_special_tokens=False)
+    for bound, expected in ((2, 2), (None, 40)):
+        grammar = _whitespace_grammar(core, backend, max_whitespace=bound)
+        output = []
+        while len(output) < 40 and _allows(core, grammar, tab):
+            output.append(tab)
+            assert grammar.accept(output) is None
+        assert len(output) == expected, bound
