@@ -265,6 +265,7 @@ class CompilationConfig:
 
 
 GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
+DEFAULT_COMPILE_TIMEOUT_S = 30.0  # --structured-output-compile-timeout
 
 
 @dataclass(frozen=True)
@@ -276,12 +277,18 @@ class StructuredOutputConfig:
     disable_any_whitespace: bool = False  # JSON without optional whitespace
     disable_additional_properties: bool = False  # guidance: objects closed to unnamed keys
     max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE  # JSON: per run; None: unbounded
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a grammar not compiled by then fails
 
     def __post_init__(self) -> None:
         if self.max_whitespace is not None and not 0 <= self.max_whitespace <= 10_000:
             raise ValueError(
                 "--structured-output-max-whitespace must be 0 to 10000 or none, "
                 f"got {self.max_whitespace}"
+            )
+        if not 0 < self.compile_timeout_s <= 3600:  # also refuses nan
+            raise ValueError(
+                "--structured-output-compile-timeout must be above 0 and at most 3600 seconds, "
+                f"got {self.compile_timeout_s}"
             )
         if self.backend not in GUIDED_DECODING_BACKENDS:
             raise ValueError(

@@ -22,6 +22,7 @@ from llmrpc.engine.device import (
     resolve_device,
 )
 from llmrpc.engine.generation_config import sampling_defaults
+from llmrpc.engine.grammar_compiler import GrammarCompiler
 from llmrpc.engine.grammar_step import GrammarStep
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.kv_cache import KVCacheManager
@@ -46,7 +47,7 @@ from llmrpc.engine.request import (
 )
 from llmrpc.engine.sampler import Sampler, token_logprobs
 from llmrpc.engine.scheduler import Scheduler
-from llmrpc.engine.structured_output import Grammar, GrammarCompiler
+from llmrpc.engine.structured_output import Grammar
 from llmrpc.engine.threads import (
     ThreadBudget,
     configure_engine_threads,
@@ -295,7 +296,10 @@ class EngineCore:
         self.grammar_compiler = None
         if self.tokenizer is not None:
             self.grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids
+                self.tokenizer,
+                self.hf_config.vocab_size,
+                self.eos_token_ids,
+                timeout_s=self.structured_config.compile_timeout_s,
             )
         self.grammar_step = GrammarStep(self.hf_config.vocab_size)
         self._generation_rate = RateMeter()

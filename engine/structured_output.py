@@ -10,11 +10,12 @@ Life of a constraint:
 - ``check_form`` (in the server, off the event loop, and again in the engine) checks what needs
   no grammar engine: its kind, sizes and choices. xgrammar imports torch, which the server
   process does without.
-- ``GrammarCompiler.submit`` (in the engine) compiles it against the vocabulary on a thread of
-  its own (xgrammar caches compiled grammars by their text), choosing the backend on the way
-  (``first_buildable``), so a compile never holds up a step; the request joins the scheduler
-  once its grammar is ready, or ends with an ``InvalidRequestError`` naming its field when no
-  backend can build it. ``check`` makes the same choice without a vocabulary.
+- ``GrammarCompiler.submit`` (in the engine, ``grammar_compiler.py``) compiles it against the
+  vocabulary on a small pool of threads, small grammars apart from big ones, cached ones at
+  once, choosing the backend on the way (``first_buildable``), so a compile never holds up a
+  step nor a cheap grammar an expensive one; the request joins the scheduler once its grammar
+  is ready, or ends with an ``InvalidRequestError`` naming its field when no backend can build
+  it or it is not ready in time. ``check`` makes the same choice without a vocabulary.
 - Per step, ``grammar_step`` writes the bitmask rows of the requests that sample (on a worker
   thread, while the forward pass runs); ``Grammar.accept`` advances each matcher by its token.
 """
@@ -38,10 +39,9 @@ BACKENDS = ("auto", "xgrammar", "guidance")
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_CONSTRAINT_CHARS = 262_144  # a schema's JSON text, a regex, a grammar: 256 Ki characters
 MAX_CHOICES = 1024
-_COMPILED_CACHE_BYTES = 256 * 2**20
 
 
-def _field(spec: StructuredOutputSpec) -> str:
+def field_name(spec: StructuredOutputSpec) -> str:
     """The request field a spec came from (gRPC's names: the server maps them to its own)."""
     return (
         "structured_output.choice.choices"
@@ -79,21 +79,21 @@ def first_buildable(spec: StructuredOutputSpec, backend: str, fallback: bool, bu
             return candidate, build(candidate)
         except Exception as error:  # noqa: BLE001 - the grammar engine's own message
             first_error = first_error or f"{_message(error)} ({name})"
-    raise InvalidRequestError(_field(spec), f"cannot be used: {first_error}")
+    raise InvalidRequestError(field_name(spec), f"cannot be used: {first_error}")
 
 
 def _check_size(spec: StructuredOutputSpec) -> None:
     if spec.kind == "choice":
         if not spec.choices:
-            raise InvalidRequestError(_field(spec), "give at least one choice")
+            raise InvalidRequestError(field_name(spec), "give at least one choice")
         if len(spec.choices) > MAX_CHOICES:
-            raise InvalidRequestError(_field(spec), f"at most {MAX_CHOICES} choices")
+            raise InvalidRequestError(field_name(spec), f"at most {MAX_CHOICES} choices")
         if any(not choice for choice in spec.choices):
-            raise InvalidRequestError(_field(spec), "a choice must not be empty")
+            raise InvalidRequestError(field_name(spec), "a choice must not be empty")
     size = len(spec.value) + sum(map(len, spec.choices))
     if size > MAX_CONSTRAINT_CHARS:
         raise InvalidRequestError(
-            _field(spec), f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}"
+            field_name(spec), f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}"
         )
 
 
@@ -201,60 +201,7 @@ def _guidance_build(spec: StructuredOutputSpec) -> str:
 _BUILDERS = {"xgrammar": _xgrammar_build, "guidance": _guidance_build}
 
 
-# --- in the engine ----------------------------------------------------------------------------
-
-
-class GrammarCompiler:
-    """Compiles checked specs against the model's vocabulary on a thread of its own."""
-
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(eos_token_ids)
-        self._xgrammar = None  # built on first use: reading the vocabulary takes ~0.2 s
-        self._guidance = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        # the vocabulary's tables, built now so the first request need not wait for them
-        self.warmed = self._pool.submit(self._xgrammar_compiler)
-
-    def submit(
-        self, spec: StructuredOutputSpec, backend: str = "auto", fallback: bool = True
-    ) -> concurrent.futures.Future:
-        """A future of ``(spec, compiled)``: ``spec`` checked (``check``, unless it names its
-        backend already) and compiled; an ``InvalidRequestError`` when it cannot be built."""
-        return self._pool.submit(self._compile, spec, backend, fallback)
-
-    def _compile(self, spec: StructuredOutputSpec, backend: str, fallback: bool):
-        # An unchecked spec is checked by compiling it: building it first would do it twice.
-        if spec.backend:
-            return spec, self._build(spec)
-        return first_buildable(spec, backend, fallback, self._build)
-
-    def _build(self, spec: StructuredOutputSpec):
-        if spec.backend == "guidance":
-            return self._guidance_tokenizer(), _guidance_build(spec)
-        return _xgrammar_build(spec, self._xgrammar_compiler())
-
-    def _xgrammar_compiler(self):
-        if self._xgrammar is None:
-            import xgrammar
-
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-            )
-            self._xgrammar = xgrammar.GrammarCompiler(
-                info, max_threads=1, cache_limit_bytes=_COMPILED_CACHE_BYTES
-            )
-        return self._xgrammar
-
-    def _guidance_tokenizer(self):
-        if self._guidance is None:
-            import llguidance.hf
-
-            self._guidance = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
-            )
-        return self._guidance
+# --- in the engine (compiles: grammar_compiler.py) -----------------------------------------
 
 
 class Grammar:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmrpc.engine.config import DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS
+from llmrpc.engine.config import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+)
 from llmrpc.engine.request import DEFAULT_MAX_JSON_WHITESPACE
 from llmrpc.server.flags import (
     Flag,
@@ -422,6 +427,10 @@ _STRUCTURED_OUTPUT = _group(
          "structured_output.max_whitespace",
          "JSON: at most N whitespace characters in a row between tokens (both backends); none: "
          "unbounded.", metavar="N"),
+    ours("--structured-output-compile-timeout", DEFAULT_COMPILE_TIMEOUT_S, float,
+         "structured_output.compile_timeout_s",
+         "Seconds a grammar has to compile; past them its request fails (INVALID_ARGUMENT, "
+         "HTTP 400).", metavar="SECONDS"),
     works("--guided-decoding-disable-additional-properties", False, None,
           "structured_output.disable_additional_properties",
           "guidance: JSON objects closed to unnamed properties (xgrammar's always are)."),

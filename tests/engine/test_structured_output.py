@@ -173,9 +173,15 @@ def test_the_grammar_waits_for_the_end_of_reasoning(core):
     assert outputs[1].finish_reason is FinishReason.LENGTH
 
 
-def test_a_compiling_grammar_holds_up_no_other_request_and_can_be_aborted(core):
+def test_a_compiling_grammar_holds_up_no_other_request_and_can_be_aborted(core, monkeypatch):
     release = threading.Event()
-    core.grammar_compiler._pool.submit(release.wait)  # the compile thread is busy until set
+    build = core.grammar_compiler._build
+
+    def blocked_build(spec):  # the compile goes on until release is set
+        release.wait(60)
+        return build(spec)
+
+    monkeypatch.setattr(core.grammar_compiler, "_build", blocked_build)
     spec = structured_output.check(StructuredOutputSpec("regex", "[ab]{3}"), "xgrammar")
     core.add_request("held", [1, 2], _params(spec, 0))
     core.add_request("aborted", [1, 2], _params(spec, 1))

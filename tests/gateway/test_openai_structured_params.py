@@ -47,6 +47,19 @@ def gateway(server_loop: ServerLoop, compact_replica: Replica) -> Iterator[Runni
         yield started
 
 
+@pytest.fixture(scope="module")
+def hasty_gateway(server_loop: ServerLoop, tiny_llama_dir) -> Iterator[RunningGateway]:
+    """A replica whose grammars have 1 ms to compile."""
+    config = tiny_engine_config(tiny_llama_dir)
+    structured = StructuredOutputConfig(compile_timeout_s=0.001)
+    replica = server_loop.start_replica(
+        dataclasses.replace(config, structured_output=structured), port=0
+    )
+    with running_gateway(server_loop, [replica.address]) as started:
+        yield started
+    replica.stop()
+
+
 def test_guided_choice_holds_a_completion(gateway):
     body = {"prompt": "Answer:", "guided_choice": ["yes", "no"], **SAMPLED}
     reply = post(gateway, "/v1/completions", body)
@@ -94,3 +107,17 @@ def test_a_bad_constraint_is_a_400_naming_its_parameter(gateway, path, constrain
     reply = post(gateway, path, {**body, **constraint, "max_tokens": 2})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.json()
+
+
+def test_a_grammar_past_the_compile_timeout_is_a_400_naming_response_format(hasty_gateway):
+    # 10,000 values: about 0.1 s of compiling on one core, a hundred times the replica's bound
+    schema = {"enum": [f"v{i}" for i in range(10_000)]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    body = {"messages": MESSAGES, "response_format": fmt, "max_tokens": 2}
+    reply = post(hasty_gateway, "/v1/chat/completions", body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert "--structured-output-compile-timeout" in error["message"], error
+    free = post(hasty_gateway, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
+    assert free.status_code == 200, free.text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmrpc.common.args import OneLineErrorParser
 from llmrpc.engine.request import DEFAULT_MAX_JSON_WHITESPACE
 from llmrpc.server import options
@@ -25,3 +27,17 @@ def test_json_whitespace_is_bounded_by_default_and_the_flag_sets_or_lifts_it():
     assert engine_spec(message, _config()).max_whitespace == 16
     lifted = _config("--structured-output-max-whitespace", "none")
     assert engine_spec(message, lifted).max_whitespace is None
+
+
+def test_the_compile_timeout_has_a_default_and_a_checked_flag(capsys):
+    assert _config().compile_timeout_s == 30.0
+    assert _config("--structured-output-compile-timeout", "2.5").compile_timeout_s == 2.5
+    for bad in ("0", "nan", "-1"):
+        with pytest.raises(SystemExit):
+            options.configs_or_exit(
+                SERVE_PARSER,
+                options.parse_serve_values(
+                    SERVE_PARSER, ["--structured-output-compile-timeout", bad]
+                ),
+            )
+        assert "--structured-output-compile-timeout" in capsys.readouterr().err
