@@ -114,6 +114,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    # Who asked (API key digest, else the client's connection): callers take turns in the
+    # waiting queue (engine/request_queue.py); "" is one anonymous caller.
+    caller: str = ""
     deadline: float | None = None  # time.monotonic() when the caller stops waiting
     structured_output: StructuredOutputSpec | None = None
     lora_name: str | None = None  # a loaded LoRA adapter (--enable-lora); None: the base model
