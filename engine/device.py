@@ -46,15 +46,21 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 
 class HostStaging:
-    """Moves a step's index lists to the device. On CUDA through persistent pinned buffers, one
-    per input, grown as needed and copied without blocking: the previous step's copies have
-    finished by the time a buffer is refilled, since every step ends by reading its sampled ids
-    back. On the CPU the tensor is made where it is used."""
+    """Moves a step's index lists to the device. On CUDA through persistent pinned buffers, two
+    per input, used in turn and copied without blocking; before a buffer is refilled, the host
+    waits for the event recorded after its last copy, which two steps later has nearly always
+    passed. A step need not read anything back (one of non-final prompt chunks samples
+    nothing), so nothing else orders a refill after the copy of a host ahead of its device: a
+    refill before the copy ran would hand the device the next step's ``slot_mapping``. On the
+    CPU the tensor is made where it is used."""
+
+    NUM_BUFFERS = 2
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, list[_PinnedBuffer | None]] = {}
+        self._turn: dict[str, int] = {}
 
     def to_device(self, name: str, values, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """``values`` (a list, or a host tensor of ``dtype``) as a tensor on the device."""
@@ -62,13 +68,30 @@ class HostStaging:
         if not self._pinned:
             return host
         flat = host.view(-1)
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < flat.numel() or buffer.dtype != dtype:
-            buffer = torch.empty(max(flat.numel(), 256), dtype=dtype).pin_memory()
-            self._buffers[name] = buffer
-        staged = buffer[: flat.numel()]
+        turn = self._turn.get(name, 0)
+        self._turn[name] = (turn + 1) % self.NUM_BUFFERS
+        buffers = self._buffers.setdefault(name, [None] * self.NUM_BUFFERS)
+        pinned = buffers[turn]
+        if pinned is None or pinned.tensor.numel() < flat.numel() or pinned.tensor.dtype != dtype:
+            if pinned is not None:
+                pinned.copied.synchronize()  # its copy must not read freed memory
+            pinned = _PinnedBuffer(max(flat.numel(), 256), dtype)
+            buffers[turn] = pinned
+        else:
+            pinned.copied.synchronize()  # the copy that last read this buffer has run
+        staged = pinned.tensor[: flat.numel()]
         staged.copy_(flat)
-        return staged.view(host.shape).to(self.device, non_blocking=True)
+        on_device = staged.view(host.shape).to(self.device, non_blocking=True)
+        pinned.copied.record(torch.cuda.current_stream(self.device))
+        return on_device
+
+
+class _PinnedBuffer:
+    """A pinned host buffer and the event recorded after the copy that last read it."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype).pin_memory()
+        self.copied = torch.cuda.Event()  # synchronize() on an event never recorded returns
 
 
 def kv_blocks_for_device_memory(

@@ -40,6 +40,8 @@ class Sampler:
         requests: list[Request],
         generators: list[torch.Generator],
     ) -> SamplerOutput:
+        if not requests:  # a step of prompt chunks only: nothing to sample, nothing to sync
+            return SamplerOutput([], [])
         wants_logprobs = any(r.params.logprobs is not None for r in requests)
         raw = logits.clone() if wants_logprobs and self.logprobs_mode.startswith("raw") else None
         constraints = apply_logits_processors(logits, requests)
@@ -92,7 +94,7 @@ def row_max(values: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch
     maximum and an index out of range, as a row the caller must repair anyway."""
     rows, width = values.shape
     if rows == 0:  # a step whose logits are all prompt logprobs: nothing samples
-        return values.new_empty(0), torch.empty(0, dtype=torch.long)
+        return values.new_empty(0), values.new_empty(0, dtype=torch.long)
     pad = -width % chunk
     if pad:
         values = torch.nn.functional.pad(values, (0, pad), value=NEG_INF)

@@ -42,3 +42,10 @@ def test_nan_row_has_a_nan_maximum_and_others_are_untouched():
 def test_no_rows():
     best, index = row_max(torch.empty(0, 49152))
     assert best.shape == index.shape == (0,) and index.dtype == torch.long
+
+
+def test_no_rows_stay_on_the_logits_device():
+    # A step of non-final prompt chunks has no rows: the result must be on the logits' device
+    # (it was always on the CPU, and torch.where then mixed devices on CUDA).
+    best, index = row_max(torch.empty(0, 49152, device="meta"))
+    assert best.device == index.device == torch.device("meta")

@@ -136,3 +136,11 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert Sampler()(logits.clone(), request, _generators(1)).token_ids == [4]
     request[0].output_token_ids = [4, 4]
     assert Sampler()(logits.clone(), request, _generators(1)).token_ids == [2]
+
+
+def test_a_step_with_no_row_to_sample_samples_nothing_on_any_device():
+    # A step of non-final prompt chunks only: no logits rows, no requests. On the meta device
+    # (standing in for CUDA) the empty case once mixed devices and raised inside the sampler.
+    for backend in ("torch", "triton"):
+        output = Sampler(backend=backend)(torch.empty(0, 49152, device="meta"), [], [])
+        assert output.token_ids == [] and output.logprobs == []
