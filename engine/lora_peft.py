@@ -10,6 +10,7 @@ targets, a rank over ``--max-lora-rank``, shapes of another model.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -21,7 +22,10 @@ from safetensors.torch import load_file
 
 from llmrpc.engine.request import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
 CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 2**20
 WEIGHTS_FILE = "adapter_model.safetensors"
 # the checkpoint names of the projections the engine serves LoRA on
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -62,17 +66,30 @@ def _refuse(message: str) -> InvalidRequestError:
 
 
 def read_config(folder: Path) -> dict:
-    if not folder.is_dir():
-        raise _refuse(f"{str(folder)!r} is not a folder on the server")
+    """The folder's adapter config. A path that is not a folder holding both files gets one
+    answer whatever it is (missing, a file, another folder), so a caller cannot map the
+    server's filesystem through the load call; the server's log says which it was."""
     config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise _refuse(f"{str(folder)!r} has no {CONFIG_FILE} (not a PEFT adapter folder)")
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise _refuse(f"{str(folder)!r} has no {WEIGHTS_FILE} (only safetensors are read)")
     try:
-        config = json.loads(config_path.read_text())
+        is_adapter = config_path.is_file() and (folder / WEIGHTS_FILE).is_file()
+    except OSError:  # a name too long, a loop of links...
+        is_adapter = False
+    if not is_adapter:
+        logger.info("LoRA load: %s lacks %s or %s", folder, CONFIG_FILE, WEIGHTS_FILE)
+        raise _refuse(
+            f"{str(folder)!r} is not a loadable LoRA adapter folder (a folder on the server "
+            f"holding {CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
+    try:
+        with config_path.open("rb") as file:
+            text = file.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise _refuse(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes (PEFT's are a few KB)")
+        config = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise _refuse(f"{CONFIG_FILE} cannot be read: {error}") from None
+    except RecursionError:
+        raise _refuse(f"{CONFIG_FILE} is nested too deeply to be a PEFT config") from None
     if not isinstance(config, dict):
         raise _refuse(f"{CONFIG_FILE} is not a JSON object")
     return config

@@ -165,7 +165,7 @@ def test_load_errors(core, adapters, tmp_path, tiny_llama_dir):
     folder = adapters["all-r8"][0]
     with pytest.raises(LoRAAdapterExistsError):
         core.load_lora_adapter("qv-r4-rslora", str(folder))
-    with pytest.raises(InvalidRequestError, match="not a folder") as error:
+    with pytest.raises(InvalidRequestError, match="not a loadable LoRA adapter folder") as error:
         core.load_lora_adapter("missing", str(tmp_path / "nowhere"))
     assert error.value.field == "lora_path"
     big = tmp_path / "r32"

@@ -138,7 +138,7 @@ async def test_load_and_unload_codes(admin, generation, adapters, tmp_path, tiny
     assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
     big = tmp_path / "r32"
     make_adapter(tiny_llama_dir, big, AdapterSpec(rank=32, alpha=32))
-    for path, words in ((tmp_path / "nowhere", "not a folder"), (big, "--max-lora-rank")):
+    for path, words in ((tmp_path / "nowhere", "not a loadable"), (big, "--max-lora-rank")):
         request = admin_pb2.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(path))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await admin.LoadLoraAdapter(request)
@@ -153,6 +153,44 @@ async def test_load_and_unload_codes(admin, generation, adapters, tmp_path, tiny
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await generation.Generate(_request("second"))
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def _load_error(admin, path) -> grpc.aio.AioRpcError:
+    request = admin_pb2.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(path))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await admin.LoadLoraAdapter(request)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert field_violations(error.value) == ["lora_path"]
+    return error.value
+
+
+async def test_a_path_that_is_no_adapter_folder_tells_nothing_of_the_filesystem(admin, tmp_path):
+    """Missing, a file, a folder without the adapter's files: the same answer, so a caller
+    cannot map the server's filesystem."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "adapter_config.json").write_text("{}")
+    paths = ["nowhere", "a-file", "empty", "config-only", "nowhere/adapter_config.json"]
+    answers = set()
+    for name in paths:
+        error = await _load_error(admin, tmp_path / name)
+        answers.add(error.details().replace(str(tmp_path / name), "PATH"))
+    assert answers == {
+        "lora_path: 'PATH' is not a loadable LoRA adapter folder (a folder on the server "
+        "holding adapter_config.json and adapter_model.safetensors)"
+    }
+
+
+async def test_a_deeply_nested_adapter_config_is_invalid_argument(admin, adapters, tmp_path):
+    weights = adapters["second"][0] / "adapter_model.safetensors"
+    for name, config in (("deep", "[" * 100_000 + "]" * 100_000), ("big", " " * 2**21 + "{}")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(weights.read_bytes())
+        (folder / "adapter_config.json").write_text(config)
+        error = await _load_error(admin, folder)
+        assert "adapter_config.json" in error.details()
 
 
 async def test_unloading_under_load_loses_no_request(admin, generation, adapters):
