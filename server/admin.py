@@ -61,7 +61,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def ListModels(self, request, context):
         engine = self.state.require_engine()
         adapters = await engine.list_lora_adapters()
-        return convert.list_models_response(engine.model_info, adapters)
+        return convert.list_models_response(engine.model_info, adapters, self.state.hide_model_path)
 
     @handle_errors
     async def Abort(self, request, context):
@@ -127,7 +127,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @handle_errors
     async def LoadLoraAdapter(self, request, context):
-        return await lora.load(self.state.require_engine(), request)
+        return await lora.load(self.state.require_engine(), request, self.state.hide_model_path)
 
     @handle_errors
     async def UnloadLoraAdapter(self, request, context):
@@ -135,4 +135,4 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @handle_errors
     async def ListLoraAdapters(self, request, context):
-        return await lora.list_adapters(self.state.require_engine())
+        return await lora.list_adapters(self.state.require_engine(), self.state.hide_model_path)

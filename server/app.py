@@ -27,6 +27,7 @@ from llmrpc.engine.async_engine import AsyncEngine, EngineClient
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.dp_client import DataParallelClient
+from llmrpc.server import model_paths
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners
 from llmrpc.server.embedding import EmbeddingServicer
@@ -112,6 +113,7 @@ class RunningServer:
     async def load(self, engine_config: EngineConfig, frontend: FrontendConfig) -> None:
         """Start the engine (in its own process unless --disable-frontend-multiprocessing) and
         load the model, warm it up, then report SERVING."""
+        engine_config = model_paths.engine_config_for(engine_config, frontend.hide_model_path)
         if frontend.disable_frontend_multiprocessing:
             engine: EngineClient = await AsyncEngine.create(engine_config)
         elif frontend.data_parallel_size > 1:
@@ -123,6 +125,9 @@ class RunningServer:
         if frontend.chat_template is not None:
             engine.set_chat_template(read_chat_template(frontend.chat_template))
         self.state.effective_config.update(_engine_facts(engine.model_info))
+        if frontend.hide_model_path:
+            config = model_paths.hidden_config(self.state.effective_config, engine_config)
+            self.state.effective_config.update(config)
         await engine.warmup()
         if not frontend.logs.disable_log_stats:
             interval = frontend.logs.stats_interval_s
@@ -272,6 +277,7 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
         logs=frontend.logs,
         admission=AdmissionControl(frontend.limits.max_waiting_requests),
         trust_request_chat_template=frontend.trust_request_chat_template,
+        hide_model_path=frontend.hide_model_path,
         lora_enabled=engine_config.lora.enabled,
         output_parsers=OutputParsers.from_config(frontend.parsing),
     )

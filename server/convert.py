@@ -422,11 +422,15 @@ def model_info_response(name: str, info: ModelInfo) -> admin_pb2.GetModelInfoRes
 
 
 def list_models_response(
-    info: ModelInfo, adapters: list[dict] = ()
+    info: ModelInfo, adapters: list[dict] = (), hide_paths: bool = False
 ) -> admin_pb2.ListModelsResponse:
+    """``hide_paths`` (--hide-model-path): each model's root is its name, not its folder."""
     models = [
         admin_pb2.Model(
-            id=name, max_model_len=info.max_model_len, owned_by="llmrpc", root=info.model_dir
+            id=name,
+            max_model_len=info.max_model_len,
+            owned_by="llmrpc",
+            root=name if hide_paths else info.model_dir,
         )
         for name in info.served_model_names
     ]
@@ -435,7 +439,7 @@ def list_models_response(
             id=entry["name"],
             max_model_len=info.max_model_len,
             owned_by="llmrpc",
-            root=entry["path"],
+            root=entry["name"] if hide_paths else entry["path"],
             parent=entry["base_model_name"],
         )
         for entry in adapters

@@ -242,6 +242,9 @@ _FRONTEND = _group(
           "REST). Off: such requests get INVALID_ARGUMENT. On: they render off the event loop, "
           "stopped after 2 s, their text refused past 4,194,304 characters; a template can still "
           "use memory while it runs, so trust its senders."),
+    ours("--hide-model-path", False, None, "frontend.hide_model_path",
+         "Answers name no server folder: model roots and adapter paths are names, the served "
+         "name defaults to --model's last component (README: Model paths)."),
     works("--response-role", "assistant", str, "rest.response_role",
           "Role of REST chat answers when add_generation_prompt is true."),
     works("--lora-modules", None, str, "lora.lora_modules",

@@ -14,9 +14,11 @@ from llmrpc.v1 import admin_pb2
 logger = logging.getLogger(__name__)
 
 
-def adapter_proto(entry: dict) -> admin_pb2.LoraAdapter:
+def adapter_proto(entry: dict, hide_path: bool = False) -> admin_pb2.LoraAdapter:
+    """``hide_path`` (--hide-model-path): the adapter's name stands for its folder."""
+    path = entry["name"] if hide_path else entry["path"]
     return admin_pb2.LoraAdapter(
-        name=entry["name"], path=entry["path"], base_model_name=entry["base_model_name"]
+        name=entry["name"], path=path, base_model_name=entry["base_model_name"]
     )
 
 
@@ -30,14 +32,14 @@ def _check_request(request) -> None:
             raise InvalidArgument("lora_path", f"at most {MAX_LORA_PATH_CHARS} characters")
 
 
-async def load(engine, request) -> admin_pb2.LoadLoraAdapterResponse:
+async def load(engine, request, hide_path: bool = False) -> admin_pb2.LoadLoraAdapterResponse:
     _check_request(request)
     with convert.engine_errors(request):
         entry = await engine.load_lora_adapter(
             request.lora_name, request.lora_path, request.base_model_name
         )
     logger.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
-    return admin_pb2.LoadLoraAdapterResponse(adapter=adapter_proto(entry))
+    return admin_pb2.LoadLoraAdapterResponse(adapter=adapter_proto(entry, hide_path))
 
 
 async def unload(engine, request) -> admin_pb2.UnloadLoraAdapterResponse:
@@ -48,6 +50,7 @@ async def unload(engine, request) -> admin_pb2.UnloadLoraAdapterResponse:
     return admin_pb2.UnloadLoraAdapterResponse()
 
 
-async def list_adapters(engine) -> admin_pb2.ListLoraAdaptersResponse:
+async def list_adapters(engine, hide_path: bool = False) -> admin_pb2.ListLoraAdaptersResponse:
     entries = await engine.list_lora_adapters()
-    return admin_pb2.ListLoraAdaptersResponse(adapters=[adapter_proto(e) for e in entries])
+    adapters = [adapter_proto(entry, hide_path) for entry in entries]
+    return admin_pb2.ListLoraAdaptersResponse(adapters=adapters)

@@ -167,6 +167,7 @@ class FrontendConfig:
     admin_api_key: tuple[str, ...] = ()  # needed for admin-only RPCs (server/auth.py)
     chat_template: str | None = None  # a file, or the template itself
     trust_request_chat_template: bool = False  # else requests may not bring their own
+    hide_model_path: bool = False  # --hide-model-path: names, not folders (server/model_paths.py)
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 10.0
     # Where the engine core runs: in a process of its own (False, the default, as vLLM's), or

@@ -43,6 +43,7 @@ class ServerState:
     admission: AdmissionControl = field(default_factory=lambda: AdmissionControl(None))
     owners: RequestOwners = field(default_factory=RequestOwners)  # who started each live call
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    hide_model_path: bool = False  # --hide-model-path (server/model_paths.py)
     output_parsers: OutputParsers = field(default_factory=OutputParsers)  # tools, reasoning
     lora_enabled: bool = False  # --enable-lora: ``model`` may name a loaded adapter
     engine: object | None = None
