@@ -57,6 +57,8 @@ def gateway_settings(frontend: FrontendConfig) -> GatewaySettings:
     template = frontend.chat_template
     api_fields["chat_template"] = None if template is None else read_chat_template(template)
     api_fields["otlp_traces_endpoint"] = frontend.tracing.otlp_traces_endpoint
+    api_fields["max_prompts_per_request"] = frontend.limits.max_prompts_per_request
+    api_fields["max_sequences_per_request"] = frontend.limits.max_sequences_per_request
     api = ApiSettings(api_keys=_rest_keys(frontend), **api_fields)
     return GatewaySettings(backends, http, cors, api)
 

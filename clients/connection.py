@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from llmrpc.clients.errors import REQUEST_ID_METADATA, LlmrpcError
-from llmrpc.v1.headers import AUTHORIZATION, bearer
+from llmrpc.v1.headers import AUTHORIZATION, BATCH_ID, BATCH_SEQUENCES, bearer
 
 API_KEY_METADATA = AUTHORIZATION
 
@@ -55,6 +55,24 @@ def carrying_trace(headers: tuple[tuple[str, str], ...]) -> Iterator[None]:
         yield
     finally:
         _trace_headers.reset(token)
+
+
+# (batch id, sequences of the whole batch) that calls made in this context carry: the REST
+# gateway sets it around the calls of one multi-prompt request (``llmrpc.v1.headers.BATCH_ID``).
+_batch: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "llmrpc_batch", default=None
+)
+
+
+@contextlib.contextmanager
+def in_batch(batch_id: str, num_sequences: int) -> Iterator[None]:
+    """Calls made inside the block (in this task, or tasks it starts) are parts of one request
+    of ``num_sequences`` sequences in all, which the server admits to its queue whole."""
+    token = _batch.set((batch_id, num_sequences))
+    try:
+        yield
+    finally:
+        _batch.reset(token)
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,9 @@ class ConnectionOptions:
         if request_id:
             pairs.append((REQUEST_ID_METADATA, request_id))
         pairs.extend(_trace_headers.get())
+        batch = _batch.get()
+        if batch is not None:
+            pairs += [(BATCH_ID, batch[0]), (BATCH_SEQUENCES, str(batch[1]))]
         return tuple(pairs)
 
 

@@ -29,7 +29,7 @@ from llmrpc.clients import (
     ToolCall,
     Usage,
 )
-from llmrpc.gateway import params, responses
+from llmrpc.gateway import fanout, params, responses
 from llmrpc.gateway.errors import from_grpc
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
@@ -88,6 +88,7 @@ class ChatCall:
         self.body = body
         self.request_id = rid
         self.model = model
+        fanout.check_sequences(api, 1, body.n, "messages")
         self.messages = params.chat_messages(body.messages)
         self.options = params.chat_options(body, api)
         self.params, self.param_names = params.chat_params(body)

@@ -15,6 +15,7 @@ import sys
 
 from llmrpc.common.args import OneLineErrorParser
 from llmrpc.common.chat_template import read_chat_template
+from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from llmrpc.common.fd_limit import raise_open_file_limit
 from llmrpc.gateway.settings import (
     CONTENT_FORMATS,
@@ -190,6 +191,20 @@ def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="Bytes the Responses API's store may hold (0: nothing is kept); past them the least "
         "recently used responses go first. Default: %(default)s (256 MiB).",
+    )
+    add(
+        "--max-prompts-per-request",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="Most prompts in one request (completions' prompt list, embeddings' input); more "
+        "are a 400 naming it. Default: %(default)s (OpenAI's bound on embeddings inputs).",
+    )
+    add(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="Most sequences in one request (prompts x n); more are a 400 naming prompt or n. "
+        "Default: %(default)s.",
     )
     add(
         "--otlp-traces-endpoint",

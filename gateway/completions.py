@@ -9,6 +9,7 @@ token has none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 
 from llmrpc.clients import Delta, LlmrpcError, Sample, TokenLogprob, Usage
+from llmrpc.clients.connection import in_batch
 from llmrpc.common.aio import gather_or_cancel
-from llmrpc.gateway import responses
+from llmrpc.gateway import fanout, responses
 from llmrpc.gateway.errors import from_grpc, invalid
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.metrics import RequestTimer
@@ -27,6 +29,7 @@ from llmrpc.gateway.param_names import COMPLETION_PARAMS
 from llmrpc.gateway.params import completion_params
 from llmrpc.gateway.sse import DONE, ChunkFramer, first_then_rest, until_disconnect
 from llmrpc.gateway.state import GatewayState, gateway_of, request_id
+from llmrpc.v1.headers import BATCH_SEQUENCES
 
 router = APIRouter(route_class=JsonRoute, responses=ERRORS)
 
@@ -38,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     gateway = gateway_of(request)
     model = await until_disconnect(request, gateway.model_name(body.model))
     call = CompletionCall(gateway, body, request_id(request), model)
-    names = {**param_names(body), **call.param_names}
+    names = {**param_names(body), **call.param_names, BATCH_SEQUENCES: "prompt"}
     if body.stream:
         return await first_then_rest(request, call.chunks(), names)
     try:
@@ -76,6 +79,8 @@ class CompletionCall:
         self.body = body
         self.params, self.param_names = completion_params(body)
         self.prompts = _prompts(body.prompt)
+        fanout.check_prompts(gateway.api, len(self.prompts), "prompt")
+        fanout.check_sequences(gateway.api, len(self.prompts), body.n, "prompt")
         self.request_id = rid
         self.model = model
         target = gateway.grpc_model(body.model)
@@ -129,8 +134,17 @@ class CompletionCall:
 
     # --- whole responses ------------------------------------------------------------------
 
+    def _batch(self):
+        """Several prompts are several calls: each says it is part of this request, so the
+        server admits the request's sequences to its queue whole."""
+        if len(self.prompts) == 1:
+            return contextlib.nullcontext()
+        return in_batch(self.request_id, len(self.prompts) * self.body.n)
+
     async def complete(self) -> dict:
-        results = await gather_or_cancel(*(self._one(i, p) for i, p in enumerate(self.prompts)))
+        with self._batch():
+            parts = (self._one(i, p) for i, p in enumerate(self.prompts))
+            results = await gather_or_cancel(*parts)
         choices = [choice for choices, _ in results for choice in choices]
         usages = [u for _, u in results]
         self.timer.tokens_arrived()
@@ -201,7 +215,8 @@ class CompletionCall:
             async for delta in self._stream(0, self.prompts[0]):
                 yield 0, delta
             return
-        async for item in merge_streams([self._stream(i, p) for i, p in enumerate(self.prompts)]):
+        streams = [self._stream(i, p) for i, p in enumerate(self.prompts)]
+        async for item in merge_streams(streams, self._batch()):
             yield item
 
 
@@ -252,9 +267,11 @@ class _StreamState:
         return body.add(delta.logprobs).body
 
 
-async def merge_streams(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+async def merge_streams(
+    streams: list[AsyncIterator[Delta]], scope=None
+) -> AsyncIterator[tuple[int, Delta]]:
     """The deltas of several streams as they arrive, tagged with the stream's index; the first
-    error ends them all."""
+    error ends them all. The streams' calls are made inside the context manager ``scope``."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
@@ -265,7 +282,8 @@ async def merge_streams(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tu
         except Exception as error:  # noqa: BLE001 - re-raised by the consumer below
             await queue.put((index, error))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    with scope or contextlib.nullcontext():  # each task starts in a copy of this context
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from llmrpc.clients import LlmrpcError
 from llmrpc.clients.embedding import Embeddings
+from llmrpc.gateway import fanout
 from llmrpc.gateway.errors import OpenAIError, from_grpc
 from llmrpc.gateway.json_body import JsonRoute
 from llmrpc.gateway.openai_models import Prompt, StrictModel, UInt32, refused
@@ -130,9 +131,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
     inputs = [body.input] if single else list(body.input)
     if not inputs:
         raise OpenAIError(400, "input: must not be empty", "input", "invalid_argument")
-    if len(inputs) > MAX_INPUTS:
-        message = f"input: at most {MAX_INPUTS} inputs, got {len(inputs)}"
-        raise OpenAIError(400, message, "input", "invalid_argument")
+    fanout.check_prompts(gateway_of(request).api, len(inputs), "input")
     rid = request_id(request)
     names = ["input"] if single else [f"input[{i}]" for i in range(len(inputs))]
     options = {"dimensions": body.dimensions, "normalize": body.normalize}

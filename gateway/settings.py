@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.common.fanout import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    check_fanout_flags,
+)
 from llmrpc.common.tls_files import check_tls_flags
 from llmrpc.common.tracing import check_endpoint
 
@@ -128,8 +133,12 @@ class ApiSettings:
     middleware: tuple[str, ...] = ()  # import paths of ASGI middleware
     otlp_traces_endpoint: str | None = None  # OpenTelemetry collector: a span per request
     responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
+    # One request's prompts, and prompts x n (common/fanout.py)
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
     def __post_init__(self) -> None:
+        check_fanout_flags(self.max_prompts_per_request, self.max_sequences_per_request)
         if any(not key for key in self.api_keys):
             raise ValueError("--api-key must not be empty")
         store_bytes = self.responses_store_max_bytes

@@ -275,7 +275,11 @@ def build_server(engine_config: EngineConfig, frontend: FrontendConfig) -> Runni
         admin_auth_required=bool(frontend.admin_api_key),
         extra_services=OPEN_SERVICES,
         logs=frontend.logs,
-        admission=AdmissionControl(frontend.limits.max_waiting_requests),
+        admission=AdmissionControl(
+            frontend.limits.max_waiting_requests,
+            frontend.limits.max_prompts_per_request,
+            frontend.limits.max_sequences_per_request,
+        ),
         trust_request_chat_template=frontend.trust_request_chat_template,
         hide_model_path=frontend.hide_model_path,
         lora_enabled=engine_config.lora.enabled,

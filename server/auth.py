@@ -54,6 +54,17 @@ caller_var: contextvars.ContextVar[Caller] = contextvars.ContextVar(
 )
 
 
+def fair_share_caller(context) -> str:
+    """Who a call is for the engine's waiting queue, where callers take turns: its API key
+    (by digest), else its client connection (grpc.aio's peer; one for the in-process
+    channel, whose REST callers then share a turn unless they bring keys)."""
+    digest = caller_var.get().key_digest
+    if digest is not None:
+        return f"key:{digest.hex()[:16]}"
+    peer = getattr(context, "peer", None)
+    return f"peer:{peer()}" if peer is not None else "in-process"
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

@@ -13,10 +13,12 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from llmrpc.common.aio import gather_or_cancel
+from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.pooling import PoolingParams
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 from llmrpc.server import convert
+from llmrpc.server.auth import fair_share_caller
 from llmrpc.server.errors import InvalidArgument, handle_errors
 from llmrpc.server.logs import current_request_id
 from llmrpc.server.state import ServerState
@@ -24,7 +26,8 @@ from llmrpc.v1 import embedding_pb2, embedding_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_INPUTS = 2048  # per call, as vLLM's and OpenAI's embedding endpoints
+# Per call by default (--max-prompts-per-request), as vLLM's and OpenAI's embedding endpoints
+MAX_INPUTS = DEFAULT_MAX_PROMPTS_PER_REQUEST
 _INVALID_ARGUMENT = 3  # google.rpc.Code
 _INTERNAL = 13
 
@@ -39,6 +42,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         model = self.state.model_name(request.model)
         self._check(request, engine.model_info)
         params = _params(request, _deadline(context))
+        params.caller = fair_share_caller(context)
         admitted = self.state.admission.admit(engine, len(request.inputs))
         # The whole call's errors: engine stopped, an input dropped for the deadline...
         with admitted, convert.engine_errors(request):
@@ -57,11 +61,14 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
     def _check(self, request, model_info) -> None:
         if not request.inputs:
             raise InvalidArgument("inputs", "at least one input")
-        bound = min(MAX_INPUTS, self.state.admission.max_waiting or MAX_INPUTS)
-        if len(request.inputs) > bound:
-            why = "" if bound == MAX_INPUTS else " on this server (--max-waiting-requests)"
+        admission = self.state.admission
+        admission.check_prompts(len(request.inputs), "inputs")
+        max_waiting = admission.max_waiting
+        if max_waiting is not None and 0 < max_waiting < len(request.inputs):
             raise InvalidArgument(
-                "inputs", f"at most {bound} inputs{why}, got {len(request.inputs)}"
+                "inputs",
+                f"at most {max_waiting} inputs on this server (--max-waiting-requests), "
+                f"got {len(request.inputs)}",
             )
         size = model_info.embedding_size
         if request.HasField("dimensions") and not 1 <= request.dimensions <= size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from llmrpc.engine.config import (
     DEFAULT_COMPILE_TIMEOUT_S,
     DTYPES,
@@ -137,8 +138,16 @@ _OURS = _group(
          "finish; new calls get UNAVAILABLE (REST: 503). A second SIGTERM cancels them at once.",
          metavar="SECONDS"),
     ours("--max-waiting-requests", None, int, "limits.max_waiting_requests",
-         "Most generation requests waiting for a place in the batch; past it, calls get "
-         "RESOURCE_EXHAUSTED with a RetryInfo detail. Default: no bound."),
+         "Most sequences (n per prompt; a REST request's prompts count whole) waiting for a "
+         "place in the batch; past it, RESOURCE_EXHAUSTED with a RetryInfo detail. Default: no "
+         "bound."),
+    ours("--max-prompts-per-request", DEFAULT_MAX_PROMPTS_PER_REQUEST, int,
+         "limits.max_prompts_per_request",
+         "Most prompts (completions' prompt, embeddings' input, Embed's inputs) in one "
+         "request; more are a 400 / INVALID_ARGUMENT."),
+    ours("--max-sequences-per-request", DEFAULT_MAX_SEQUENCES_PER_REQUEST, int,
+         "limits.max_sequences_per_request",
+         "Most sequences (prompts x n) in one request; more are a 400 / INVALID_ARGUMENT."),
     ours("--grpc-max-receive-message-size", 16 * MIB, human_readable_int,
          "limits.max_receive_message_size",
          "Largest request message in bytes (16M = 16 MiB); larger ones get RESOURCE_EXHAUSTED.",
@@ -558,7 +567,8 @@ _SCHEDULER = _group(
           "A prompt with more than this many tokens left to compute is long; it also caps "
           "the tokens one prompt computes in a step (0: off)."),
     works("--scheduling-policy", "fcfs", str, "scheduler.scheduling_policy",
-          "fcfs, or priority: a request's priority (lower first), ties by arrival.",
+          "fcfs, or priority: a request's priority (lower first), ties by arrival. Callers "
+          "(API keys, else connections) take turns within a priority; see README.",
           choices=("fcfs", "priority")),
     works("--preemption-mode", None, str, "scheduler.preemption_mode",
           "recompute (the default); swap is refused: preemption recomputes, never swaps.",

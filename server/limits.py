@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from llmrpc.common.fd_limit import default_max_connections
 from llmrpc.server.errors import InvalidArgument, ResourceExhausted
 from llmrpc.server.settings import LimitsConfig
+from llmrpc.v1.headers import BATCH_ID, BATCH_SEQUENCES, request_id_problem
 
 # How long a client refused for a full queue should wait before retrying.
 RETRY_DELAY_S = 1.0
@@ -54,22 +57,70 @@ def channel_options(limits: LimitsConfig) -> list[tuple[str, int]]:
     return options
 
 
+@dataclass
+class _Batch:
+    """The places one multi-call request holds: its whole claim until its parts are done."""
+
+    num_places: int  # held for the whole request: its parts running, waiting and still to come
+    num_used: int = 0  # samples of its parts in flight
+    num_parts: int = 0
+
+
 class AdmissionControl:
-    """Bounds the samples waiting for a place in the engine's batch.
+    """Bounds one request's fan-out and the samples waiting for a place in the engine's batch.
 
     A request for n samples takes n places: the engine runs each sample as a sequence of its
     own. Samples in flight are counted here (the event loop is single-threaded, so the count is
     exact); those the engine is not running are waiting, including ones on their way in and,
     until their request ends, samples that have already finished (a conservative count).
+
+    A REST request of several prompts reaches the server as one call per prompt, each marked
+    with the whole request's batch id and sequences (``llmrpc.v1.headers.BATCH_ID``). Its first
+    call takes places for all of them, or is refused for all of them; its later calls use those
+    places, and a call beyond the claim is checked as a request of its own (a claim cannot let
+    more in than it names). The places go back as the calls end, the rest with the last one.
     """
 
-    def __init__(self, max_waiting: int | None) -> None:
+    def __init__(
+        self,
+        max_waiting: int | None,
+        max_prompts: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        max_sequences: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    ) -> None:
         self.max_waiting = max_waiting
+        self.max_prompts = max_prompts
+        self.max_sequences = max_sequences
         self.num_in_flight = 0
+        self._batches: dict[tuple[bytes | None, str], _Batch] = {}
+
+    def check_samples(self, num_samples: int, field: str = "sampling.n") -> None:
+        """InvalidArgument naming ``field`` past --max-sequences-per-request."""
+        if num_samples > self.max_sequences:
+            raise InvalidArgument(
+                field,
+                f"at most {self.max_sequences} sequences per request on this server "
+                f"(--max-sequences-per-request), got {num_samples}",
+            )
+
+    def check_prompts(self, num_prompts: int, field: str) -> None:
+        """InvalidArgument naming ``field`` past either bound (each prompt is a sequence)."""
+        if num_prompts > self.max_prompts:
+            raise InvalidArgument(
+                field,
+                f"at most {self.max_prompts} per request on this server "
+                f"(--max-prompts-per-request), got {num_prompts}",
+            )
+        self.check_samples(num_prompts, field)
 
     @contextlib.contextmanager
-    def admit(self, engine, num_samples: int = 1) -> Iterator[None]:
-        """Hold places for one request's samples; ResourceExhausted if the queue is full."""
+    def admit(self, engine, num_samples: int = 1, batch=None) -> Iterator[None]:
+        """Hold places for one call's samples; ResourceExhausted if the queue is full.
+        ``batch``: (caller, batch id, sequences of the whole request) for a call that is one
+        part of a request (``batch_of``)."""
+        if batch is not None:
+            with self._admit_part(engine, num_samples, batch):
+                yield
+            return
         if self.max_waiting is not None:
             self._check_room(engine, num_samples)
         self.num_in_flight += num_samples
@@ -78,11 +129,42 @@ class AdmissionControl:
         finally:
             self.num_in_flight -= num_samples
 
-    def _check_room(self, engine, num_samples: int) -> None:
+    @contextlib.contextmanager
+    def _admit_part(self, engine, num_samples: int, batch) -> Iterator[None]:
+        caller, batch_id, num_sequences = batch
+        key = (caller, batch_id)
+        entry = self._batches.get(key)
+        if entry is None:
+            places = max(num_sequences, num_samples)
+            if self.max_waiting is not None:
+                self._check_room(engine, places, BATCH_SEQUENCES)
+            entry = self._batches[key] = _Batch(places)
+            self.num_in_flight += places
+        elif entry.num_used + num_samples > entry.num_places:  # beyond its claim
+            extra = entry.num_used + num_samples - entry.num_places
+            if self.max_waiting is not None:
+                self._check_room(engine, extra)
+            entry.num_places += extra
+            self.num_in_flight += extra
+        entry.num_used += num_samples
+        entry.num_parts += 1
+        try:
+            yield
+        finally:
+            entry.num_used -= num_samples
+            entry.num_parts -= 1
+            entry.num_places -= num_samples  # this part's samples are done
+            self.num_in_flight -= num_samples
+            if not entry.num_parts:  # no part left: what it held for parts to come goes back
+                self.num_in_flight -= entry.num_places
+                del self._batches[key]
+
+    def _check_room(self, engine, num_samples: int, field: str = "sampling.n") -> None:
         if 0 < self.max_waiting < num_samples:  # retrying would never help: the client's error
             raise InvalidArgument(
-                "sampling.n",
-                f"at most {self.max_waiting} samples on this server (--max-waiting-requests)",
+                field,
+                f"at most {self.max_waiting} samples on this server (--max-waiting-requests)"
+                + (f", got {num_samples} in one request" if field == BATCH_SEQUENCES else ""),
             )
         num_waiting = self.num_in_flight - engine.stats.num_running
         if num_waiting + num_samples > self.max_waiting:
@@ -91,3 +173,21 @@ class AdmissionControl:
                 "--max-waiting-requests); retry later",
                 retry_after_s=RETRY_DELAY_S,
             )
+
+
+def batch_of(metadata, caller: bytes | None) -> tuple[bytes | None, str, int] | None:
+    """(caller, batch id, sequences) of a call that is one part of a multi-call request, from
+    its metadata; None for a call of its own. InvalidArgument naming the metadata if bad."""
+    batch_id = sequences = None
+    for name, value in metadata or ():
+        if name == BATCH_ID:
+            batch_id = value
+        elif name == BATCH_SEQUENCES:
+            sequences = value
+    if batch_id is None and sequences is None:
+        return None
+    if not batch_id or request_id_problem(batch_id):
+        raise InvalidArgument(BATCH_ID, "1 to 256 visible ASCII characters, with batch sequences")
+    if sequences is None or not sequences.isdigit() or int(sequences) < 1 or len(sequences) > 9:
+        raise InvalidArgument(BATCH_SEQUENCES, "a whole number from 1, with a batch id")
+    return caller, batch_id, int(sequences)

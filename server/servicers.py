@@ -14,8 +14,10 @@ import time
 from contextlib import aclosing
 
 from llmrpc.server import convert, output_parsing
+from llmrpc.server.auth import caller_var, fair_share_caller
 from llmrpc.server.chat_render import check_request_template
 from llmrpc.server.errors import Internal, NotFound, handle_errors
+from llmrpc.server.limits import batch_of
 from llmrpc.server.logs import current_request_id, log_output, log_request
 from llmrpc.server.output_parsing import ResponseParsing
 from llmrpc.server.state import ServerState
@@ -42,6 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         if adapter is not None:  # ``model`` named an adapter (convert read ``lora``)
             params.lora_name = adapter
+        params.caller = fair_share_caller(context)
         logs = self.state.logs
         if logs.enable_log_requests:
             text = request.text if request.WhichOneof("input") == "text" else None
@@ -76,7 +79,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _run(self, request, context, engine, target: tuple[str, str | None], stream_to):
         # A place in the queue first: a request waiting for a tokenizer worker waits too.
         num_samples = max(request.sampling.n, 1) if request.sampling.HasField("n") else 1
-        with self.state.admission.admit(engine, num_samples), convert.engine_errors(request):
+        admission = self.state.admission
+        admission.check_samples(num_samples)
+        batch = batch_of(context.invocation_metadata(), caller_var.get().key_digest)
+        with admission.admit(engine, num_samples, batch), convert.engine_errors(request):
             prepared = await self._prepare(request, context, engine, target[1])
             request_id, prompt, params, parsing = prepared
             traced = traced_call()  # None unless tracing is on and this call is sampled

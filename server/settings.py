@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.common.fanout import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    check_fanout_flags,
+)
 from llmrpc.common.tls_files import check_tls_flags
 from llmrpc.server.tracing_config import TracingConfig
 
@@ -61,6 +66,8 @@ class LimitsConfig:
     handshake_timeout_s: float = 10.0  # a new connection's TLS and HTTP/2 handshake
     request_message_timeout_s: float = 30.0  # a call's request message, from its headers
     max_waiting_requests: int | None = None  # None: the waiting queue is unbounded
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # common/fanout.py
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST  # prompts x n
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -81,6 +88,7 @@ class LimitsConfig:
             raise ValueError(
                 f"--max-waiting-requests must be 0 or more, got {self.max_waiting_requests}"
             )
+        check_fanout_flags(self.max_prompts_per_request, self.max_sequences_per_request)
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,8 @@ def test_plain_help_is_well_below_the_full_listing(capsys):
     # 0.65 since the ten flags of tool calling, reasoning and structured output work; 0.68
     # since the pooling flags and the two tracing flags work; 0.72 since the LoRA flags work;
     # 0.75 since the tensor-parallel flags work; 0.76 since the structured-output flags of our
-    # own
-    assert plain < 0.76 * full
+    # own; 0.77 since the bounds on one request's prompts and sequences
+    assert plain < 0.77 * full
     assert serve_help_text(capsys, "-h") == serve_help_text(capsys, "--help")
 
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 AUTHORIZATION = "authorization"
 REQUEST_ID = "x-request-id"
+# A REST request that the gateway sends as several calls (one per prompt) marks each with its
+# own id and the sequences (prompts x n) of the whole request, so the server's waiting-queue
+# bound (--max-waiting-requests) counts the request whole rather than call by call.
+BATCH_ID = "x-llmrpc-batch-id"
+BATCH_SEQUENCES = "x-llmrpc-batch-sequences"
 
 # Request ids: 1 to 256 visible ASCII characters (0x21-0x7E) on gRPC. They go into response
 # metadata (which allows only printable ASCII) and into every log line about the request, so
