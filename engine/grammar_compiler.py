@@ -1,11 +1,12 @@
 """Compiling structured-output grammars against the vocabulary, off the engine's step.
 
-Compiles run on two small lanes of threads (xgrammar and llguidance compile in native code
-with the GIL released, so threads compile side by side while the step goes on): grammars of
-at most ``SMALL_GRAMMAR_CHARS`` characters (``json_object``, a usual schema, a short regex) on
-one, bigger ones (long enums and choice lists, which take seconds to minutes) on the other, so a
-cheap grammar never queues behind an expensive one. A grammar compiled before is answered from
-a cache at once, without a lane; one asked for again while it compiles is compiled once.
+Compiles run on two lanes of threads (``grammar_lanes.py``; xgrammar compiles in native code
+with the GIL released, so threads compile side by side while the step goes on): grammars of at
+most ``SMALL_GRAMMAR_CHARS`` characters (``json_object``, a usual schema, a short regex) on one,
+bigger ones (long enums and choice lists, which take seconds to minutes) on the other; on each,
+a compile that proves slow stops holding up the ones behind it, so a cheap grammar never queues
+behind an expensive one. A grammar compiled before is answered from a cache at once, without a
+lane; one asked for again while it compiles is compiled once.
 
 Each request's grammar has ``timeout_s`` (``--structured-output-compile-timeout``) from its
 arrival to be ready; past it the request's future fails with an ``InvalidRequestError`` naming
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass, replace
 
 from llmrpc.engine.config import DEFAULT_COMPILE_TIMEOUT_S
+from llmrpc.engine.grammar_lanes import CompileLane
 from llmrpc.engine.request import InvalidRequestError, StructuredOutputSpec
 from llmrpc.engine.structured_output import (
     _guidance_build,
@@ -37,8 +39,8 @@ from llmrpc.engine.structured_output import (
 logger = logging.getLogger(__name__)
 
 SMALL_GRAMMAR_CHARS = 16_384  # a schema's JSON text, a regex, a grammar, the choices together
-SMALL_LANE_THREADS = 2
-LARGE_LANE_THREADS = 2
+SMALL_LANE = (2, 4)  # threads for fast compiles, threads in all (grammar_lanes.py)
+LARGE_LANE = (1, 2)
 _COMPILED_CACHE_BYTES = 256 * 2**20
 
 
@@ -105,8 +107,8 @@ class GrammarCompiler:
         self._xgrammar = None  # built on first use: reading the vocabulary takes ~0.2 s
         self._guidance = None
         self._vocabulary_lock = threading.Lock()
-        self._small = concurrent.futures.ThreadPoolExecutor(SMALL_LANE_THREADS, "grammar")
-        self._large = concurrent.futures.ThreadPoolExecutor(LARGE_LANE_THREADS, "grammar-large")
+        self._small = CompileLane("grammar", *SMALL_LANE)
+        self._large = CompileLane("grammar-large", *LARGE_LANE)
         # the jobs, the cache and the deadlines; reentrant: cancelling a job runs its callbacks
         self._lock = threading.RLock()
         self._deadline_added = threading.Condition(self._lock)

@@ -15,6 +15,7 @@ import time
 import pytest
 from engine_utils import make_core
 
+from llmrpc.engine import grammar_lanes
 from llmrpc.engine.grammar_compiler import GrammarCompiler
 from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
 
@@ -77,6 +78,34 @@ def test_cheap_and_cached_grammars_do_not_wait_behind_expensive_ones(core, monke
         future.result(WAIT_S)
 
 
+def _wait_for(condition) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_a_short_grammar_that_proves_slow_holds_up_no_cheap_one(core, monkeypatch):
+    # 40 characters, and 2.8 s of compiling each with xgrammar: its text does not tell its cost
+    monkeypatch.setattr(grammar_lanes, "SLOW_S", 0.05)
+    compiler = GrammarCompiler(core.tokenizer, core.hf_config.vocab_size, core.eos_token_ids)
+    compiler.warmed.result(WAIT_S)
+    blocked = _Blocked(compiler, lambda spec: "maxLength" in spec.value, monkeypatch, True)
+    try:
+        slow = [
+            compiler.submit(StructuredOutputSpec("json_schema", json.dumps(schema)), "xgrammar")
+            for schema in ({"type": "string", "maxLength": 3000 + i} for i in range(3))
+        ]
+        _wait_for(lambda: len(blocked.started) == 3)  # the third once the first two prove slow
+        cheap = compiler.submit(StructuredOutputSpec("json_object"), "xgrammar")
+        cheap.result(WAIT_S)
+        assert not any(future.done() for future in slow)
+    finally:
+        blocked.release.set()
+    for future in slow:
+        future.result(WAIT_S)
+
+
 def test_the_same_grammar_compiling_twice_at_once_is_compiled_once(core, monkeypatch):
     compiler = GrammarCompiler(core.tokenizer, core.hf_config.vocab_size, core.eos_token_ids)
     compiler.warmed.result(WAIT_S)
@@ -84,9 +113,7 @@ def test_the_same_grammar_compiling_twice_at_once_is_compiled_once(core, monkeyp
     spec = StructuredOutputSpec("regex", "[cd]{2}")
     try:
         first, second = compiler.submit(spec, "xgrammar"), compiler.submit(spec, "xgrammar")
-        deadline = time.monotonic() + WAIT_S
-        while not blocked.started and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: blocked.started)
     finally:
         blocked.release.set()
     assert first.result(WAIT_S) == second.result(WAIT_S)
