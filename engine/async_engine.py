@@ -3,12 +3,19 @@ the event loop on the model.
 
 ``EngineClient`` is the frontend's half, the same in both modes: one collector per request,
 which merges deltas when its consumer lags; utility calls answered by id; the engine's figures
-as of its latest message. A consumer that stops listening (a cancelled or expired call)
-aborts its request, which frees its KV blocks at the next step. The engine core's step loop
-(``core_process.EngineLoop``) runs either on a thread of this process (``AsyncEngine``, here:
-``--disable-frontend-multiprocessing``) or in a process of its own
+as of its latest message, and how old they are. A consumer that stops listening (a cancelled
+or expired call) aborts its request, which frees its KV blocks at the next step. The engine
+core's step loop (``core_process.EngineLoop``) runs either on a thread of this process
+(``AsyncEngine``, here: ``--disable-frontend-multiprocessing``) or in a process of its own
 (``core_client.EngineProcessClient``); the two exchange the same typed messages
 (``messages``).
+
+The step loop's messages are its heartbeat: ``Outputs`` after each step, ``Figures`` every
+``STATS_REFRESH_S`` while idle, ``Result`` after each command. With ``stall_timeout_s`` set
+(``--engine-stall-timeout``), the engine is ``stalled`` when requests are in flight and none
+has come for that long since they started, or, idle, for that long and ``IDLE_STALL_MIN_S`` at
+least: a process stopped (SIGSTOP), a step that does not return. The slow utilities (a weight
+reload, an adapter read from disk) are not steps: while one runs, the engine is not stalled.
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core_process import EngineLoop
+from llmrpc.engine.core_process import STATS_REFRESH_S, EngineLoop
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.messages import (
     Abort,
@@ -51,6 +59,13 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncEngine", "EngineClient", "EngineDeadError", "EngineStateError"]
+
+# An idle engine reports every STATS_REFRESH_S: silent this long (or the stall timeout, if
+# longer) it is frozen, with margin for a busy machine's scheduling.
+IDLE_STALL_MIN_S = 5 * STATS_REFRESH_S
+# Utility commands that may hold the step loop for long without being a stuck step: waking
+# from level 2 reloads the weights, loading an adapter reads it from disk.
+SLOW_UTILITIES = frozenset({"sleep", "wake_up", "load_lora_adapter"})
 
 
 class _Collector:
@@ -106,6 +121,11 @@ class EngineClient:
         self._workers: TokenizerWorkers | None = None
         self._model_info: ModelInfo | None = None
         self._snapshot: Snapshot | None = None
+        # The heartbeat: when the step loop last sent a message, and when requests in flight
+        # last went from none to some (a step starts then, however long ago the last beat).
+        self.stall_timeout_s: float | None = None  # None: never stalled
+        self._beat_at = self._busy_since = time.monotonic()
+        self._slow_calls: set[int] = set()  # ids of SLOW_UTILITIES calls not yet answered
 
     # --- what a subclass provides -------------------------------------------------------------
 
@@ -156,6 +176,26 @@ class EngineClient:
     def is_sleeping(self) -> bool:
         return self._snapshot.stats.is_sleeping
 
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests this frontend has given the engine and not yet seen end."""
+        return len(self._collectors)
+
+    @property
+    def figures_age_s(self) -> float:
+        """Seconds since the step loop last reported: the age of ``stats``."""
+        return time.monotonic() - self._beat_at
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the step loop has been silent past its bound (see the module's docstring)."""
+        timeout = self.stall_timeout_s
+        if timeout is None or self._slow_calls or self.dead_error is not None:
+            return False
+        if not self._collectors:
+            timeout = max(timeout, IDLE_STALL_MIN_S)
+        return time.monotonic() - max(self._beat_at, self._busy_since) > timeout
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -168,6 +208,8 @@ class EngineClient:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._collectors:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if not self._collectors:
+            self._busy_since = time.monotonic()
         collector = self._collectors[request_id] = _Collector()
         num_finished = 0
         try:
@@ -240,20 +282,26 @@ class EngineClient:
     # --- messages ---------------------------------------------------------------------------
 
     async def _utility(self, method: str, *args):
-        return await self._call(lambda call_id: Call(call_id, method, list(args)))
+        return await self._call(
+            lambda call_id: Call(call_id, method, list(args)), slow=method in SLOW_UTILITIES
+        )
 
-    def _call(self, make_message: Callable[[int], object]) -> asyncio.Future:
-        """Send the command ``make_message(call_id)`` now; a future of its result."""
+    def _call(self, make_message: Callable[[int], object], slow: bool = False) -> asyncio.Future:
+        """Send the command ``make_message(call_id)`` now; a future of its result. ``slow``:
+        the step loop may be silent until it answers."""
         future = asyncio.get_running_loop().create_future()
         if self.dead_error is not None:
             future.set_exception(EngineDeadError(f"the engine stopped: {self.dead_error}"))
             return future
         call_id = next(self._call_ids)
         self._calls[call_id] = future
+        if slow:
+            self._slow_calls.add(call_id)
         try:
             self._send(make_message(call_id))
         except BaseException:
             del self._calls[call_id]
+            self._slow_calls.discard(call_id)
             raise
         return future
 
@@ -264,6 +312,8 @@ class EngineClient:
 
     def _handle(self, message) -> None:
         """A message from the engine core, on the event loop."""
+        if isinstance(message, Outputs | Result | Figures):
+            self._beat_at = time.monotonic()
         if isinstance(message, Outputs):
             self._snapshot = message.snapshot
             for output in message.outputs:
@@ -272,6 +322,7 @@ class EngineClient:
                     collector.put(output)
         elif isinstance(message, Result):
             self._snapshot = message.snapshot
+            self._slow_calls.discard(message.call_id)
             future = self._calls.pop(message.call_id, None)
             if future is None or future.done():  # the caller gave up (a cancelled call)
                 return
@@ -294,6 +345,7 @@ class EngineClient:
         for collector in self._collectors.values():
             collector.fail(error)
         calls, self._calls = self._calls, {}
+        self._slow_calls.clear()
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)

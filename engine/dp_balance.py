@@ -10,13 +10,14 @@ the hashes of a prompt's first few full KV blocks (chained, as the engine's pref
 hashes them) remember the engine that last took that prefix; a request whose prefix is
 remembered goes back to that engine, whose prefix cache probably still holds it, while that
 engine's load is within ``prefix_slack`` of the least load. The longest remembered prefix
-wins. The memory is bounded (least recently used prefixes are forgotten).
+wins. The memory is bounded (least recently used prefixes are forgotten). Engines the caller
+names unavailable (a stalled one) take nothing while another can.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 # Prompt blocks whose prefixes are remembered: chat prompts share their first blocks (template
 # and system prompt), conversations their history; beyond 8 blocks the hashing costs more than
@@ -65,12 +66,15 @@ class LoadBalancer:
         self._prefixes: OrderedDict[int, int] = OrderedDict()  # prefix hash -> engine
         self._last = num_engines - 1  # so that the first tie goes to engine 0
 
-    def choose(self, prompt_token_ids: Sequence[int]) -> int:
-        """The engine for a request with this prompt; remembers its prefixes there."""
+    def choose(self, prompt_token_ids: Sequence[int], unavailable: Collection[int] = ()) -> int:
+        """The engine for a request with this prompt, not one of ``unavailable`` unless all
+        are; remembers its prefixes there."""
         hashes = prefix_hashes(prompt_token_ids, self.block_size) if self.prefix_aware else []
-        engine = self._preferred(hashes)
+        available = [i for i in range(len(self.loads)) if i not in unavailable]
+        available = available or list(range(len(self.loads)))
+        engine = self._preferred(hashes, available)
         if engine is None:
-            engine = self._least_loaded()
+            engine = self._least_loaded(available)
         self._last = engine
         for key in hashes:
             self._prefixes[key] = engine
@@ -86,20 +90,22 @@ class LoadBalancer:
     def finished(self, engine: int, num_samples: int = 1) -> None:
         self.loads[engine] -= num_samples
 
-    def _preferred(self, hashes: list[int]) -> int | None:
-        """The engine that took this prompt's longest remembered prefix, if not too busy."""
-        least = min(self.loads)
+    def _preferred(self, hashes: list[int], available: list[int]) -> int | None:
+        """The engine that took this prompt's longest remembered prefix, if available and not
+        too busy."""
+        least = min(self.loads[i] for i in available)
         for key in reversed(hashes):
             engine = self._prefixes.get(key)
             if engine is not None:
-                return engine if self.loads[engine] <= least + self.prefix_slack else None
+                fits = engine in available and self.loads[engine] <= least + self.prefix_slack
+                return engine if fits else None
         return None
 
-    def _least_loaded(self) -> int:
-        least = min(self.loads)
+    def _least_loaded(self, available: list[int]) -> int:
+        least = min(self.loads[i] for i in available)
         count = len(self.loads)
         for step in range(1, count + 1):
             engine = (self._last + step) % count
-            if self.loads[engine] == least:
+            if engine in available and self.loads[engine] == least:
                 return engine
         raise AssertionError("unreachable: some engine has the least load")

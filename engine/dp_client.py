@@ -7,7 +7,10 @@ prefix preference); its outputs, aborts and cancellation stay with that engine. 
 (prefix cache reset, sleep and wake, LoRA adapters) go to every engine; figures are the sum of
 the engines' (``engine_stats`` keeps each one's); model facts and tokenizers are engine 0's.
 The server serves once every engine has loaded and served a warm-up request; if any engine
-process dies, the whole client is dead, as one engine's death is (the server stops).
+process dies, the whole client is dead, as one engine's death is (the server stops). An engine
+that has stalled (``EngineClient.stalled``: stopped, or a step that does not return) takes no
+new request while another has not; the client is stalled, and health NOT_SERVING, only when
+every engine is: the others serve meanwhile, and its requests wait for it.
 
 Cores: on the CPU the engines split the machine's cores between them (``engine_environments``):
 each engine process gets ``OMP_NUM_THREADS`` set to its share, unless the environment
@@ -149,6 +152,38 @@ class DataParallelClient:
     def is_sleeping(self) -> bool:
         return all(engine.is_sleeping for engine in self.engines)
 
+    @property
+    def stall_timeout_s(self) -> float | None:
+        return self.engines[0].stall_timeout_s
+
+    @stall_timeout_s.setter
+    def stall_timeout_s(self, value: float | None) -> None:
+        for engine in self.engines:
+            engine.stall_timeout_s = value
+
+    @property
+    def stalled(self) -> bool:
+        """Every engine has stalled."""
+        return all(self.engine_stalls)
+
+    @property
+    def engine_stalls(self) -> list[bool]:
+        """Whether each engine has stalled, in engine order."""
+        return [engine.stalled for engine in self.engines]
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._owners)
+
+    @property
+    def figures_age_s(self) -> float:
+        """The oldest engine's figures' age."""
+        return max(engine.figures_age_s for engine in self.engines)
+
+    @property
+    def engine_figures_ages(self) -> list[float]:
+        return [engine.figures_age_s for engine in self.engines]
+
     def engine_of(self, request_id: str) -> int | None:
         """The engine serving a live request (None once it has ended)."""
         return self._owners.get(request_id)
@@ -163,7 +198,8 @@ class DataParallelClient:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._owners:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        index = self.balancer.choose(prompt_token_ids)
+        stalls = self.engine_stalls
+        index = self.balancer.choose(prompt_token_ids, [i for i, s in enumerate(stalls) if s])
         self._owners[request_id] = index
         self.balancer.started(index, params.n)
         try:

@@ -86,7 +86,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetLoad(self, request, context):
         engine = self.state.require_engine()
         # A data-parallel client (engine/dp_client.py) has each engine's figures too.
-        return convert.load_response(engine.stats, getattr(engine, "engine_stats", []))
+        response = convert.load_response(engine.stats, getattr(engine, "engine_stats", []))
+        response.figures_age_seconds = engine.figures_age_s
+        response.engine_stalled = engine.stalled
+        ages = getattr(engine, "engine_figures_ages", [])
+        stalls = getattr(engine, "engine_stalls", [])
+        for each, age, stalled in zip(response.engines, ages, stalls, strict=True):
+            each.figures_age_seconds, each.stalled = age, stalled
+        return response
 
     @handle_errors
     async def ResetPrefixCache(self, request, context):

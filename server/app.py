@@ -2,7 +2,9 @@
 
 The port is bound first and health says NOT_SERVING while the model loads and warms up, so
 probes and ``grpcurl list`` work at once; health turns SERVING once the engine has served a
-warm-up request. On SIGTERM health turns NOT_SERVING at once; calls are still served for the
+warm-up request. While the engine is stalled (``--engine-stall-timeout``: requests in flight
+and no step for that long; ``server/health.py``) health says NOT_SERVING, and SERVING again
+once it steps. On SIGTERM health turns NOT_SERVING at once; calls are still served for the
 drain delay (load balancers stop routing here meanwhile), then the server stops: calls in
 flight get the shutdown grace to finish, new ones get UNAVAILABLE, and the engine stops (its
 process, unless --disable-frontend-multiprocessing keeps it on a thread here). If the engine
@@ -96,6 +98,7 @@ class RunningServer:
         self.engine_failure: BaseException | None = None
         self.engine_died = asyncio.Event()
         self._stats_task: asyncio.Task | None = None
+        self._stall_task: asyncio.Task | None = None
         self._hurry = asyncio.Event()
         self._stopped = False
         self.tracing: ServerTracing | None = None  # --otlp-traces-endpoint
@@ -132,6 +135,8 @@ class RunningServer:
         if not frontend.logs.disable_log_stats:
             interval = frontend.logs.stats_interval_s
             self._stats_task = asyncio.create_task(log_stats_forever(engine, interval))
+        engine.stall_timeout_s = frontend.engine_stall_timeout_s
+        self._stall_task = asyncio.create_task(self.health.watch_for_stalls(engine))
         await self.health.set_serving(True)
         names = ", ".join(engine.model_info.served_model_names)
         logger.info("serving %s on gRPC port %d", names, self.port)
@@ -154,8 +159,9 @@ class RunningServer:
         await self.health.shut_down()
         await self._drain(drain_delay)
         await self._stop_serving(grace)
-        if self._stats_task is not None:
-            self._stats_task.cancel()
+        for task in (self._stats_task, self._stall_task):
+            if task is not None:
+                task.cancel()
         if self.state.engine is not None:
             await self.state.engine.shutdown()
         await self._end_tracing()

@@ -137,6 +137,13 @@ _OURS = _group(
          "After the drain delay, calls in flight (REST streams included) get this long to "
          "finish; new calls get UNAVAILABLE (REST: 503). A second SIGTERM cancels them at once.",
          metavar="SECONDS"),
+    ours("--engine-stall-timeout", 60.0, float, "frontend.engine_stall_timeout_s",
+         "Health turns NOT_SERVING (REST /health: 503) while the engine has requests in flight "
+         "and has not finished a step for this many seconds (stopped, or a step that does not "
+         "return), or, idle, has not reported for this long (5 s at least; it reports every "
+         "second); SERVING again once it steps. GetLoad says engine_stalled. Raise it above "
+         "your longest step: a full --max-num-batched-tokens prefill of a large model on a "
+         "CPU. Default: 60.", metavar="SECONDS"),
     ours("--max-waiting-requests", None, int, "limits.max_waiting_requests",
          "Most sequences (n per prompt; a REST request's prompts count whole) waiting for a "
          "place in the batch; past it, RESOURCE_EXHAUSTED with a RetryInfo detail. Default: no "

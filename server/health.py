@@ -2,12 +2,18 @@
 
 Kubernetes gRPC probes cannot use TLS, so with ``--health-port`` a second, plaintext server
 answers health alone, from the same servicer: both ports always report the same status.
+
+``watch_for_stalls`` turns health NOT_SERVING while the engine is stalled (``--engine-stall-
+timeout``: requests in flight and no step for that long; idle, no report for that long, 5 s at
+least) and SERVING again when it steps; the REST gateway's /health follows, as it follows any
+change of the gRPC health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -61,6 +67,32 @@ class Health:
     def end_watches(self) -> None:
         """End every Watch stream, once nothing else holds the stopping server."""
         self.servicer.end_watches()
+
+    async def watch_for_stalls(self, engine) -> None:
+        """Until cancelled: NOT_SERVING while ``engine.stalled``, SERVING again once it is not
+        (nothing changes once ``shut_down``). Checked every quarter of the bound, 1 s at most."""
+        period = min(1.0, engine.stall_timeout_s / 4)
+        stalled_since = None
+        while engine.dead_error is None:  # dead: health is NOT_SERVING for good
+            await asyncio.sleep(period)
+            stalled = engine.stalled and engine.dead_error is None
+            if stalled and stalled_since is None:
+                stalled_since = time.monotonic()
+                logger.warning(
+                    "the engine has not stepped for %.1f s (--engine-stall-timeout %g s) with %d "
+                    "request(s) in flight: health is NOT_SERVING until it steps again",
+                    engine.figures_age_s,
+                    engine.stall_timeout_s,
+                    engine.num_requests_in_flight,
+                )
+                await self.set_serving(False)
+            elif not stalled and stalled_since is not None:
+                logger.info(
+                    "the engine steps again after %.1f s stalled: health is SERVING",
+                    time.monotonic() - stalled_since,
+                )
+                stalled_since = None
+                await self.set_serving(True)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)

@@ -178,6 +178,10 @@ class FrontendConfig:
     hide_model_path: bool = False  # --hide-model-path: names, not folders (server/model_paths.py)
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 10.0
+    # Health NOT_SERVING once the engine has had requests in flight and not stepped this long
+    # (--engine-stall-timeout; server/health.py). Longer than any legitimate step: a full
+    # 2048-token prefill of SmolLM2-135M (Transformers) took 12 s in float32 on 2 shared cores.
+    engine_stall_timeout_s: float = 60.0
     # Where the engine core runs: in a process of its own (False, the default, as vLLM's), or
     # on a thread of the server's process (True: --disable-frontend-multiprocessing)
     disable_frontend_multiprocessing: bool = False
@@ -206,6 +210,7 @@ class FrontendConfig:
         ):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more, got {value}")
+        _check_positive("--engine-stall-timeout", self.engine_stall_timeout_s)
         self._check_ports_apart()
         self._check_data_parallel()
 

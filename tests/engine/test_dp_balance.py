@@ -53,6 +53,18 @@ def test_the_longest_remembered_prefix_wins():
     assert balancer.choose([8] * BLOCK) == 0  # nothing known: in turn
 
 
+def test_an_unavailable_engine_takes_nothing_while_another_can():
+    balancer = LoadBalancer(3, BLOCK)
+    assert balancer.choose(SHARED) == 0  # its prefix remembered on engine 0
+    balancer.started(1, 5)
+    # engine 0 stalled: neither its prefix nor its (least) load sends the request there
+    assert balancer.choose(SHARED, unavailable=[0]) == 2
+    assert [balancer.choose([1], unavailable=[0, 2]) for _ in range(2)] == [1, 1]
+    assert balancer.choose(SHARED, unavailable=[0]) == 2  # the prefix now remembered there
+    # every engine stalled: routed as if none were (health says NOT_SERVING meanwhile)
+    assert balancer.choose([1], unavailable=[0, 1, 2]) == 0
+
+
 def test_prompts_shorter_than_a_block_and_prefix_caching_off_are_balanced_by_load_alone():
     balancer = LoadBalancer(2, BLOCK)
     assert [balancer.choose(SHARED[: BLOCK - 1]) for _ in range(2)] == [0, 1]
@@ -108,6 +120,7 @@ class StandInEngine:
         self.resets = 0
         self.release = asyncio.Event()
         self.stats = stats(0)
+        self.stalled = False
 
     async def generate(self, request_id, prompt_token_ids, params):
         self.requests.append(request_id)
@@ -155,6 +168,21 @@ async def test_one_engine_dying_kills_the_client_and_tells_its_listeners():
     assert heard == [client.dead_error]
     with pytest.raises(RuntimeError, match="data-parallel engine 1"):
         await drain(client, "late")
+
+
+async def test_a_stalled_engine_gets_no_new_request_and_the_client_stalls_with_all():
+    engines = [StandInEngine(), StandInEngine()]
+    client = DataParallelClient(engines, LoadBalancer(2, BLOCK))
+    engines[0].stalled = True
+    tasks = [asyncio.create_task(drain(client, f"r{i}")) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert [e.requests for e in engines] == [[], ["r0", "r1", "r2"]]
+    assert client.engine_stalls == [True, False] and not client.stalled
+    engines[1].stalled = True
+    assert client.stalled
+    for engine in engines:
+        engine.release.set()
+    await asyncio.gather(*tasks)
 
 
 def test_figures_add_up_and_the_hit_rate_is_averaged():

@@ -139,7 +139,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization", "engines")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization", "engines", "figures_age_seconds", "engine_stalled")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,8 @@ class GetLoadResponse(_message.Message):
     DEVICE_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STALLED_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -166,19 +168,25 @@ class GetLoadResponse(_message.Message):
     device_memory_total_bytes: float
     device_utilization: float
     engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ...) -> None: ...
+    figures_age_seconds: float
+    engine_stalled: bool
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., figures_age_seconds: _Optional[float] = ..., engine_stalled: _Optional[bool] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "figures_age_seconds", "stalled")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
     num_kv_blocks: int
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    figures_age_seconds: float
+    stalled: bool
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., figures_age_seconds: _Optional[float] = ..., stalled: _Optional[bool] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
