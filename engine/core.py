@@ -604,13 +604,16 @@ class EngineCore:
             return []
         outputs = []
         for request in self.scheduler.compiled():
-            error = request.grammar.error()
-            logger.info("request %s refused: %s", request.request_id, error)
-            self.scheduler.finish_request(request, FinishReason.ERROR)
-            output = self.output_processor.error_output(request, error.message)
-            output.error_field = error.field  # the caller's to fix: INVALID_ARGUMENT
-            outputs.append(output)
+            outputs.append(self._refuse(request, request.grammar.error()))
         return outputs
+
+    def _refuse(self, request: Request, error: InvalidRequestError) -> RequestOutput:
+        """End ``request`` for a fault of its own: the caller's to fix (INVALID_ARGUMENT)."""
+        logger.info("request %s refused: %s", request.request_id, error)
+        self.scheduler.finish_request(request, FinishReason.ERROR)
+        output = self.output_processor.error_output(request, error.message)
+        output.error_field = error.field
+        return output
 
     def _wait_for_a_grammar(self, timeout: float = 0.01) -> None:
         """With nothing to compute but grammars compiling: a short wait, not a busy loop."""
@@ -618,12 +621,19 @@ class EngineCore:
         if futures:
             concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
-    def _fail_requests(self, failed: dict[Request, str]) -> list[RequestOutput]:
+    def _fail_requests(
+        self, failed: dict[Request, str | InvalidRequestError]
+    ) -> list[RequestOutput]:
+        """End each request of ``failed``: a message is a fault of ours (INTERNAL); an
+        ``InvalidRequestError`` is the caller's to fix (INVALID_ARGUMENT naming its field)."""
         outputs = []
-        for request, message in failed.items():
-            logger.error("request %s failed: %s", request.request_id, message)
+        for request, problem in failed.items():
+            if isinstance(problem, InvalidRequestError):
+                outputs.append(self._refuse(request, problem))
+                continue
+            logger.error("request %s failed: %s", request.request_id, problem)
             self.scheduler.finish_request(request, FinishReason.ERROR)
-            outputs.append(self.output_processor.error_output(request, message))
+            outputs.append(self.output_processor.error_output(request, problem))
         return outputs
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrpc.engine.request import Request
+from llmrpc.engine.request import InvalidRequestError, Request
+from llmrpc.engine.structured_output import field_name
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -34,7 +35,7 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class PendingMasks:
     requests: list[Request]
     bitmask: torch.Tensor  # [len(requests), words] int32
-    errors: dict[Request, str]
+    errors: dict[Request, str | InvalidRequestError]  # an InvalidRequestError: the caller's
     done: concurrent.futures.Future
 
 
@@ -45,6 +46,17 @@ def _fill(requests: list[Request], bitmask: torch.Tensor, errors: dict) -> None:
             request.grammar.fill(bitmask, row)
         except Exception as error:  # noqa: BLE001 - this request's own fault
             errors[request] = f"computing the structured output's token mask failed: {error!r}"
+            continue
+        if not bitmask[row].any():  # no token, not even a stop token, may come next
+            errors[request] = _dead_end(request)
+
+
+def _dead_end(request: Request) -> InvalidRequestError:
+    """The error of a constraint that admits nothing after the output so far: the caller's
+    (a schema that only refers to itself, or whose every branch is impossible)."""
+    where = f"after {request.num_output_tokens} output tokens"
+    message = f"admits no output ({where} no token can follow): it can never be satisfied"
+    return InvalidRequestError(field_name(request.grammar.spec), message)
 
 
 def _samples(request: Request, num_scheduled: int) -> bool:
@@ -64,7 +76,7 @@ class GrammarStep:
         if not requests:
             return None
         bitmask = allocate_bitmask(len(requests), self.vocab_size)
-        errors: dict[Request, str] = {}
+        errors: dict[Request, str | InvalidRequestError] = {}
         done = self._pool.submit(_fill, requests, bitmask, errors)
         return PendingMasks(requests, bitmask, errors, done)
 

@@ -122,6 +122,8 @@ def _xgrammar_build(spec: StructuredOutputSpec, compiler=None):
     kind, value = spec.kind, spec.value
     if kind in ("json_schema", "json_object"):
         schema = value if kind == "json_schema" else _ANY_OBJECT
+        if kind == "json_schema" and (keyword := unenforced_by_xgrammar(json.loads(value))):
+            raise ValueError(f"the JSON Schema keyword {keyword!r} is not enforced by xgrammar")
         any_whitespace = spec.any_whitespace and spec.max_whitespace != 0
         options = {
             "any_whitespace": any_whitespace,
@@ -143,6 +145,34 @@ def _xgrammar_build(spec: StructuredOutputSpec, compiler=None):
         return compiler.compile_structural_tag(value)
     ebnf = _choice_rule("root ::=", spec.choices) if kind == "choice" else value
     return xgrammar.Grammar.from_ebnf(ebnf) if compiler is None else compiler.compile_grammar(ebnf)
+
+
+# Keywords xgrammar 0.2.8 accepts and does not enforce (measured: a value the keyword forbids
+# is accepted whole): with them a schema goes to llguidance, which refuses what it cannot do.
+_XGRAMMAR_IGNORES = frozenset({"not", "if", "then", "else"})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_DATA = ("enum", "const", "default", "examples")
+
+
+def unenforced_by_xgrammar(schema) -> str | None:
+    """The first keyword of ``schema`` (a JSON Schema, as parsed) that xgrammar would ignore:
+    one of ``_XGRAMMAR_IGNORES``, or ``allOf`` of more than one schema (xgrammar keeps one)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in _XGRAMMAR_IGNORES or (key == "allOf" and len(value or ()) > 1):
+                return key
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                stack.extend(value)
+            elif key not in _DATA and isinstance(value, dict):
+                stack.append(value)
+    return None
 
 
 def _closed_objects(schema):

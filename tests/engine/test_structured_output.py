@@ -302,3 +302,21 @@ def test_the_whitespace_bound_can_be_set_or_lifted(core, backend):
             output.append(tab)
             assert grammar.accept(output) is None
         assert len(output) == expected, bound
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"not": {"type": "integer"}}, "not"),
+        ({"type": "object", "properties": {"a": {"if": {}, "then": {}}}}, "if"),
+        ({"anyOf": [{"type": "string"}, {"allOf": [{"minimum": 1}, {"maximum": 3}]}]}, "allOf"),
+        ({"items": [{"else": {}}]}, "else"),
+        ({"$defs": {"a": {"not": {}}}, "$ref": "#/$defs/a"}, "not"),
+        # names and data are not keywords: a property called "not", an enum of "if"
+        ({"type": "object", "properties": {"not": {"type": "string"}}}, None),
+        ({"enum": [{"not": 1}], "default": {"if": 2}}, None),
+        ({"allOf": [{"type": "integer", "minimum": 5}]}, None),
+    ],
+)
+def test_keywords_xgrammar_would_ignore_are_found(schema, keyword):
+    assert structured_output.unenforced_by_xgrammar(schema) == keyword

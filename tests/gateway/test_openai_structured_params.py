@@ -121,3 +121,22 @@ def test_a_grammar_past_the_compile_timeout_is_a_400_naming_response_format(hast
     assert "--structured-output-compile-timeout" in error["message"], error
     free = post(hasty_gateway, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
     assert free.status_code == 200, free.text
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},  # refers to itself, and nothing else: no value is ever complete
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"not": {}},  # admits no value
+        {"type": "object", "properties": {"x": {"not": {}}}, "required": ["x"]},
+    ],
+)
+def test_a_schema_that_admits_nothing_is_a_400_naming_response_format(gateway, schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "none", "schema": schema}}
+    body = {"messages": MESSAGES, "response_format": fmt, "max_tokens": 4}
+    reply = post(gateway, "/v1/chat/completions", body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "response_format.json_schema.schema", reply.json()
+    free = post(gateway, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
+    assert free.status_code == 200, free.text
