@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from llmrpc.clients.errors import REQUEST_ID_METADATA, LlmrpcError
-from llmrpc.v1.headers import AUTHORIZATION, BATCH_ID, BATCH_SEQUENCES, bearer
+from llmrpc.v1.headers import AUTHORIZATION, BATCH_ID, BATCH_SEQUENCES, CLIENT, bearer
 
 API_KEY_METADATA = AUTHORIZATION
 
@@ -73,6 +73,21 @@ def in_batch(batch_id: str, num_sequences: int) -> Iterator[None]:
         yield
     finally:
         _batch.reset(token)
+
+
+# The REST client that calls made in this context are for (``llmrpc.v1.headers.CLIENT``).
+_client: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmrpc_client", default=None)
+
+
+@contextlib.contextmanager
+def made_for(client: str) -> Iterator[None]:
+    """Calls made inside the block (in this task, or tasks it starts) say they are for
+    ``client``, the REST connection the gateway serves."""
+    token = _client.set(client)
+    try:
+        yield
+    finally:
+        _client.reset(token)
 
 
 @dataclass(frozen=True)
@@ -184,6 +199,9 @@ class ConnectionOptions:
         if request_id:
             pairs.append((REQUEST_ID_METADATA, request_id))
         pairs.extend(_trace_headers.get())
+        client = _client.get()
+        if client is not None:
+            pairs.append((CLIENT, client))
         batch = _batch.get()
         if batch is not None:
             pairs += [(BATCH_ID, batch[0]), (BATCH_SEQUENCES, str(batch[1]))]

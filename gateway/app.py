@@ -19,6 +19,7 @@ from llmrpc.gateway.body_limit import BodyLimitMiddleware
 from llmrpc.gateway.errors import install_handlers
 from llmrpc.gateway.middleware import (
     ApiKeyMiddleware,
+    ClientMiddleware,
     HeaderCountMiddleware,
     LoadTrackingMiddleware,
     RequestIdMiddleware,
@@ -80,6 +81,8 @@ def _add_middleware(
         max_size=http.max_request_body_size,
         timeout_s=http.request_body_timeout_s,
     )
+    if settings.backends.forward_api_key:  # llmrpc serve's gateway: its server reads these
+        app.add_middleware(ClientMiddleware)
     if api.api_keys:
         forward = settings.backends.forward_api_key
         app.add_middleware(ApiKeyMiddleware, keys=api.api_keys, forward_key=forward)

@@ -13,7 +13,7 @@ import uuid
 
 from fastapi import FastAPI
 
-from llmrpc.clients.connection import acting_for
+from llmrpc.clients.connection import acting_for, made_for
 from llmrpc.gateway.errors import OpenAIError, invalid
 from llmrpc.gateway.state import REQUEST_ID_HEADER, GatewayState
 from llmrpc.v1.headers import bearer_key, request_id_problem
@@ -81,6 +81,22 @@ class ApiKeyMiddleware:
                 return await self.app(scope, receive, send)
         error = OpenAIError(401, "Unauthorized: send 'Authorization: Bearer <api key>'")
         await _reply_error(scope, receive, send, error, [(b"www-authenticate", b"Bearer")])
+
+
+class ClientMiddleware:
+    """The gRPC calls made for a request say which REST connection they are for
+    (``llmrpc.v1.headers.CLIENT``), so ``llmrpc serve``'s engine lets REST callers without keys
+    take turns by connection, as it does gRPC callers (a key, when there is one, comes first)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host, port = scope.get("client") or ("unix", 0)
+        with made_for(f"{host}:{port}"):
+            return await self.app(scope, receive, send)
 
 
 class RequestIdMiddleware:

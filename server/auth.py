@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from llmrpc.v1 import admin_pb2
-from llmrpc.v1.headers import bearer_key
+from llmrpc.v1.headers import CLIENT, bearer_key
 
 _ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"]
 # AdminService RPCs any caller may use: they only read, or (Abort) reach only the caller's own
@@ -56,13 +56,18 @@ caller_var: contextvars.ContextVar[Caller] = contextvars.ContextVar(
 
 def fair_share_caller(context) -> str:
     """Who a call is for the engine's waiting queue, where callers take turns: its API key
-    (by digest), else its client connection (grpc.aio's peer; one for the in-process
-    channel, whose REST callers then share a turn unless they bring keys)."""
+    (by digest), else its client connection: grpc.aio's peer, or on the in-process channel
+    (which has none) the REST connection that llmrpc serve's gateway says it calls for."""
     digest = caller_var.get().key_digest
     if digest is not None:
         return f"key:{digest.hex()[:16]}"
     peer = getattr(context, "peer", None)
-    return f"peer:{peer()}" if peer is not None else "in-process"
+    if peer is not None:
+        return f"peer:{peer()}"
+    for name, value in context.invocation_metadata() or ():
+        if name == CLIENT:
+            return f"rest:{value}"
+    return "in-process"
 
 
 def _digest(key: str) -> bytes:

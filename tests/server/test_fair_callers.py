@@ -18,6 +18,7 @@ from llmrpc.engine.config import SchedulerConfig
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.server.auth import Caller, caller_var, fair_share_caller
 from llmrpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from llmrpc.v1.headers import CLIENT
 
 on_the_servers_loop = pytest.mark.asyncio(loop_scope="module")
 KEYS = ("key-a", "key-b")
@@ -64,10 +65,16 @@ async def test_another_keys_request_is_not_held_behind_a_whole_batch(server, cha
 
 @on_the_servers_loop
 async def test_a_call_without_a_key_is_its_connections(server):
-    """(Unit) the fair-share caller: the key's digest, else the connection, else in-process."""
+    """(Unit) the fair-share caller: the key's digest, else the connection: gRPC's peer, or
+    on the in-process channel the REST connection llmrpc serve's gateway names."""
     context = SimpleNamespace(peer=lambda: "ipv4:127.0.0.1:40000")
     assert fair_share_caller(context) == "peer:ipv4:127.0.0.1:40000"
-    assert fair_share_caller(SimpleNamespace()) == "in-process"
+    in_process = SimpleNamespace(invocation_metadata=lambda: ())
+    assert fair_share_caller(in_process) == "in-process"
+    rest = SimpleNamespace(invocation_metadata=lambda: ((CLIENT, "127.0.0.1:5000"),))
+    assert fair_share_caller(rest) == "rest:127.0.0.1:5000"
+    spoofed = SimpleNamespace(peer=context.peer, invocation_metadata=rest.invocation_metadata)
+    assert fair_share_caller(spoofed) == "peer:ipv4:127.0.0.1:40000"  # a network caller's own
     token = caller_var.set(Caller(bytes(range(32))))
     try:
         assert fair_share_caller(context) == "key:000102030405060708090a0b0c0d0e0f"[:20]

@@ -16,6 +16,10 @@ REQUEST_ID = "x-request-id"
 # bound (--max-waiting-requests) counts the request whole rather than call by call.
 BATCH_ID = "x-llmrpc-batch-id"
 BATCH_SEQUENCES = "x-llmrpc-batch-sequences"
+# The REST client (its connection, host:port) a call of llmrpc serve's own gateway is made for:
+# callers take turns in the engine's queue, and a REST caller without a key is its connection,
+# as a gRPC one is. Read only from the server's in-process channel.
+CLIENT = "x-llmrpc-client"
 
 # Request ids: 1 to 256 visible ASCII characters (0x21-0x7E) on gRPC. They go into response
 # metadata (which allows only printable ASCII) and into every log line about the request, so
