@@ -206,6 +206,10 @@ class Load:
     device_memory_used_bytes: int = 0  # on CUDA; 0 on the CPU
     device_memory_total_bytes: int = 0
     device_utilization: float | None = None  # on CUDA where NVML reads it
+    # Seconds since the engine last reported, and whether it has stalled (health NOT_SERVING
+    # meanwhile); None from a server that does not say.
+    figures_age_s: float | None = None
+    engine_stalled: bool | None = None
 
 
 def _matched_stop(response: generation_pb2.GenerateResponse) -> str | int | None:
@@ -372,4 +376,8 @@ def load_from_proto(response: admin_pb2.GetLoadResponse) -> Load:
         device_utilization=response.device_utilization
         if response.HasField("device_utilization")
         else None,
+        figures_age_s=response.figures_age_seconds
+        if response.HasField("figures_age_seconds")
+        else None,
+        engine_stalled=response.engine_stalled if response.HasField("engine_stalled") else None,
     )

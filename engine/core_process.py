@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How often an idle engine refreshes its published figures.
+# How often an idle engine refreshes its published figures: its heartbeat while idle (the
+# frontend counts on it to tell an idle engine from a frozen one: async_engine.IDLE_STALL_MIN_S).
 STATS_REFRESH_S = 1.0
 # How often an idle engine gives the allocator's free memory back to the system.
 IDLE_TRIM_INTERVAL_S = 10.0

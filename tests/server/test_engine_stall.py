@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_utils import frontend_config, read_rest, serve_in_process, wait_until
 
 from llmrpc.cli import rest as rest_cli
+from llmrpc.clients.types import load_from_proto
 from llmrpc.server.state import SERVICE_NAMES
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -121,6 +122,7 @@ async def test_a_stopped_engine_process_with_a_request_in_flight_turns_health_no
             load = await get_load(running)
             assert load.HasField("engine_stalled") and load.engine_stalled
             assert load.figures_age_seconds >= BOUND_S
+            assert load_from_proto(load).engine_stalled  # as the Python clients read it
         await wait_until(lambda: views.all_are(SERVING), timeout=30, what="SERVING again")
         rest = await read_rest(stream)
     tokens = len(first.token_ids) + sum(len(message.token_ids) for message in rest)
