@@ -28,6 +28,7 @@ from llmrpc.server.errors import (
     NotFound,
     Unavailable,
 )
+from llmrpc.server.prompt_bounds import check_can_fit
 from llmrpc.server.structured_output import engine_spec
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2, tokenization_pb2
 
@@ -109,8 +110,11 @@ def engine_errors(request) -> Iterator[None]:
 # --- prompts -------------------------------------------------------------------------------
 
 
-def prompt_token_ids(request, tokenizer, model_info: ModelInfo) -> list[int]:
-    """Token ids of a GenerateRequest's or TokenizeRequest's ``input`` oneof."""
+def prompt_token_ids(
+    request, tokenizer, model_info: ModelInfo, max_tokens: int | None = None
+) -> list[int]:
+    """Token ids of a GenerateRequest's or TokenizeRequest's ``input`` oneof; a text that could
+    not have ``max_tokens`` tokens or fewer is refused before it is tokenized."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("input", "set exactly one of text, token_ids or chat")
@@ -125,6 +129,7 @@ def prompt_token_ids(request, tokenizer, model_info: ModelInfo) -> list[int]:
         text = request.text
     else:
         text = render_chat(request.chat, tokenizer, model_info.has_chat_template)
+    check_can_fit(kind, text, tokenizer, max_tokens)
     return tokenizer.encode(text, add_special_tokens=add_special)
 
 
@@ -227,7 +232,9 @@ def to_engine_request(
     ``deadline`` (``time.monotonic()``) is when the caller stops waiting: a queued request
     that cannot start in time is dropped early.
     """
-    prompt = prompt_token_ids(request, tokenizer, model_info)
+    truncated = request.HasField("truncate_prompt_tokens")  # cut after tokenizing, as vLLM
+    max_tokens = None if truncated else model_info.max_model_len
+    prompt = prompt_token_ids(request, tokenizer, model_info, max_tokens)
     return prompt, sampling_params(request, len(prompt), model_info, deadline)
 
 

@@ -19,8 +19,9 @@ import httpx
 from llmrpc.v1 import generation_pb2, generation_pb2_grpc
 
 # More tokens than the tokenizer's own limit (SmolLM2's tokenizer: 8192), far beyond the tiny
-# model's context (512).
-LONG_PROMPT = "word " * 10000
+# model's context (512), in few enough characters to be tokenized (longer texts are refused by
+# their length first: 512 tokens of at most 81 characters).
+LONG_PROMPT = "a " * 10000
 
 
 class ServeLog:

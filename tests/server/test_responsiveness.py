@@ -68,18 +68,41 @@ def chat(template: str | None = None) -> common_pb2.Chat:
 
 async def test_health_answers_while_a_huge_prompt_is_tokenized(servers):
     running = servers[0]
-    async with grpc.aio.insecure_channel(running.address) as channel:
-        generation = generation_pb2_grpc.GenerationServiceStub(channel)
+    options = [("grpc.max_receive_message_length", 64 * 2**20)]  # 600,000 ids and strings
+    async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+        # Tokenize takes any length (Generate refuses what cannot fit by its length: below)
+        tokenize = tokenization_pb2_grpc.TokenizationServiceStub(channel)
         text = "The quick brown fox jumps over the lazy dog. " * 60_000  # 2.7 MB
         started = time.monotonic()
-        call = asyncio.ensure_future(generation.Generate(generation_pb2.GenerateRequest(text=text)))
+        call = asyncio.ensure_future(tokenize.Tokenize(tokenization_pb2.TokenizeRequest(text=text)))
         probes = await probe_health(channel, call)
-        with pytest.raises(grpc.aio.AioRpcError) as failure:
-            await call
-        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert field_violations(failure.value) == ["text"]  # longer than the context
+        assert (await call).count > 500_000
         # Enough probes to show the loop was free during the tokenization, not only after it.
         assert probes >= (time.monotonic() - started) / 0.5
+
+
+async def test_a_prompt_the_context_cannot_hold_is_refused_by_its_length(servers):
+    """Before tokenizing: 10 MB took 10 s to refuse, and +111 MB of the server's memory."""
+    running = servers[0]
+    text = "The quick brown fox jumps over the lazy dog. " * (10_000_000 // 45)
+    message = common_pb2.ChatMessage(role="user", content=text)
+    requests = {
+        "text": generation_pb2.GenerateRequest(text=text),
+        "chat": generation_pb2.GenerateRequest(chat=common_pb2.Chat(messages=[message])),
+    }
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        generation = generation_pb2_grpc.GenerationServiceStub(channel)
+        for field, request in requests.items():
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await generation.Generate(request)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field_violations(failure.value) == [field]
+            assert "characters, more than the model's context length" in failure.value.details()
+        # A prompt cut to its last tokens is tokenized whole, then cut, as before.
+        cut = generation_pb2.GenerateRequest(text=text[:200_000], truncate_prompt_tokens=8)
+        cut.stopping.max_tokens = 2
+        reply = await generation.Generate(cut)
+        assert reply.usage.prompt_tokens == 8
 
 
 async def test_request_templates_are_refused_unless_trusted(servers):
