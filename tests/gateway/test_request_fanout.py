@@ -12,7 +12,12 @@ import pytest
 from envoy_support import Replica, tiny_engine_config
 from gateway_support import RunningGateway, post, running_gateway
 
+from llmrpc import cli
+from llmrpc.cli.rest import gateway_settings
 from llmrpc.clients import Client, LlmrpcError
+from llmrpc.gateway import cli as gateway_cli
+from llmrpc.gateway.settings import ApiSettings
+from llmrpc.server import options
 from llmrpc.server.settings import FrontendConfig, LimitsConfig
 
 MAX_PROMPTS = 4
@@ -98,3 +103,32 @@ def test_grpc_embed_inputs_beyond_the_bound_names_inputs(replica):
     assert failure.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert [v.field for v in failure.value.field_violations] == ["inputs"]
     assert "--max-prompts-per-request" in failure.value.details.field_violations[0].description
+
+
+def _serve(*argv: str):
+    parser = cli.build_parser()[1]
+    _, frontend = options.build_configs(options.parse_serve_values(parser, ["m", *argv]))
+    return frontend
+
+
+def test_the_flags_of_serve_and_gateway_and_their_defaults():
+    frontend = _serve()
+    assert frontend.limits.max_prompts_per_request == 2048
+    assert frontend.limits.max_sequences_per_request == 2048
+    frontend = _serve("--max-prompts-per-request", "7", "--max-sequences-per-request", "9")
+    assert (frontend.limits.max_prompts_per_request, frontend.limits.max_sequences_per_request) == (
+        7,
+        9,
+    )
+    api = gateway_settings(frontend).api  # llmrpc serve's own gateway applies them too
+    assert (api.max_prompts_per_request, api.max_sequences_per_request) == (7, 9)
+    parser = gateway_cli.build_parser()
+    api = gateway_cli.settings_from_args(parser.parse_args(["--backend", "x:1"])).api
+    assert (api.max_prompts_per_request, api.max_sequences_per_request) == (2048, 2048)
+    args = parser.parse_args(["--backend", "x:1", "--max-sequences-per-request", "5"])
+    assert gateway_cli.settings_from_args(args).api.max_sequences_per_request == 5
+    for flag in ("--max-prompts-per-request", "--max-sequences-per-request"):
+        with pytest.raises(ValueError, match=flag):
+            _serve(flag, "0")
+    with pytest.raises(ValueError, match="--max-prompts-per-request"):
+        ApiSettings(max_prompts_per_request=0)
