@@ -42,10 +42,11 @@ protos: install
 soak: install
 	$(BIN)/python tests/robustness/soak.py --tiny $(ARGS)
 
-# Not part of `make test`: attacks that once took a server down, bounded and on loopback (about 1.5
-# minutes): idle and trickling REST connections past the open-file limit, idle gRPC sockets, and
-# HTTP/2 streams that never send their message, with a wrong key and with the right one. Each
-# prints held / degraded / failed with its figures; any failure exits 1.
+# Not part of `make test`: attacks that once took a server down, bounded and on loopback (about 3
+# minutes): idle and trickling REST connections past the open-file limit, idle gRPC sockets,
+# HTTP/2 streams that never send their message, and the request-level attacks of
+# tests/robustness/attack_requests.py. Each prints held / degraded / failed with its figures, while
+# a monitor probes health; any failure exits 1.
 attack: install
 	$(BIN)/python tests/robustness/attack.py $(ARGS)
 

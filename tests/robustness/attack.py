@@ -34,9 +34,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import free_port, rss_mib, tiny_model, wait_serving  # noqa: E402
+from attack_requests import ATTACKS as request_attacks  # noqa: E402
+from attack_requests import KEY, OTHER_KEY  # noqa: E402
+from soak import free_port, rss_mib, wait_serving  # noqa: E402
 
-KEY = "attack-key"
+MODEL_NAME = "attack-model"
+MAX_MODEL_LEN = 16384  # room for the long-prefill attack's prompt
 HEALTH_BOUND_S = 0.2
 LOG_BOUND_BYTES = 256 * 1024  # what the server may log during one attack
 RSS_BOUND_MIB = 200  # how much the server's resident memory may grow during one
@@ -272,6 +275,16 @@ async def idle_grpc_sockets(ctx: Context) -> Outcome:
     return Outcome("idle-grpc-sockets", verdict, figure, floods_grpc_port=True)
 
 
+def _request_attack(attack):
+    """One of ``attack_requests``' attacks, as an attack of this harness."""
+    name = attack.__name__.replace("_", "-")
+
+    async def run(ctx: Context) -> Outcome:
+        return Outcome(name, *await attack(ctx))
+
+    return run
+
+
 ATTACKS = {
     attack.__name__.replace("_", "-"): attack
     for attack in (
@@ -282,6 +295,9 @@ ATTACKS = {
         idle_streams_valid_key,
     )
 }
+ATTACKS.update(
+    {attack.__name__.replace("_", "-"): _request_attack(attack) for attack in request_attacks}
+)
 
 
 @dataclass
@@ -294,6 +310,7 @@ class Context:
     message_timeout_s: float
     monitor: Monitor
     log_path: Path
+    model_name: str = MODEL_NAME
 
 
 def _judge(
@@ -331,7 +348,9 @@ def _start_server(args, model: list[str], grpc_port: int, rest_port: int, log) -
     command = [
         str(Path(sys.executable).with_name("llmrpc")), "serve", *model,
         "--grpc-port", str(grpc_port), "--port", str(rest_port), "--host", "127.0.0.1",
-        "--api-key", KEY, "--max-model-len", "512", "--disable-log-stats",
+        "--api-key", KEY, OTHER_KEY, "--served-model-name", MODEL_NAME,
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "256",
+        "--disable-log-stats",
         "--disable-uvicorn-access-log",
         "--request-header-timeout", str(args.header_timeout),
         "--grpc-request-message-timeout", str(args.message_timeout),
@@ -339,8 +358,19 @@ def _start_server(args, model: list[str], grpc_port: int, rest_port: int, log) -
     return subprocess.Popen(command, stdout=log, stderr=log, preexec_fn=limit_files)
 
 
+def _tiny_model(out_dir: Path) -> list[str]:
+    """A 2-layer random-weight Llama with the packaged model's tokenizer and a long context."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
+    from tiny_models import TINY_DECODER, save_tiny_model
+
+    from llmrpc.engine.loader import resolve_model_dir
+
+    config = {**TINY_DECODER, "tie_word_embeddings": True, "max_position_embeddings": MAX_MODEL_LEN}
+    return [str(save_tiny_model(out_dir, resolve_model_dir(None), "llama", **config))]
+
+
 async def attack(args) -> int:
-    model = args.model or tiny_model(Path(tempfile.mkdtemp(prefix="llmrpc-attack-")))
+    model = args.model or _tiny_model(Path(tempfile.mkdtemp(prefix="llmrpc-attack-")))
     grpc_port, rest_port = free_port(), free_port()
     log_path = Path(tempfile.mkdtemp(prefix="llmrpc-attack-log-")) / "server.log"
     with open(log_path, "wb") as log:
