@@ -78,12 +78,13 @@ class Health:
             stalled = engine.stalled and engine.dead_error is None
             if stalled and stalled_since is None:
                 stalled_since = time.monotonic()
+                in_flight = engine.num_requests_in_flight
                 logger.warning(
-                    "the engine has not stepped for %.1f s (--engine-stall-timeout %g s) with %d "
-                    "request(s) in flight: health is NOT_SERVING until it steps again",
+                    "the engine has not %s for %.1f s (--engine-stall-timeout %g s): health is "
+                    "NOT_SERVING until it steps again",
+                    f"stepped with {in_flight} request(s) in flight" if in_flight else "reported",
                     engine.figures_age_s,
                     engine.stall_timeout_s,
-                    engine.num_requests_in_flight,
                 )
                 await self.set_serving(False)
             elif not stalled and stalled_since is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 
@@ -167,8 +168,9 @@ async def test_an_idle_engine_is_not_stalled_but_a_stopped_idle_engine_process_i
 
 
 async def test_a_step_that_does_not_return_on_the_engine_thread_turns_health_not_serving(
-    tiny_llama_dir, monkeypatch
+    tiny_llama_dir, monkeypatch, caplog
 ):
+    caplog.set_level(logging.INFO, logger="llmrpc.server.health")
     frontend = frontend_config("thread", engine_stall_timeout_s=BOUND_S, health_port=0)
     serving, running, views = await serve_with_rest(tiny_llama_dir, monkeypatch, frontend)
     async with grpc.aio.insecure_channel(running.address) as channel:
@@ -185,6 +187,9 @@ async def test_a_step_that_does_not_return_on_the_engine_thread_turns_health_not
     tokens = len(first.token_ids) + sum(len(message.token_ids) for message in rest)
     assert rest[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert tokens == MAX_TOKENS
+    logged = [record.getMessage() for record in caplog.records]
+    assert any("not stepped with 1 request(s) in flight" in line for line in logged), logged
+    assert any("steps again after" in line for line in logged), logged
     await stop_serving(serving)
 
 
