@@ -40,6 +40,7 @@ from soak import free_port, rss_mib, wait_serving  # noqa: E402
 
 MODEL_NAME = "attack-model"
 MAX_MODEL_LEN = 16384  # room for the long-prefill attack's prompt
+STALL_TIMEOUT_S = 3.0  # --engine-stall-timeout: the frozen-engine attack waits it out
 HEALTH_BOUND_S = 0.2
 LOG_BOUND_BYTES = 256 * 1024  # what the server may log during one attack
 RSS_BOUND_MIB = 200  # how much the server's resident memory may grow during one
@@ -311,6 +312,7 @@ class Context:
     monitor: Monitor
     log_path: Path
     model_name: str = MODEL_NAME
+    stall_timeout_s: float = STALL_TIMEOUT_S
 
 
 def _judge(
@@ -333,7 +335,7 @@ def _judge(
     figure = (
         f"{outcome.figure}; health p50 {p50:.1f} ms, max {worst * 1000:.1f} ms over "
         f"{len(monitor.latencies_s)} probes, {monitor.num_fresh_connections} fresh gRPC "
-        f"connections ({monitor.num_fresh_refused} refused), RSS +{rss_growth:.0f} MiB at "
+        f"connections ({monitor.num_fresh_refused} refused), RSS {rss_growth:+.0f} MiB at "
         f"its peak, log +{log_growth / 1024:.0f} KiB"
     )
     if problems:
@@ -350,6 +352,7 @@ def _start_server(args, model: list[str], grpc_port: int, rest_port: int, log) -
         "--grpc-port", str(grpc_port), "--port", str(rest_port), "--host", "127.0.0.1",
         "--api-key", KEY, OTHER_KEY, "--served-model-name", MODEL_NAME,
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "256",
+        "--engine-stall-timeout", str(STALL_TIMEOUT_S),
         "--disable-log-stats",
         "--disable-uvicorn-access-log",
         "--request-header-timeout", str(args.header_timeout),

@@ -6,8 +6,12 @@ figure)``: held when the server refused or bounded what the attack asked for, fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -154,6 +158,124 @@ async def schemas_and_bytes(ctx) -> tuple[str, str]:
     return ("held" if held else "failed"), figure
 
 
+async def unknown_keys(ctx) -> tuple[str, str]:
+    """A body of a million unknown keys, and one of a million logit_bias entries."""
+    timeout = aiohttp.ClientTimeout(total=120)
+    base = {"model": ctx.model_name, "prompt": "hi", "max_tokens": 2}
+    bodies = (
+        {**base, **{f"k{i}": 0 for i in range(1_000_000)}},
+        {**base, "logit_bias": {str(i): 1 for i in range(1_000_000)}},
+    )
+    encoded = [json.dumps(body).encode() for body in bodies]  # the attacker's CPU, up front
+    del bodies
+    await asyncio.sleep(1.0)
+    outcomes = []
+    url = f"http://127.0.0.1:{ctx.rest_port}/v1/completions"
+    headers = {**_headers(), "content-type": "application/json"}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for data in encoded:
+            start = time.monotonic()
+            async with session.post(url, data=data, headers=headers) as reply:
+                await reply.read()
+                outcomes.append((reply.status, time.monotonic() - start))
+    figure = ", ".join(f"{status} in {seconds:.1f} s" for status, seconds in outcomes)
+    held = all(status == 400 for status, _ in outcomes)
+    return ("held" if held else "failed"), f"million keys, million logit_bias: {figure}"
+
+
+async def fan_out(ctx) -> tuple[str, str]:
+    """10,000 prompts in one request, 1,000 prompts x n=128, and a small caller beside a big
+    batch of another key."""
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        many = {"model": ctx.model_name, "prompt": ["hi"] * 10_000, "max_tokens": 2}
+        wide = {**many, "prompt": ["hi"] * 1000, "n": 128}
+        refused = [(await _post(session, ctx, "/v1/completions", body))[0] for body in (many, wide)]
+        big = {"model": ctx.model_name, "prompt": ["tell me a story"] * 200, "max_tokens": 64}
+        batch = asyncio.create_task(_post(session, ctx, "/v1/completions", big))
+        await asyncio.sleep(1.0)  # its sequences fill the batch and the queue
+        small = {"model": ctx.model_name, "prompt": "hi", "max_tokens": 4}
+        start = time.monotonic()
+        small_status, _ = await _post(session, ctx, "/v1/completions", small, key=OTHER_KEY)
+        small_s = time.monotonic() - start
+        batch_running = not batch.done()
+        batch_status, _ = await batch
+    figure = (
+        f"10,000 prompts: {refused[0]}, 1,000 x n=128: {refused[1]}; another key's request "
+        f"{small_status} in {small_s:.1f} s, the 200-prompt batch still running: "
+        f"{batch_running} (then {batch_status})"
+    )
+    held = refused == [400, 400] and small_status == 200 and batch_running
+    return ("held" if held else "failed"), figure
+
+
+async def frozen_engine(ctx) -> tuple[str, str]:
+    """The engine process stopped (SIGSTOP) while a stream is in flight, then resumed."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    engine_pid = max(_children(ctx.pid), key=_rss_kib)
+    timeout = aiohttp.ClientTimeout(total=300)
+    body = {"model": ctx.model_name, "prompt": "Once", "max_tokens": 300, "stream": True}
+    body["ignore_eos"] = True
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ctx.grpc_port}") as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def until(status: int, within: float) -> float | None:
+            start = time.monotonic()
+            while time.monotonic() - start < within:
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == status:
+                    return time.monotonic() - start
+                await asyncio.sleep(0.1)
+            return None
+
+        url = f"http://127.0.0.1:{ctx.rest_port}/v1/completions"
+        async with session.post(url, json=body, headers=_headers()) as reply:
+            lines = reply.content.__aiter__()
+            while not (await lines.__anext__()).startswith(b"data: {"):
+                pass
+            os.kill(engine_pid, signal.SIGSTOP)
+            try:
+                stalled_after = await until(health_pb2.HealthCheckResponse.NOT_SERVING, 30)
+            finally:
+                os.kill(engine_pid, signal.SIGCONT)
+            back_after = await until(health_pb2.HealthCheckResponse.SERVING, 30)
+            rest = [line async for line in lines]
+    finished = b"data: [DONE]\n" in rest
+    figure = (
+        f"NOT_SERVING {_seconds(stalled_after)} after SIGSTOP (--engine-stall-timeout "
+        f"{ctx.stall_timeout_s:g}), SERVING {_seconds(back_after)} after SIGCONT, the stream "
+        f"{'finished' if finished else 'did not finish'}"
+    )
+    held = stalled_after is not None and back_after is not None and finished
+    return ("held" if held else "failed"), figure
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _grpc_key(key: str) -> tuple:
     return (("authorization", f"Bearer {key}"),)
 
@@ -164,4 +286,7 @@ ATTACKS = (
     grammar_compiles,
     long_prefill,
     schemas_and_bytes,
+    unknown_keys,
+    fan_out,
+    frozen_engine,
 )
