@@ -20,13 +20,16 @@ the torch one), inductor's own kernels do the rest and the CUDA graphs of
   (``~/.cache/llmrpc/inductor``), so a later start reuses it.
 - After the warm-up a step that would need a new compile raises instead of compiling (torch's
   ``fail_on_recompile`` stance): a user's request never waits for the compiler.
-- Any failure, in the compile or in a compiled step, is logged once and the engine runs eager
-  from then on (a compiled step that raised runs again eager).
+- Any failure, in building the compiled function (an argument this torch lacks), in the compile
+  or in a compiled step, is logged once and the engine runs eager from then on (a compiled step
+  that raised runs again eager). That holds for failures Python sees; a compiled step that
+  faults on a CUDA device leaves the device's context broken, and no eager step runs after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -62,6 +65,23 @@ def inductor_cache_dir() -> Path:
     return Path(folder)
 
 
+def compile_arguments(device: torch.device) -> dict:
+    """``torch.compile``'s arguments for the decode step, with what this torch has: the guard
+    filter since 2.8 (unguarded on 2.6-2.7), ``isolate_recompiles`` only where ``torch.compile``
+    takes it (it is newer than 2.11, the GPU machine's torch; without it another compiled
+    model in the process may find these graphs, which the engine never does)."""
+    options: dict = {}
+    skip_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    if skip_guards is not None:
+        options["guard_filter_fn"] = skip_guards
+    if device.type == "cpu":
+        options["cpp_wrapper"] = True
+    arguments: dict = {"fullgraph": True, "options": options}  # a graph break is a failure
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        arguments["isolate_recompiles"] = True
+    return arguments
+
+
 def max_compiled_rows(model: nn.Module) -> int | None:
     """The most rows a compiled step may take (None: any): a quantized layer picks its kernel by
     the number of rows, and the graph holds the packed kernel's branch only."""
@@ -95,19 +115,15 @@ class CompiledDecode:
         self.device = model_device(model)
         self._warm = False
         self.cache_dir = inductor_cache_dir()  # before torch sets its own default
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        if self.device.type == "cpu":
-            options["cpp_wrapper"] = True
-        self._forward = torch.compile(
-            model.forward,
-            fullgraph=True,  # a graph break is a failure: logged, and the engine runs eager
-            options=options,
-            isolate_recompiles=True,
-        )
+        self._forward = None
+        try:
+            self._forward = torch.compile(model.forward, **compile_arguments(self.device))
+        except Exception as error:  # noqa: BLE001 - a compile that cannot be built: eager
+            self._fail(error)
 
     def __call__(self, input_ids, positions, kv_caches, metadata: AttentionMetadata):
         """The compiled forward's hidden states, or None: run this step eager."""
-        if self.failure is not None:
+        if self.failure is not None or self._forward is None:
             return None
         if self.max_rows is not None and input_ids.shape[0] > self.max_rows:
             return None  # quantized layers dequantize for so many rows: eager

@@ -290,3 +290,29 @@ def test_the_inductor_cache_outlives_a_restart(monkeypatch, tmp_path, environ, e
     folder = compilation.inductor_cache_dir()
     assert str(folder) == expected.format(**names)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)  # where inductor reads it
+
+
+def test_a_torch_compile_without_isolate_recompiles_still_compiles(monkeypatch):
+    # torch 2.11 (the GPU machine's) has no isolate_recompiles: it must not be passed there.
+    received = {}
+
+    def old_compile(model, *, fullgraph=False, options=None):
+        received.update(fullgraph=fullgraph, options=options)
+        return model
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    compiled = compilation.CompiledDecode(torch.nn.Linear(2, 2), "torch")
+    assert compiled.failure is None and compiled._forward is not None
+    assert received["fullgraph"] is True and received["options"]["cpp_wrapper"] is True
+
+
+def test_a_compile_that_cannot_be_built_logs_one_line_and_runs_eager(monkeypatch, caplog):
+    def unbuildable(model, **kwargs):
+        raise TypeError("compile() got an unexpected keyword argument 'isolate_recompiles'")
+
+    monkeypatch.setattr(torch, "compile", unbuildable)
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.compilation"):
+        compiled = compilation.CompiledDecode(torch.nn.Linear(2, 2), "torch")
+        assert compiled(None, None, None, None) is None  # this step, and every one, eager
+    assert compiled.failure.startswith("TypeError: compile() got an unexpected keyword")
+    assert len(warnings_of_ours(caplog)) == 1
