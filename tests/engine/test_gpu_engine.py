@@ -1,4 +1,5 @@
-"""The engine on a CUDA device (marked ``gpu``: skipped without one). The same comparisons the CPU
+"""The engine on a CUDA device (marked ``gpu``: skipped without one; on the CPU in the device
+check's dry run). The same comparisons the CPU
 suite makes, natively: greedy tokens token-exact against Transformers on SmolLM2 in float32 on
 both attention backends, and the Triton backend's tokens equal to the torch backend's in a batch
 with chunked prefill, a prefix hit and preemption."""
@@ -7,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from device_target import DEVICE, ON_DEVICE
 from engine_utils import greedy_generate, make_core, run_to_completion
 
 from llmrpc.engine.request import SamplingParams
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = ON_DEVICE
 
 PROMPTS = [
     "The capital of France is",
@@ -29,14 +28,14 @@ def test_smollm2_on_cuda_matches_transformers_token_for_token(smollm2_dir, backe
     from transformers import AutoModelForCausalLM
 
     core = make_core(
-        smollm2_dir, device="cuda", attention_backend=backend, max_num_batched_tokens=16
+        smollm2_dir, device=DEVICE, attention_backend=backend, max_num_batched_tokens=16
     )
-    assert core.runner.device.type == "cuda" and core.runner.backend == backend
+    assert core.runner.device.type == DEVICE and core.runner.backend == backend
     prompts = [core.tokenizer.encode(text) for text in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = run_to_completion(core, {str(i): (p, params) for i, p in enumerate(prompts)})
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    expected = greedy_generate(_OnDevice(model.to("cuda").eval()), prompts, 24)
+    expected = greedy_generate(_OnDevice(model.to(DEVICE).eval()), prompts, 24)
     assert [outputs[str(i)].token_ids for i in range(len(prompts))] == expected
 
 
@@ -58,7 +57,7 @@ def test_triton_and_torch_backends_agree_on_cuda_under_pressure(tiny_llama_dir):
     for backend in ("torch", "triton"):
         core = make_core(
             tiny_llama_dir,
-            device="cuda",
+            device=DEVICE,
             attention_backend=backend,
             num_blocks=20,
             max_model_len=256,

@@ -3,20 +3,31 @@
 A decode step reads every cached key and value of its sequences once; bytes read over the
 kernel's time is its bandwidth. The reference is a plain device-to-device copy of a buffer as
 large as the cache read (read + write bytes over its time). Prints one JSON line per context.
-Needs a CUDA device: ``python tests/gpu/decode_bandwidth.py``.
+Needs a CUDA device: ``python tests/gpu/decode_bandwidth.py [--json FILE]``; ``--small`` runs tiny
+shapes on the CPU (Triton interpreted: the device check's dry run; its figures mean nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
 
 import torch
 
 from llmrpc.kernels.triton_attention import decode_attention
 
+DEVICE = "cuda"
+
 
 def _time_ms(fn, repeats: int = 20) -> float:
+    if DEVICE == "cpu":
+        fn()
+        started = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - started) / 2 * 1e3
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -32,7 +43,7 @@ def _time_ms(fn, repeats: int = 20) -> float:
 
 def copy_bandwidth(num_bytes: int) -> float:
     """GB/s of a device-to-device copy of ``num_bytes`` (read plus written)."""
-    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     target = torch.empty_like(source)
     return 2 * num_bytes / _time_ms(lambda: target.copy_(source)) / 1e6
 
@@ -43,12 +54,12 @@ def decode_bandwidth(num_seqs: int, context: int, block_size: int = 16) -> dict:
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    value_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    key_cache = torch.randn(shape, dtype=torch.bfloat16, device=DEVICE)
+    value_cache = torch.randn(shape, dtype=torch.bfloat16, device=DEVICE)
     # each sequence's blocks spread over the cache, as a busy server's are
-    tables = torch.randperm(num_blocks, device="cuda").view(num_seqs, blocks_per_seq)
-    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.randperm(num_blocks, device=DEVICE).view(num_seqs, blocks_per_seq)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(num_seqs, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     milliseconds = _time_ms(
         lambda: decode_attention(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5)
     )
@@ -65,12 +76,29 @@ def decode_bandwidth(num_seqs: int, context: int, block_size: int = 16) -> dict:
     }
 
 
+# batch 1 and 4 at 32k, 64 x 4k (the targets), and two between
+SHAPES = ((1, 32768), (4, 32768), (64, 4096), (32, 8192), (256, 1024))
+SMALL_SHAPES = ((1, 64), (2, 48))
+
+
 def main() -> int:
-    if not torch.cuda.is_available():
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU")
+    args = parser.parse_args()
+    if args.small:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    for num_seqs, context in ((64, 4096), (32, 8192), (8, 32768), (256, 1024)):
-        print(json.dumps(decode_bandwidth(num_seqs, context)), flush=True)
+    results = []
+    for num_seqs, context in SMALL_SHAPES if args.small else SHAPES:
+        results.append(decode_bandwidth(num_seqs, context))
+        print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
     return 0
 
 
