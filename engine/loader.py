@@ -161,17 +161,23 @@ def _publish(tmp: Path, target: Path) -> None:
         logger.info("Another process finished converting into %s first; using it", target)
 
 
+def _causal_lm_class() -> type:
+    """Transformers' ``AutoModelForCausalLM``, imported only for a conversion (it is heavy)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` to a float32 Transformers folder (weights, config, tokenizer)."""
     import torch  # the engine's process: the frontend reads the converted folder, without torch
-    from transformers import AutoModelForCausalLM  # heavy; only needed for a conversion
 
     folder, name = str(gguf_path.parent), gguf_path.name
     with _conversion_progress(name, 4) as stage:
         stage("read GGUF")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         stage("dequantize and build model")
-        model = AutoModelForCausalLM.from_pretrained(
+        model = _causal_lm_class().from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, local_files_only=True
         )
         _drop_gguf_quantizer(model)

@@ -23,6 +23,7 @@ from llmrpc.server.flags import (
     compilation_config,
     human_readable_int,
     inert,
+    int_or_none,
     json_object,
     json_value,
     ours,
@@ -31,7 +32,6 @@ from llmrpc.server.flags import (
 )
 from llmrpc.server.reasoning_parsers import reasoning_parser_names
 from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
-from llmrpc.server.structured_output import max_whitespace
 from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
@@ -442,7 +442,7 @@ _STRUCTURED_OUTPUT = _group(
           "auto: xgrammar alone."),
     works("--guided-decoding-disable-any-whitespace", False, None,
           "structured_output.disable_any_whitespace", "JSON without optional whitespace."),
-    ours("--structured-output-max-whitespace", DEFAULT_MAX_JSON_WHITESPACE, max_whitespace,
+    ours("--structured-output-max-whitespace", DEFAULT_MAX_JSON_WHITESPACE, int_or_none,
          "structured_output.max_whitespace",
          "JSON: at most N whitespace characters in a row between tokens (both backends); none: "
          "unbounded.", metavar="N"),

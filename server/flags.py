@@ -90,6 +90,11 @@ _HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
 _EXPONENTS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
+def int_or_none(text: str) -> int | None:
+    """A count, or ``none`` (unbounded)."""
+    return None if text.strip().lower() == "none" else int(text)
+
+
 def human_readable_int(text: str) -> int:
     """``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600, ``2m`` = 2000000, ``2M`` = 2 * 1024**2.
 

@@ -30,11 +30,6 @@ def _check_json_object(text: str, field: str) -> None:
         raise InvalidRequestError(field, "a JSON schema is an object (or true or false)")
 
 
-def max_whitespace(text: str) -> int | None:
-    """``--structured-output-max-whitespace``'s value: a count, or ``none`` (unbounded)."""
-    return None if text.strip().lower() == "none" else int(text)
-
-
 def _option(message: common_pb2.StructuredOutput, name: str, default: bool) -> bool:
     return getattr(message, name) if message.HasField(name) else default
 

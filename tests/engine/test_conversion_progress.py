@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import transformers
 from transformers import modeling_gguf_pytorch_utils
 from transformers.utils import logging as hf_logging
 
@@ -45,7 +44,7 @@ class _Model(_Saved):
 
 def test_conversion_progress_in_a_log_is_plain_lines(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(loader, "AutoTokenizer", _Tokenizer)
-    monkeypatch.setattr(transformers, "AutoModelForCausalLM", _Model)
+    monkeypatch.setattr(loader, "_causal_lm_class", lambda: _Model)
     log = io.StringIO()  # not a TTY, as stderr redirected to a file
     monkeypatch.setattr(sys, "stderr", log)
     with caplog.at_level(logging.INFO, logger="llmrpc.engine.loader"):
