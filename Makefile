@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak attack proofs gpu-check
+.PHONY: install serve test lint protos soak attack proofs gpu-check device-carry device-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,8 @@ lint: install
 # Two workers, each taking whole test files (a file's servers and fixtures stay in one process): in
 # one process tests/clients kept about one of 2 cores busy (233 s of CPU in 219 s), its tests waiting
 # on servers and child processes; on a clean clone the suite took 14:58 in two workers, 28:17 in one.
-test: lint
-	$(BIN)/pytest -n 2 --dist loadfile
+test: lint device-venv
+	LLMRPC_REQUIRE_DEVICE_DRY_RUN=1 $(BIN)/pytest -n 2 --dist loadfile
 
 protos: install
 	$(BIN)/python protos/generate.py
@@ -55,7 +55,38 @@ attack: install
 proofs: install
 	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py
 
-# Not part of `make test`: on a machine with a CUDA device, the tests marked gpu, the engine's throughput against
-# Transformers' static batch (1, 32, 256 requests) and the paged decode kernel's bandwidth; files in $(OUT) or gpu-check/.
-gpu-check: install
-	PYTHON=$(BIN)/python bash tests/gpu/check.sh
+# The GPU machine's packages: what its image has that we use (tests/gpu/image-packages.txt) and the
+# wheels that travel (tests/gpu/carry-packages.txt), one list for both Pythons.
+WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64
+download_wheels = $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: \
+	--python-version $(1) --implementation cp $(WHEEL_PLATFORMS) -d $(2) \
+	-r tests/gpu/carry-packages.txt
+
+# .device-carry/ (git-ignored, about 4 MB): the cp312 wheels of what the image lacks, SmolLM2's
+# config and tokenizer (weights are made, seeded, where the check runs). Run on a CPU machine,
+# then on the GPU machine: bash tests/gpu/device_check.sh (carry .device-carry).
+.device-carry/.filled: tests/gpu/carry-packages.txt tests/gpu/stand_in_model.py $(STAMP)
+	rm -rf .device-carry
+	$(call download_wheels,3.12,.device-carry/wheels)
+	$(BIN)/python tests/gpu/stand_in_model.py carry .device-carry/model
+	touch $@
+
+device-carry: .device-carry/.filled
+
+# .venv-device: only the image's packages we use (torch the local CPU wheel), no system site
+# packages; its wheels/ holds the carried list as cp311 wheels, which the dry run installs.
+DEVICE_VENV := .venv-device
+$(DEVICE_VENV)/.installed: tests/gpu/image-packages.txt tests/gpu/carry-packages.txt $(STAMP)
+	rm -rf $(DEVICE_VENV)
+	$(PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/python -m pip install --quiet -r tests/gpu/image-packages.txt
+	$(call download_wheels,3.11,$(DEVICE_VENV)/wheels)
+	touch $@
+
+device-venv: $(DEVICE_VENV)/.installed device-carry
+
+# On a machine with a CUDA device and network: the device check (tests/gpu/device_check.sh) with
+# this project's venv; files in $(OUT) or device-check/.
+gpu-check: install device-carry
+	PYTHON=$(BIN)/python bash tests/gpu/device_check.sh
