@@ -6,8 +6,10 @@ Semantics, per row of ``logits`` ``[rows, vocab]`` (float32; at least one finite
 no NaN or +inf), for its ``temperature``, ``top_k``, ``top_p`` and ``uniform`` in [0, 1):
 
 * ``temperature <= 0``: greedy, the first index of the row's maximum logit.
-* Otherwise ``s = logits / temperature`` (float32 division) and token weights
-  ``w = exp(s - max(s))``, so probabilities ``p = w / sum(w)`` (softmax in float32).
+* Otherwise ``s = logits / temperature`` (float32 division, correctly rounded: ``tl.div_rn``,
+  as torch divides; Triton lowers ``/`` to an approximate division on NVIDIA GPUs, which would
+  move ``s`` by an ulp and so the cut) and token weights ``w = exp(s - max(s))``, so
+  probabilities ``p = w / sum(w)`` (softmax in float32).
 * top-k (on where ``0 < top_k < vocab``): the kept set is ``s >= t_k``, ``t_k`` the ``top_k``-th
   largest ``s`` counting repeats; every token tied with ``t_k`` stays, so it may hold more than
   ``top_k`` tokens. Off: ``t_k = min(s)``.
@@ -27,11 +29,12 @@ so it ends exactly after at most 32 steps (fewer where the row's values lie clos
 loop runs on the device). A row takes two passes, at most 32 more per filter that is on, and one
 for the draw. One program per row walks it in chunks of ``CHUNK`` tokens.
 
-Kernel and twin select the same top-k set exactly. Their weight sums are rounded differently
-(the kernel sums in float32 chunk by chunk, the twin in float64 in sorted or vocabulary order),
-so at a top-p cut or a draw that falls within rounding (about 1e-7 of the total, more on long
-rows) of a boundary they may disagree by one token; on random rows that is rare, and the tests
-count it.
+Kernel and twin select the same top-k set exactly, on every device: both compare the same
+``s``. Their weights and weight sums are rounded differently (the kernel's ``exp`` is approximate
+on a GPU and it sums in float32 chunk by chunk, the twin in float64 in sorted or vocabulary
+order), so at a top-p cut or a draw that falls within rounding (about 1e-7 of the total, more on
+long rows) of a boundary they may disagree by one token; on random rows that is rare, and the
+tests accept it only there.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def _kept_weight(row_ptr, cols, vocab, temperature, s_max, bound, BLOCK: tl.cons
     for start in range(0, vocab, BLOCK):
         idx = start + cols
         valid = idx < vocab
-        s = tl.load(row_ptr + idx, mask=valid, other=float("-inf")) / temperature
+        s = tl.div_rn(tl.load(row_ptr + idx, mask=valid, other=float("-inf")), temperature)
         total += tl.where(valid & (s >= bound), tl.exp(s - s_max), 0.0)
     return tl.sum(total, axis=0)
 
@@ -101,7 +104,7 @@ def _bisect(
         for start in range(0, vocab, BLOCK):
             idx = start + cols
             valid = idx < vocab
-            s = tl.load(row_ptr + idx, mask=valid, other=float("-inf")) / temperature
+            s = tl.div_rn(tl.load(row_ptr + idx, mask=valid, other=float("-inf")), temperature)
             if WEIGHTED:
                 measure += tl.where(valid & (s >= bound), tl.exp(s - s_max), 0.0)
             else:
@@ -141,7 +144,7 @@ def _sample_kernel(
     for start in range(0, vocab, BLOCK):
         idx = start + cols
         valid = idx < vocab
-        s = tl.load(row_ptr + idx, mask=valid, other=float("-inf")) / temperature
+        s = tl.div_rn(tl.load(row_ptr + idx, mask=valid, other=float("-inf")), temperature)
         better = s > lane_max  # strict: a lane keeps its first maximum
         lane_arg = tl.where(better, idx, lane_arg)
         lane_max = tl.where(better, s, lane_max)
@@ -180,7 +183,7 @@ def _sample_kernel(
         for start in range(0, vocab, BLOCK):
             idx = start + cols
             valid = idx < vocab
-            s = tl.load(row_ptr + idx, mask=valid, other=float("-inf")) / temperature
+            s = tl.div_rn(tl.load(row_ptr + idx, mask=valid, other=float("-inf")), temperature)
             w = tl.where(valid & (s >= cutoff), tl.exp(s - s_max), 0.0)
             running = carry + tl.cumsum(w, axis=0)
             below += (valid & (running <= target)).to(tl.int32)
