@@ -79,8 +79,11 @@ def store_kv_rows(key, value, key_cache, value_cache, slot_mapping, kv_scales) -
     """``write_kv``'s torch path, for slots that are all real (no -1)."""
     for rows, cache, scale in ((key, key_cache, kv_scales[0]), (value, value_cache, kv_scales[1])):
         if cache.dtype in FP8_DTYPES:  # torch has no fp8 index_copy_: copy the bytes
-            largest = torch.finfo(cache.dtype).max  # beyond it: the largest, not NaN or inf
-            rows = (rows.float() * (1.0 / scale)).clamp(-largest, largest)
+            rows = rows.float() * (1.0 / scale)
+            # beyond the largest finite value (infinities too): the largest; a NaN stays NaN,
+            # as the positive NaN 0x7F that the Triton store writes (a NaN's sign is not kept)
+            largest = torch.finfo(cache.dtype).max
+            rows = rows.clamp(-largest, largest).masked_fill_(rows.isnan(), float("nan"))
             rows = rows.to(cache.dtype).view(torch.uint8)
             cache = cache.view(torch.uint8)
         cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)

@@ -4,8 +4,9 @@ flat batch of new tokens, causal over cached prefix and new tokens alike).
 
 The KV cache of a layer is ``key_cache``/``value_cache``, each ``[num_blocks, block_size,
 num_kv_heads, head_dim]``, contiguous, in the query's dtype or in fp8 (``--kv-cache-dtype``: e4m3
-or e5m2), where a stored value is ``key / k_scale`` rounded to fp8 and is read back as
-``fp8 * k_scale`` rounded to the query's dtype (likewise ``v_scale``); a flat slot is ``block_id *
+or e5m2), where a stored value is ``key / k_scale`` rounded to fp8 (beyond the largest finite
+fp8 value, infinities included, the largest; a NaN stays NaN) and is read back as ``fp8 *
+k_scale`` rounded to the query's dtype (likewise ``v_scale``); a flat slot is ``block_id *
 block_size + offset`` and ``block_tables[s]`` names sequence ``s``'s blocks in order. Every kernel
 has a pure-torch twin (``*_torch``) that the tests hold it to, and a wrapper that checks the layout
 contract (``ValueError`` naming the argument) before any launch.
@@ -68,15 +69,34 @@ def _store_kv_kernel(
     key = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     if FP8:
-        # beyond the largest finite fp8 value: the largest, as the twin clamps
-        key = tl.minimum(tl.maximum(key.to(tl.float32) * k_inv_scale, -LARGEST), LARGEST)
-        value = tl.minimum(tl.maximum(value.to(tl.float32) * v_inv_scale, -LARGEST), LARGEST)
-        key = _round_fp8(key, MANTISSA, MIN_EXPONENT)
-        value = _round_fp8(value, MANTISSA, MIN_EXPONENT)
-        key = key.to(key_cache_ptr.dtype.element_ty)
-        value = value.to(value_cache_ptr.dtype.element_ty)
+        key = _to_fp8(
+            key, k_inv_scale, key_cache_ptr.dtype.element_ty, MANTISSA, MIN_EXPONENT, LARGEST
+        )
+        value = _to_fp8(
+            value, v_inv_scale, value_cache_ptr.dtype.element_ty, MANTISSA, MIN_EXPONENT, LARGEST
+        )
     tl.store(key_cache_ptr + dst, key, mask=mask)
     tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+@triton.jit
+def _to_fp8(
+    x,
+    inv_scale,
+    dtype: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    LARGEST: tl.constexpr,
+):
+    """``x * inv_scale`` in the fp8 ``dtype``, rounded once as torch rounds: beyond the largest
+    finite value (infinities included) the largest, as the twin clamps; NaN stays NaN. Written
+    out, not left to ``tl.maximum`` (which on a GPU returns the other operand of a NaN) nor to
+    the conversion (the interpreter's turns a NaN into a finite e4m3 value)."""
+    x = x.to(tl.float32) * inv_scale
+    is_nan = x != x
+    x = tl.where(is_nan, 0.0, tl.minimum(tl.maximum(x, -LARGEST), LARGEST))
+    bits = _round_fp8(x, MANTISSA, MIN_EXPONENT).to(dtype).to(tl.uint8, bitcast=True)
+    return tl.where(is_nan, 0x7F, bits).to(tl.uint8).to(dtype, bitcast=True)  # 0x7F: a NaN of both
 
 
 @triton.jit

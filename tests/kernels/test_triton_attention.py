@@ -276,6 +276,32 @@ class KernelChecks:
         assert torch.equal(stored.view(torch.uint8), twin.view(torch.uint8))
         assert stored.float().abs().max() == torch.finfo(fp8).max  # clamped, never NaN
 
+    @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
+    def test_fp8_store_keeps_nan_and_saturates_inf(self, fp8):
+        """A NaN key or value stays NaN in an fp8 cache, on the Triton path and the torch path
+        alike, in the same byte (a model's fault shows in its output, not as a finite value);
+        ±inf, like any value beyond the range, is stored as ±largest; the rest as before."""
+        gen = torch.Generator().manual_seed(3)
+        key = torch.randn(4, 2, 64, generator=gen)
+        specials = torch.tensor([NAN, -NAN, math.inf, -math.inf, 1e9, -1e9])
+        key.view(-1)[torch.randperm(key.numel(), generator=gen)[:60]] = specials.repeat(10)
+        key, value = key.to(self.device), key.flip(0).to(self.device)
+        slots = torch.tensor([3, 17, 0, 30], device=self.device)
+        largest = torch.finfo(fp8).max
+        stored = {}
+        for store in (ta.store_kv, ta.store_kv_torch):
+            caches = [torch.zeros(2, 16, 2, 64, dtype=fp8, device=self.device) for _ in range(2)]
+            store(key, value, *caches, slots, k_scale=0.5, v_scale=2.0)
+            stored[store] = [cache.view(-1, 2, 64)[slots.long()] for cache in caches]
+            for given, rows, scale in zip((key, value), stored[store], (0.5, 2.0), strict=True):
+                rows, finite = rows.float(), ~given.isnan()
+                assert torch.equal(rows.isnan(), given.isnan()), store.__name__
+                expected = (given / scale).clamp(-largest, largest).to(fp8).float()
+                assert torch.equal(rows[finite], expected[finite]), store.__name__
+                assert (rows[given.isinf()].abs() == largest).all()
+        for triton_rows, torch_rows in zip(*stored.values(), strict=True):
+            assert torch.equal(triton_rows.view(torch.uint8), torch_rows.view(torch.uint8))
+
     # ---- layout contract
 
     def decode_args(self, **changes) -> dict:
