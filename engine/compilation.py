@@ -166,7 +166,8 @@ class CompiledDecode:
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
         self.failure = f"{type(error).__name__}: {first_line}"
         logger.warning(
-            "the compiled decode step failed, the engine runs eager from now on: %s",
+            "the compiled decode step failed, decode steps run eager from now on (unless the "
+            "device faulted: CUDA's error is sticky, every later step fails): %s",
             self.failure,
         )
 

@@ -22,8 +22,14 @@ compiled before the capture): inductor's fused kernels, launched by the graph.
   bucket first, every graph in one memory pool, each after a warm-up run of the same shapes
   (Triton compiles there). A graph holds the addresses of the KV cache and the weights: freeing
   either drops the graphs (``ModelRunner``), and waking up captures them again.
-- Any failure, in a capture or a replay, is logged once, the graphs are dropped and the engine
-  runs eager from then on (a step whose replay raised runs again eager).
+- A failure raised in Python, in a capture (an operation the capture does not permit, no
+  memory for the graph) or in a replay before the device runs it (filling the static buffers,
+  the launch), is logged once, the graphs are dropped and decode steps run eager from
+  then on (a step whose replay raised runs again eager). A fault on the device (an illegal
+  address, a kernel's trap) is not recovered from: CUDA keeps its error in the process (sticky),
+  so every later launch, eager ones included, fails too, and the step fails as any failed forward
+  does. A replay runs asynchronously, so such a fault surfaces at a later synchronisation (the
+  step's read-back), not necessarily in the replay. The CPU tests' stand-in fails in Python only.
 
 The capture mechanism is a parameter (``CudaGraphCapture`` on a device); the CPU tests give a
 stand-in whose replay runs the captured forward again on the same static buffers.
@@ -254,7 +260,7 @@ class DecodeGraphs:
                 forward = self._forward(size)
                 self._capture.warm_up(forward)
                 self._graphs[size] = self._capture.capture(forward)
-        except Exception as error:  # noqa: BLE001 - any failure: eager from now on
+        except Exception as error:  # noqa: BLE001 - a failure raised here: eager from now on
             self._fail(error, "capturing")
             return False
         seconds = time.monotonic() - started
@@ -313,7 +319,7 @@ class DecodeGraphs:
             self._inputs.fill(size, input_ids, positions, metadata)
             replay, output = self._graphs[size]
             replay()
-        except Exception as error:  # noqa: BLE001 - any failure: eager from now on
+        except Exception as error:  # noqa: BLE001 - a failure raised here: eager from now on
             self._fail(error, "replaying")
             return None
         self.num_replays += 1
@@ -324,7 +330,8 @@ class DecodeGraphs:
         self.failure = f"{type(error).__name__}: {first_line}"
         self._graphs.clear()
         logger.warning(
-            "%s a CUDA graph of the decode step failed, the engine runs eager from now on: %s",
+            "%s a CUDA graph of the decode step failed, decode steps run eager from now on "
+            "(unless the device faulted: CUDA's error is sticky, every later step fails): %s",
             doing.capitalize(),
             self.failure,
         )

@@ -60,7 +60,8 @@ COMPILATION_HELP = (
     "time, +5 s after. A quantized model's graph runs steps of at most the tokens its "
     "packed kernels take (see --quantization). With --attention-backend triton (the only "
     "backend compiled on CUDA) its kernels are operations of the graph, and CUDA graphs "
-    "capture the compiled forward. A failure is logged, then eager."
+    "capture the compiled forward. A failure raised in Python is logged once, then steps run "
+    "eager; a fault on the device is not recovered from (CUDA's error is sticky)."
 )
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "

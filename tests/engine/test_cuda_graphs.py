@@ -65,8 +65,8 @@ class RerunCapture:
         self.captured.append(size)
 
         def replay() -> None:
-            if len(self.replayed) == self.fail_at_replay:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if len(self.replayed) == self.fail_at_replay:  # in Python, as a stand-in can
+                raise RuntimeError("expected a tensor on cuda:0, got one on cpu")
             self.replayed.append(size)
             output.copy_(forward())
 
@@ -312,23 +312,29 @@ def test_a_failed_capture_is_logged_once_and_the_engine_runs_eager(
     assert core.runner.decode_graphs is None
     assert tokens == eager_tokens and not capture.replayed
     assert _graph_logs(caplog) == [
-        "Capturing a CUDA graph of the decode step failed, the engine runs eager from now on: "
+        "Capturing a CUDA graph of the decode step failed, decode steps run eager from now on "
+        "(unless the device faulted: CUDA's error is sticky, every later step fails): "
         "RuntimeError: operation not permitted when stream is capturing"
     ]
 
 
-def test_a_failed_replay_runs_its_step_again_eager_and_drops_the_graphs(
+def test_a_replay_that_raises_runs_its_step_again_eager_and_drops_the_graphs(
     tiny_llama_dir, eager_tokens, caplog
 ):
+    """An error raised in Python at a replay (the stand-in's; a fault on the device, whose CUDA
+    error is sticky, cannot be recovered from and is not shown here)."""
     capture = RerunCapture(fail_at_replay=5)
     with caplog.at_level(logging.WARNING, logger="llmrpc.engine.cuda_graphs"):
         core = _core(tiny_llama_dir, capture=capture)
         tokens, steps = _drive(core)
     assert tokens == eager_tokens
     assert len(capture.replayed) == 5  # none after the failure
-    assert core.runner.decode_graphs.failure.startswith("RuntimeError: CUDA error")
+    assert (
+        core.runner.decode_graphs.failure
+        == "RuntimeError: expected a tensor on cuda:0, got one on cpu"
+    )
     (message,) = _graph_logs(caplog)
-    assert message.startswith("Replaying a CUDA graph of the decode step failed, the engine runs")
+    assert message.startswith("Replaying a CUDA graph of the decode step failed, decode steps run")
 
 
 def test_sleep_drops_the_graphs_and_wake_up_captures_them_again(tiny_llama_dir):
