@@ -24,7 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # -O / --compilation-config levels, as vLLM numbers them: 0 eager; 1-3 all compile decode steps here
 COMPILATION_LEVELS = (0, 1, 2, 3)
 # Eager: compiled, a decode step took 0.91x eager's time at batch 1 but 0.97x at 32 (2 cores, the
-# packaged model, bf16), for a first start 45 s longer (README, --compilation-config's help).
+# packaged model, bf16), for a first start 45 s longer (docs/performance.md).
 DEFAULT_COMPILATION_LEVEL = 0
 # --max-seq-len-to-capture's default, as vLLM's: longer contexts run their decode steps eager
 DEFAULT_MAX_SEQ_LEN_TO_CAPTURE = 8192

@@ -26,8 +26,8 @@ from llmrpc.kernels.lora import LoRABatch, lora_expand, lora_shrink
 
 # On the CPU, a step of at most this many rows takes every slot's adapter in one masked matmul
 # (``LoRAContext.dense``) instead of a gather, matmul and scatter per slot: at decode sizes the
-# per-slot ops' fixed costs outweigh the other slots' wasted multiply-adds (README, LoRA).
-# Longer steps (prompt chunks) take the segmented kernels' torch twin.
+# per-slot ops' fixed costs outweigh the other slots' wasted multiply-adds (docs/performance.md,
+# LoRA). Longer steps (prompt chunks) take the segmented kernels' torch twin.
 DENSE_MAX_ROWS = 128
 
 

@@ -41,7 +41,7 @@ class FinishReason(enum.Enum):
 
 _GREEDY_EPSILON = 1e-5
 
-# Bounds on what one request may ask for (README "Request limits"; the proto field comments say
+# Bounds on what one request may ask for (docs/api.md "Request limits"; the proto field comments say
 # the same). Lists are bounded so that a request's set-up work on the engine thread stays within
 # about one step; their per-step cost does not grow with their length (see engine/matching.py).
 MAX_N = 128  # as OpenAI

@@ -524,14 +524,14 @@ def test_gguf_quantization_of_a_folder_is_one_line(capsys, tiny_llama_dir):
     )
 
 
-def test_help_and_readme_state_what_the_code_does():
+def test_help_and_serving_page_state_what_the_code_does():
     flag = next(flag for flag in FLAGS if flag.name == "--quantization")
     assert flag.names == ("--quantization", "-q") and flag.choices == ("int8", "int4", "gguf")
     assert f"groups of {GROUP_SIZE} inputs" in flag.help
     for block_type in ("Q4_0", "Q4_1", "Q8_0"):
         assert block_type in flag.help
-    # the help sends the reader to the README for when each kernel runs
-    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
-    assert f"in bfloat16 for up to {BLOCKED_DENSE_ABOVE} tokens a layer call" in readme
+    # the help sends the reader to docs/serving.md for when each kernel runs
+    page = " ".join((Path(__file__).parents[2] / "docs" / "serving.md").read_text().split())
+    assert f"in bfloat16 for up to {BLOCKED_DENSE_ABOVE} tokens a layer call" in page
     packed = f"for up to {INT8_DENSE_ABOVE} (int8) or {INT4_DENSE_ABOVE} (int4, gguf) tokens"
-    assert packed in readme
+    assert packed in page

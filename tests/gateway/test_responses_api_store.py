@@ -28,7 +28,8 @@ from llmrpc.server import options
 GREEDY = {"model": "", "temperature": 0.0, "max_output_tokens": 2, "tool_choice": "none"}
 K1, K2 = "key-one-0001", "key-two-0002"
 STORE_LIMIT = 200_000
-# The documented bounds on a tool (README, Tool calling): what a chat template may never show.
+# The documented bounds on a tool (docs/api.md, Tool calling): what a chat template may never
+# show.
 DESCRIPTION_CHARS = 16_384
 PARAMETERS_CHARS = 65_536
 TOOLS_CHARS = 1_048_576
