@@ -1,11 +1,14 @@
-"""The README's commands, run as written in a new shell against a live ``llmrpc serve``.
+"""The commands of the README and of every page under docs/, run as written in a new shell
+against one live ``llmrpc serve``.
 
-Every ``sh`` and ``python`` block of README.md is taken apart into commands. The shell starts
-without the environment on PATH and runs the README's own line that enters it, then each
-command; Python blocks go to that shell's ``python``. A command must exit 0. The only ones not
-run are those that cannot be, each for a stated reason (``NOT_RUN``): they start a
-long-running server (the test starts the README's plain ``llmrpc serve`` itself), name a
-placeholder path, need a container runtime, or are ``make`` (which runs this very test).
+Every ``sh`` and ``python`` block of README.md and docs/*.md is taken apart into commands; a
+command or snippet that several pages show is run once. The shell starts without the environment
+on PATH and runs the README's own line that enters it, then each command; Python blocks go to
+that shell's ``python``. A command must exit 0. The only ones not run are those that cannot be,
+each for a stated reason (``NOT_RUN``): they start a long-running server (the test starts the
+README's plain ``llmrpc serve`` itself), name a placeholder path, need a container runtime, or
+are ``make`` (which runs this very test). The pages' links must lead somewhere: every relative
+link names a file that exists, and a ``#fragment`` one of its headings.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 ENTER_ENVIRONMENT = "source .venv/bin/activate"
 GRPC_ADDRESS = "localhost:50051"  # the README's addresses: serve's defaults
 START_TIMEOUT_S = 300
@@ -60,18 +64,24 @@ def _why_not_run(command: str) -> str | None:
     return next((why for pattern, why in NOT_RUN if re.search(pattern, command)), None)
 
 
-def readme_examples() -> tuple[list[str], list[str], list[str]]:
-    """(shell commands to run, Python snippets to run, shell commands not run)."""
+def page_examples(pages=PAGES) -> tuple[list[str], list[str], list[str]]:
+    """(shell commands to run, Python snippets to run, shell commands not run) of ``pages``, each
+    once, in the order the pages show them first."""
     run, snippets, skipped = [], [], []
-    for language, body in _blocks(README.read_text()):
-        if language == "python":
-            snippets.append(body)
-        elif language == "sh":
-            for command in _shell_commands(body):
-                if command.split("#")[0].strip() == ENTER_ENVIRONMENT:
-                    continue
-                (skipped if _why_not_run(command) else run).append(command)
-    return run, snippets, skipped
+    for page in pages:
+        for language, body in _blocks(page.read_text()):
+            if language == "python":
+                snippets.append(body)
+            elif language == "sh":
+                for command in _shell_commands(body):
+                    if command.split("#")[0].strip() == ENTER_ENVIRONMENT:
+                        continue
+                    (skipped if _why_not_run(command) else run).append(command)
+    return _once(run), _once(snippets), _once(skipped)
+
+
+def _once(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 def _new_shell(script: str, stdin: str | None = None, timeout: float = COMMAND_TIMEOUT_S):
@@ -99,12 +109,52 @@ def test_readme_says_how_to_enter_the_environment():
 
 
 def test_every_command_is_run_or_has_a_reason():
-    run, snippets, skipped = readme_examples()
+    run, snippets, skipped = page_examples()
     assert len(run) >= 10 and snippets, (run, snippets)
     assert any(command.startswith("grpcurl") for command in run)
     assert any(command.startswith("llmrpc ") for command in run)
     # Not run: each has a reason; the README's plain serve command is started by the test.
-    assert "llmrpc serve" in [command.split("#")[0].strip() for command in skipped]
+    readme_skipped = page_examples([README])[2]
+    assert "llmrpc serve" in [command.split("#")[0].strip() for command in readme_skipped]
+
+
+def test_the_readme_links_every_docs_page():
+    readme = README.read_text()
+    assert len(PAGES) > 1, "no pages under docs/"
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's fragment for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _links(text: str) -> list[str]:
+    """The targets of the Markdown links outside fenced blocks."""
+    return re.findall(r"\]\(([^)\s]+)\)", _prose(text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_relative_link_leads_to_a_page_and_heading(page):
+    broken = []
+    for target in _links(page.read_text()):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto: lead off the repository
+            continue
+        path, _, fragment = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(target)
+        elif fragment and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", _prose(linked.read_text()), flags=re.MULTILINE)
+            if fragment not in {_anchor(heading) for heading in headings}:
+                broken.append(target)
+    assert not broken, f"{page.name}: links that lead nowhere: {broken}"
 
 
 def test_a_new_shell_lacks_the_tools_until_it_enters_the_environment():
@@ -165,8 +215,8 @@ def readme_server(smollm2_dir: Path, model_cache_dir: Path):
             process.communicate()
 
 
-@pytest.mark.parametrize("command", readme_examples()[0])
-def test_readme_shell_command_runs_as_written(readme_server, command):
+@pytest.mark.parametrize("command", page_examples()[0])
+def test_shell_command_runs_as_written(readme_server, command):
     result = _new_shell(command)
     assert result.returncode == 0, f"{command}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     written = re.search(r"> *(/tmp/\S+)", command)  # its output is a file the next command reads
@@ -176,8 +226,8 @@ def test_readme_shell_command_runs_as_written(readme_server, command):
         assert result.stdout.strip(), f"{command} printed nothing"
 
 
-@pytest.mark.parametrize("snippet", readme_examples()[1])
-def test_readme_python_runs_as_written(readme_server, snippet):
+@pytest.mark.parametrize("snippet", page_examples()[1])
+def test_python_runs_as_written(readme_server, snippet):
     result = _new_shell("python -", stdin=snippet)
     assert result.returncode == 0, f"{snippet}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.strip(), f"the snippet printed nothing:\n{snippet}"
