@@ -39,7 +39,7 @@ ONE_DEVICE = "needs several devices or processes; this build runs one engine, in
 MULTI_NODE = (
     "spreads data-parallel engines over several machines; here --data-parallel-size runs them "
     "all on this one: for several machines run one server each behind Envoy (llmrpc "
-    "envoy-config) or as Kubernetes replicas (llmrpc k8s-manifests), README: Scaling out"
+    "envoy-config) or as Kubernetes replicas (llmrpc k8s-manifests), docs/scaling.md"
 )
 MULTIMODAL = "needs multimodal inputs, which this build does not support"
 TOOL_SERVER = "needs built-in tool servers (MCP, demo tools) for the Responses API, not served here"
@@ -55,9 +55,9 @@ COMPILATION_HELP = (
     'torch.compile of decode steps: 0 (default) eager; 1-3 (-O3, {"level": 3}, {"mode": 3}; '
     "other keys refused) compile the native model's forward at start-up, one graph for all "
     "batch sizes, run by steps of decodes and prompt chunks with up to 256 tokens of context, "
-    "cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/llmrpc/inductor). 2 cores, bf16: "
-    "decode steps 0.91x eager's time at batch 1, 0.97x at 32; start-up +45 s the first "
-    "time, +5 s after. A quantized model's graph runs steps of at most the tokens its "
+    "cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/llmrpc/inductor): the first start "
+    "on a machine compiles, later ones read the cache. A quantized model's graph runs steps "
+    "of at most the tokens its "
     "packed kernels take (see --quantization). With --attention-backend triton (the only "
     "backend compiled on CUDA) its kernels are operations of the graph, and CUDA graphs "
     "capture the compiled forward. A failure raised in Python is logged once, then steps run "
@@ -261,7 +261,7 @@ _FRONTEND = _group(
           "use memory while it runs, so trust its senders."),
     ours("--hide-model-path", False, None, "frontend.hide_model_path",
          "Answers name no server folder: model roots and adapter paths are names, the served "
-         "name defaults to --model's last component (README: Model paths)."),
+         "name defaults to --model's last component (docs/security.md: Model paths)."),
     works("--response-role", "assistant", str, "rest.response_role",
           "Role of REST chat answers when add_generation_prompt is true."),
     works("--lora-modules", None, str, "lora.lora_modules",
@@ -306,9 +306,9 @@ _FRONTEND = _group(
     works("--disable-frontend-multiprocessing", False, None,
           "frontend.disable_frontend_multiprocessing",
           "Run the engine core on a thread of the server's process, sharing one GIL with gRPC, "
-          "REST and the tokenizers. Default: a process of its own, over local ZeroMQ sockets "
-          "(as fast on 2 cores, 0.4 GB more memory); if it dies the server reports NOT_SERVING "
-          "and exits 1."),
+          "REST and the tokenizers. Default: a process of its own, the only one that loads "
+          "torch, over local ZeroMQ sockets; if it dies the server reports NOT_SERVING and exits "
+          "1."),
     refused("--api-server-count", 1, int,
             "runs several API server processes; this build serves gRPC and REST from one "
             "process"),
@@ -354,7 +354,7 @@ _MODEL = _group(
     works(("--quantization", "-q"), None, str, "model.quantization",
           "Weight-only quantization when the model loads: int8 (per output channel), int4 "
           "(groups of 32 inputs) or gguf (a .gguf --model served from its Q4_0, Q4_1 and Q8_0 "
-          "blocks). Linear layers and lm_head are packed; the README says when each kernel "
+          "blocks). Linear layers and lm_head are packed; docs/serving.md says when each kernel "
           "runs and when a step dequantizes. Default: none (a .gguf is dequantized to --dtype).",
           choices=QUANTIZATION_METHODS),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
@@ -576,7 +576,7 @@ _SCHEDULER = _group(
           "the tokens one prompt computes in a step (0: off)."),
     works("--scheduling-policy", "fcfs", str, "scheduler.scheduling_policy",
           "fcfs, or priority: a request's priority (lower first), ties by arrival. Callers "
-          "(API keys, else connections) take turns within a priority; see README.",
+          "(API keys, else connections) take turns within a priority; see docs/serving.md.",
           choices=("fcfs", "priority")),
     works("--preemption-mode", None, str, "scheduler.preemption_mode",
           "recompute (the default); swap is refused: preemption recomputes, never swaps.",
@@ -651,11 +651,13 @@ _OBSERVABILITY = _group(
           "call and REST request, continuing a caller's W3C traceparent, and of each sample's "
           "engine phases (queue, prefill, decode, detokenize); every span carries "
           "gen_ai.request.id. OTLP/gRPC, or OTLP/HTTP with "
-          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf. README: Tracing.", metavar="URL"),
+          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf. docs/serving.md: Tracing.",
+          metavar="URL"),
     works("--collect-detailed-traces", None, str, "tracing.collect_detailed_traces",
           "Needs --otlp-traces-endpoint. model: gen_ai.latency.time_in_model_forward, worker: "
           "gen_ai.latency.time_in_model_execute (forward and sampling), all: both; summed over "
-          "the engine steps a sample was in (shared with their batch). README: Tracing.",
+          "the engine steps a sample was in (shared with their batch). docs/serving.md: "
+          "Tracing.",
           nargs="+", metavar="MODULE"),
     inert("--show-hidden-metrics-for-version", None, str,
           "has nothing to show: the gateway's /metrics hides no deprecated metric"),

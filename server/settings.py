@@ -223,7 +223,7 @@ class FrontendConfig:
                 f"--data-parallel-size-local {local} is refused: every engine of this server "
                 f"runs on this machine, so it can only equal --data-parallel-size ({size}); "
                 "for several machines run one server per machine behind Envoy or as "
-                "Kubernetes replicas (README: Scaling out)"
+                "Kubernetes replicas (docs/scaling.md)"
             )
         if size > 1 and self.disable_frontend_multiprocessing:
             raise ValueError(
