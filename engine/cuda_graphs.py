@@ -14,7 +14,7 @@ compiled before the capture): inductor's fused kernels, launched by the graph.
   ``slot_mapping``, ``decode_indices``, ``decode_block_tables`` ``[max_bucket, width]`` and
   ``decode_seq_lens``. ``width`` holds ``--max-seq-len-to-capture`` tokens (capped at the
   model's length): a fixed width is a fixed launch grid for the decode kernel, whose split count
-  follows the table's width. A step with a longer context runs eager.
+  follows the table's width and the bucket's rows. A step with a longer context runs eager.
 - A step of ``n`` rows in a bucket of ``size``: rows ``n..size-1`` are padding, slot -1 (the KV
   store skips it), context length 1 and a block table of zeros (block 0's first slot is read and
   the result dropped); the replay's first ``n`` rows are the step's hidden states.

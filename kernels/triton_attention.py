@@ -21,6 +21,7 @@ sequence's length or in padding blocks never contribute, whatever they hold (NaN
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,9 +36,15 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = math.log2(math.e)
-# Decode split-K: one split per this many tokens of the block-table width, at most _MAX_SPLITS.
-_TOKENS_PER_SPLIT = 512
-_MAX_SPLITS = 16
+# Decode split-K: enough splits that the grid fills _WAVES waves of the device's SMs, at most
+# _MAX_SPLITS (a runtime count: every split count runs the same compiled kernels).
+_WAVES = 2
+_MAX_SPLITS = 256
+_INTERPRETER_SMS = 4  # in place of an SM count under the interpreter: few programs, short tests
+_TOKENS_PER_ITER = 32  # KV positions a decode program reads per loop iteration (whole blocks)
+# 8 warps a decode program: with 4, its float32 tiles of head_dim 128 spill registers (sm_90)
+_DECODE_WARPS = 8
+_REDUCE_SPLITS = 16  # partial results the reduce kernel combines per loop iteration
 _PREFILL_BLOCK_M = 64  # (query token, head) rows of a prefill tile, at most
 
 
@@ -45,7 +52,7 @@ _PREFILL_BLOCK_M = 64  # (query token, head) rows of a prefill tile, at most
 # store_kv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # it changes step to step
 def _store_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -189,16 +196,16 @@ def store_kv_torch(
 # decode_attention
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bs", "blocks_per_split"])  # they change step to step
 def _decode_split_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_out_ptr,
     qk_scale,  # softmax scale * log2(e)
     k_scale, v_scale,  # an fp8 cache's scales
     stride_qs, stride_qh, stride_bs, stride_bb, stride_os, stride_oh,
-    blocks_per_split,
+    blocks_per_split,  # a multiple of BLOCKS_PER_ITER
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # Program (seq, kv_head, split): the GROUP query heads of one KV head over the split's range
@@ -210,9 +217,10 @@ def _decode_split_kernel(
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
 
+    TOKENS: tl.constexpr = BLOCKS_PER_ITER * BLOCK_SIZE  # KV positions an iteration reads
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_t = tl.arange(0, TOKENS)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -225,18 +233,23 @@ def _decode_split_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    # Online softmax over the split's blocks: running max, sum of exp, unnormalised output.
+    # Online softmax over the split's blocks, BLOCKS_PER_ITER at a time: running max, sum of
+    # exp, unnormalised output. A split's range is whole iterations (blocks_per_split is a
+    # multiple), so an iteration never reaches into the next split; past the sequence's end its
+    # positions are masked (their table entries are not read).
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    table = block_tables_ptr + seq * stride_bs
     kv_head_offs = kv_head * HEAD_DIM + offs_d[None, :]
-    for b in range(first, last):
-        block_id = tl.load(block_tables_ptr + seq * stride_bs + b * stride_bb).to(tl.int64)
-        t_mask = b * BLOCK_SIZE + offs_t < seq_len
-        kv_offs = (block_id * BLOCK_SIZE + offs_t[:, None]) * (num_kv_heads * HEAD_DIM)
-        kv_offs += kv_head_offs
+    for b in range(first, last, BLOCKS_PER_ITER):
+        pos = b * BLOCK_SIZE + offs_t  # [TOKENS]
+        t_mask = pos < seq_len
+        block_id = tl.load(table + (pos // BLOCK_SIZE) * stride_bb, mask=t_mask, other=0)
+        slot = block_id.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_offs = slot[:, None] * (num_kv_heads * HEAD_DIM) + kv_head_offs
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k, v = _load_kv(
             key_cache_ptr, value_cache_ptr, kv_offs, kv_mask, k_scale, v_scale,
@@ -245,7 +258,7 @@ def _decode_split_kernel(
         # "ieee" only matters for float32 operands: no silent tf32 for float32 models
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        # every block of the loop holds a position < seq_len, so m_new is finite
+        # every iteration holds a position < seq_len (b < last), so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -253,7 +266,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    if ONE_SPLIT:  # the whole context: normalise and write the output
+    if num_splits == 1:  # the whole context: normalise and write the output
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -267,31 +280,42 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_max_ptr, part_sum_ptr, part_out_ptr, out_ptr,
     stride_os, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Program (seq, head): combine the splits' partials by log-sum-exp.
+    # Program (seq, head): combine the splits' partials by log-sum-exp, BLOCK_S at a time.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
-    part_max = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(
-        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    first = (seq * tl.num_programs(1) + head) * num_splits
     # split 0 always holds position 0, so the max is finite and empty splits weigh exp2(-inf) = 0
-    weight = tl.exp2(part_max - tl.max(part_max, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
+    m = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        s_mask = start + offs_s < num_splits
+        part_max = tl.load(part_max_ptr + first + start + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.maximum(m, tl.max(part_max, 0))
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        s_mask = start + offs_s < num_splits
+        part = first + start + offs_s
+        part_max = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
+        part_sum = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+        part_out = tl.load(
+            part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        weight = tl.exp2(part_max - m)
+        acc += tl.sum(part_out * weight[:, None], 0)
+        total += part_sum * weight
+    out = acc / tl.sum(total, 0)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -314,12 +338,13 @@ def decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in query's dtype
     """Attention of one query token per sequence over its first ``seq_lens[s]`` cached positions.
 
-    The context is cut into ``num_splits`` ranges of blocks, one program each (per sequence and
-    KV head), whose partial results a second kernel combines. ``num_splits=None`` picks one split
-    per 512 tokens of the block-table width (at most 16): the width is the longest sequence's
-    block count where the engine pads tables to it, and reading it needs no host sync. The
-    result therefore may differ, by rounding only, with the batch's longest sequence; pass
-    ``num_splits`` to fix it. ``seq_lens[s]`` must not exceed the ``max_blocks * block_size``
+    The context is cut into at most ``num_splits`` ranges of blocks (whole loop iterations of
+    ``blocks_per_iteration(block_size)`` blocks each), one program each per sequence and KV
+    head, whose partial results a second kernel combines. ``num_splits=None`` takes
+    ``default_num_splits``: from the batch's shape (sequences, KV heads, the block-table width)
+    and the device, with no host sync. The result therefore may differ, by rounding only, with
+    the batch's size and longest sequence; pass ``num_splits`` to fix it. Every split count runs
+    the same compiled kernels. ``seq_lens[s]`` must not exceed the ``max_blocks * block_size``
     positions of its table row (unchecked: that would take a host sync).
     """
     num_seqs, num_heads, head_dim = _check_query(query)
@@ -335,19 +360,20 @@ def decode_attention(
     block_size = key_cache.shape[1]
     max_blocks = block_tables.shape[1]
     if num_splits is None:
-        num_splits = default_num_splits(max_blocks, block_size)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_blocks, block_size, device)
     check(num_splits >= 1, f"num_splits must be at least 1, got {num_splits}")
-    num_splits = max(1, min(num_splits, max_blocks))  # no split without blocks to read
     if num_seqs == 0:
         return out
+    # whole iterations a split; no split without blocks of the table to read
+    per_iter = blocks_per_iteration(block_size)
+    blocks_per_split = per_iter * triton.cdiv(triton.cdiv(max_blocks, num_splits), per_iter)
+    num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
 
     group = num_heads // num_kv_heads
-    if num_splits == 1:  # the first kernel writes the output itself
-        part_max = part_sum = part_out = out
-    else:
-        part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
-        part_sum = torch.empty_like(part_max)
-        part_out = torch.empty(*part_max.shape, head_dim, dtype=torch.float32, device=device)
+    shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)  # one split: unused
+    part_max = torch.empty(shape, dtype=torch.float32, device=device)
+    part_sum = torch.empty_like(part_max)
+    part_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
@@ -355,26 +381,53 @@ def decode_attention(
         scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
-        triton.cdiv(max_blocks, num_splits),
+        blocks_per_split,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # the smallest tensor-core tile
-        BLOCK_D=block_d, ONE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(query.dtype),
-        FP8=key_cache.dtype in FP8_DTYPES,
+        BLOCK_D=block_d, BLOCKS_PER_ITER=per_iter, DOT_F32=dot_in_f32(query.dtype),
+        FP8=key_cache.dtype in FP8_DTYPES, num_warps=_DECODE_WARPS,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_max, part_sum, part_out, out,
             out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d,
         )  # fmt: skip
     return out
 
 
-def default_num_splits(max_blocks: int, block_size: int) -> int:
-    """``decode_attention``'s split count for a block table ``max_blocks`` wide: one split per
-    512 tokens it can hold, at most 16."""
-    return max(1, min(_MAX_SPLITS, triton.cdiv(max_blocks * block_size, _TOKENS_PER_SPLIT)))
+def blocks_per_iteration(block_size: int) -> int:
+    """KV blocks the decode kernel reads in one loop iteration: ``_TOKENS_PER_ITER`` tokens'
+    worth, at least one block."""
+    return max(1, _TOKENS_PER_ITER // block_size)
+
+
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device
+) -> int:
+    """``decode_attention``'s split count: the fewest that make the grid (``num_seqs x
+    num_kv_heads x splits`` programs) fill ``_WAVES`` waves of the device's multiprocessors, at
+    most ``_MAX_SPLITS`` and at most one per loop iteration of a table ``max_blocks`` wide."""
+    programs = _WAVES * multiprocessor_count(device)
+    splits = triton.cdiv(programs, max(1, num_seqs * num_kv_heads))
+    iterations = triton.cdiv(max_blocks, blocks_per_iteration(block_size))
+    return max(1, min(splits, _MAX_SPLITS, iterations))
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """The SMs of a CUDA ``device``; elsewhere (the interpreter, which runs one program at a
+    time) ``_INTERPRETER_SMS``."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _cuda_multiprocessors(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_attention_torch(
@@ -415,7 +468,7 @@ def _read(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
 # prefill_attention
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bs"])  # the tables' width changes step to step
 def _prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
     seq_lens_ptr, out_ptr,

@@ -35,7 +35,7 @@ def _round(x, dtype: tl.constexpr):
         return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # it changes step to step
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -73,7 +73,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + outer * out_stride0 + sub * out_stride1 + cols, y.to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # it changes step to step
 def _rotary_kernel(
     x_ptr,
     cos_ptr,

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from triton_compile_keys import recorded_compile_keys
 
 from llmrpc.kernels import triton_attention as ta
 from llmrpc.kernels.triton_utils import interpreting
@@ -179,12 +180,26 @@ class KernelChecks:
             assert_matches(split, one_split)
 
     def test_decode_default_splits(self):
-        """A table 36 blocks of 32 wide (1152 tokens) gets 3 splits by default."""
+        """Two sequences of one KV head, a table 36 blocks of 32 wide (1152 tokens): as many
+        splits by default as fill two waves of the device's SMs (4 in the interpreter: 4 splits),
+        up to one per loop iteration (one 32-token block)."""
         args = self.decode_case([1100, 40], (32, 64, 4, 1, torch.int64), torch.float16)
-        assert ta.default_num_splits(args[3].shape[1], 32) == 3
+        device = torch.device(self.device)
+        splits = ta.default_num_splits(2, 1, args[3].shape[1], 32, device)
+        assert splits == min(36, -(-2 * ta.multiprocessor_count(device) // 2))
         expected = ta.decode_attention_torch(*args, SCALE)
         assert_matches(self.run_decode(args), expected)
         assert_matches(self.run_decode(args, num_splits=1), expected)
+
+    def test_decode_many_splits(self):
+        """16-token blocks, 2 a loop iteration, a table 70 blocks wide: 5 splits (of 14
+        blocks), 18 (of 4: more splits than the reduce kernel combines at once, 16) and 200
+        (35 of one iteration: every split has blocks to read); the short sequences leave all
+        but their first split empty."""
+        args = self.decode_case([1100, 40, 3], GQA, torch.float32)
+        expected = ta.decode_attention_torch(*args, SCALE)
+        for num_splits in (5, 18, 200):
+            assert_matches(self.run_decode(args, num_splits=num_splits), expected)
 
     # ---- prefill_attention
 
@@ -345,8 +360,58 @@ class KernelChecks:
 class TestInterpreted(KernelChecks):
     device = "cpu"
 
+    # ---- what a GPU compiles: one variant for steps of any batch, context and split count
+    # (each new variant is a JIT compile on the request path; triton_compile_keys finds them)
+
+    def test_decode_compiles_one_variant_of_each_kernel(self):
+        """Decode steps of 1 to 3 sequences, tables 1 to 39 blocks wide (1, 16 and 17 among
+        them: Triton specialises an integer on 1 and on multiples of 16), 1 to 7 splits."""
+        cases = [([5], 1, None), ([240, 3], None, None), ([250, 40, 5], None, 3)]
+        cases += [([300, 77], None, 7), ([600], None, None), ([257], 17, 2)]
+        with recorded_compile_keys() as keys:
+            for seq_lens, width, num_splits in cases:
+                query, *caches, tables, lens = self.decode_case(seq_lens, GQA, torch.float32)
+                args = (query, *caches, tables[:, :width].contiguous(), lens)
+                result = self.run_decode(args, num_splits=num_splits)
+                assert_matches(result, ta.decode_attention_torch(*args, SCALE))
+        assert {name: len(found) for name, found in keys.items()} == {
+            "_decode_split_kernel": 1,
+            "_decode_reduce_kernel": 1,
+        }
+
+    def test_store_and_prefill_compile_one_variant_per_tile(self):
+        """Stores of 1, 16 and 17 tokens; prefills over tables 2, 16 and 17 blocks wide, whose
+        longest chunk (times the group of 2) picks a tile of 16, 32 or 64 rows: one variant
+        per tile."""
+        with recorded_compile_keys() as keys:
+            for num_tokens in (1, 16, 17):
+                rows = torch.randn(num_tokens, 2, 64)
+                caches = [torch.zeros(4, 16, 2, 64) for _ in range(2)]
+                ta.store_kv(rows, rows, *caches, torch.arange(num_tokens))
+            for batch in ([(1, 16)], [(9, 250)], [(40, 240)], [(3, 5), (40, 256)]):
+                self.run_prefill(batch, GQA, torch.float32)
+        assert {name: len(found) for name, found in keys.items()} == {
+            "_store_kv_kernel": 1,
+            "_prefill_kernel": 3,
+        }
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 class TestCuda(KernelChecks):
     device = "cuda"
+
+
+def test_default_splits_fill_two_waves_of_an_h200(monkeypatch):
+    """The split count for a device of 132 SMs (an H200): the fewest splits that make at least
+    264 programs (sequences x KV heads x splits), at most 256 and at most one per loop
+    iteration (two 16-token blocks)."""
+    monkeypatch.setattr(ta, "_cuda_multiprocessors", lambda index: 132)
+    h200 = torch.device("cuda", 0)
+    blocks_32k = 32768 // 16
+    assert ta.default_num_splits(1, 8, blocks_32k, 16, h200) == 33  # 264 programs
+    assert ta.default_num_splits(4, 8, blocks_32k, 16, h200) == 9  # 288
+    assert ta.default_num_splits(64, 8, 4096 // 16, 16, h200) == 1  # 512 already
+    assert ta.default_num_splits(1, 1, blocks_32k, 16, h200) == 256  # at most 256
+    assert ta.default_num_splits(1, 8, 10, 16, h200) == 5  # 10 blocks: 5 iterations
+    assert ta.default_num_splits(2, 8, 2, 16, h200) == 1

@@ -16,10 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_devices import DEVICES
+from triton_compile_keys import recorded_compile_keys
 
 from llmrpc.engine.models.rotary import RotaryEmbedding
 from llmrpc.kernels.elementwise import rms_norm_torch, rotary_torch
 from llmrpc.kernels.triton_elementwise import add_rms_norm, rms_norm, rotary
+from llmrpc.kernels.triton_utils import interpreting
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RTOL = {torch.float32: 5e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}
@@ -152,3 +154,28 @@ def test_layout_contract_errors_name_the_argument(device):
         rotary(q, cos, sin.to("meta"))
     with pytest.raises(ValueError, match="^x's last dimension is not contiguous"):
         rotary(q.transpose(1, 2), cos, sin)
+
+
+@pytest.mark.skipif(not interpreting(), reason="records the compiles of the interpreter's launches")
+def test_steps_of_any_size_compile_one_variant_of_each_kernel():
+    """A server's steps have 1, 16, 17 or any number of tokens (Triton specialises an integer
+    on 1 and on multiples of 16): on a GPU one compiled variant of each kernel serves them all,
+    so no step waits for a compile that the first one did not make."""
+    cpu = torch.device("cpu")
+    weight = norm_weight(64, torch.float32, cpu)
+    cos, sin = (randn(17, 1, 16, dtype=torch.float32, device=cpu, seed=s) for s in (1, 2))
+    with recorded_compile_keys() as keys:
+        for tokens in (1, 16, 17):
+            x = randn(tokens, 64, dtype=torch.float32, device=cpu, seed=tokens)
+            assert_close(rms_norm(x, weight, EPS), rms_norm_torch(x, weight, EPS))
+            add_rms_norm(x, x.clone(), weight, EPS)
+            heads = x.view(tokens, 4, 16)
+            assert_close(
+                rotary(heads, cos[:tokens], sin[:tokens]),
+                rotary_torch(heads, cos[:tokens], sin[:tokens]),
+            )
+    # rms_norm with and without a residual
+    assert {name: len(found) for name, found in keys.items()} == {
+        "_rms_norm_kernel": 2,
+        "_rotary_kernel": 1,
+    }
