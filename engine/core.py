@@ -25,6 +25,7 @@ from llmrpc.engine.generation_config import sampling_defaults
 from llmrpc.engine.grammar_compiler import GrammarCompiler
 from llmrpc.engine.grammar_step import GrammarStep
 from llmrpc.engine.input_processor import InputLimits, InputProcessor
+from llmrpc.engine.kernel_warm_up import triton_cache_dir, warm_up_triton_kernels, warms_up_triton
 from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.lora_manager import build_lora_manager, resolve_adapter
 from llmrpc.engine.lora_types import LORA_OFF
@@ -194,6 +195,7 @@ class EngineCore:
 
     def _build(self, config: EngineConfig) -> None:
         configure_engine_threads()
+        triton_cache_dir()  # compiled kernels kept in the model cache folder, unless set
         self.thread_budget: ThreadBudget | None = None
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
@@ -263,6 +265,12 @@ class EngineCore:
             check_capacity(config, self.max_model_len, num_blocks)
             self.runner.resize_kv_cache(num_blocks)
         self.compilation = config.compilation
+        tensor_parallel_size = config.parallel.tensor_parallel_size
+        if warms_up_triton(self.model, self.attention_backend, self.device, tensor_parallel_size):
+            warm_up_triton_kernels(
+                self.model, self.runner.kv_caches, block_size,
+                config.scheduler.max_num_batched_tokens, self.max_model_len,
+            )  # fmt: skip
         self._compile_decode()
         # --cuda-graph-sizes: None where decode steps run eager (a reason logged on CUDA)
         self.graph_plan = plan_decode_graphs(
