@@ -6,7 +6,7 @@ steps, and level 0, run eager. On the CPU inductor turns the forward into one C+
 ``cpp_wrapper``) that calls oneDNN for the packed linear layers and our kernels for the rest
 with no Python between them, which is what a decode step gains: the layers' Python overhead.
 With ``--attention-backend triton`` the Triton kernels are operations of the graph
-(``kernels/triton_ops.py``); on CUDA, where only that backend is compiled (``core.py`` refuses
+(``kernel_ops/triton_ops.py``); on CUDA, where only that backend is compiled (``core.py`` refuses
 the torch one), inductor's own kernels do the rest and the CUDA graphs of
 ``engine/cuda_graphs.py`` capture the compiled forward.
 
@@ -95,7 +95,7 @@ def why_not_compiled(model: nn.Module, backend: str) -> str | None:
         return "the Transformers implementation (--model-impl transformers) is not compiled"
     if not getattr(model, "uses_kv_cache", True):
         return "an encoder's steps are not decodes"
-    # The Triton kernels' fakes come with them (kernels/triton_ops.py); the C++ kernels' are
+    # The Triton kernels' fakes come with them (kernel_ops/triton_ops.py); the C++ kernels' are
     # needed wherever they are loaded (on the CPU, where they pack the linear layers too).
     if cpu_ops.loaded() and not register_fake_kernels():
         return f"kernels {', '.join(missing_fake_kernels())} are not built"

@@ -19,7 +19,7 @@ MODEL_IMPLS = ("auto", "vllm", "transformers")  # "vllm": our native models, as 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 DEVICES = ("auto", "cuda", "cpu")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-# --attention-backend: the kernels of the attention, norm and rotary steps (kernels/)
+# --attention-backend: the kernels of the attention, norm and rotary steps (kernel_ops/)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # -O / --compilation-config levels, as vLLM numbers them: 0 eager; 1-3 all compile decode steps here
 COMPILATION_LEVELS = (0, 1, 2, 3)

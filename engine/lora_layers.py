@@ -1,6 +1,6 @@
 """LoRA on the native Llama-family models: each adapted projection is wrapped, whatever module
 the loader left there (plain, packed, blocked or quantized), as ``out = base(x)`` plus the
-adapters' ``(x @ A.T) @ B.T``, added in place by the segmented kernels of ``kernels/lora.py``.
+adapters' ``(x @ A.T) @ B.T``, added in place by the segmented kernels of ``kernel_ops/lora.py``.
 
 Each wrapper holds ``--max-loras`` slots of stacked weights. The fused projections serve several
 checkpoint modules (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up): their slices' A are

@@ -5,7 +5,7 @@
 - ``int4``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
   ``w = (u - 8) * scale + zero`` with ``u`` in [0, 15], ``scale = (max - min) / 15`` and
   ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX512-BF16 and AVX512-VNNI,
-  computed by our kernel (``kernels/csrc/int4_linear.cpp``: integer dot products with the inputs
+  computed by our kernel (``kernel_ops/csrc/int4_linear.cpp``: integer dot products with the inputs
   quantized to int8 per row and group of 32, as llama.cpp computes) on weights in its blocked
   layout; elsewhere by
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on weights packed by
@@ -155,9 +155,10 @@ class Int4Linear(QuantizedLinear):
     """Group-wise int4: ``W[n, k] = (u - 8) * scale + zero``, with one ``(scale, zero)`` per
     ``GROUP_SIZE`` inputs, packed one of two ways:
 
-    - blocked, in bfloat16 where our AVX512-BF16 kernel is built (``kernels/csrc/int4_linear.cpp``
-      describes the layout): ``qweight`` ``[out / 16, in / 32, 8, 32]`` and ``scales_and_zeros``
-      ``[out / 16, in / 32, 2, 16]``, computed by ``torch.ops.llmrpc_cpu.int4_linear``;
+    - blocked, in bfloat16 where our AVX512-BF16 kernel is built
+      (``kernel_ops/csrc/int4_linear.cpp`` describes the layout): ``qweight`` ``[out / 16, in / 32,
+      8, 32]`` and ``scales_and_zeros`` ``[out / 16, in / 32, 2, 16]``, computed by
+      ``torch.ops.llmrpc_cpu.int4_linear``;
     - torch's CPU packing otherwise: ``qweight`` from ``_convert_weight_to_int4pack_for_cpu`` and
       ``scales_and_zeros`` ``[in / 32, out, 2]``, computed by ``_weight_int4pack_mm_for_cpu``.
     """
@@ -406,7 +407,7 @@ class Q8BlockLinear(Int4Linear):
 
 class Q8Linear(QuantizedLinear):
     """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) in our blocked layout
-    (``kernels/csrc/int4_linear.cpp`` describes it): ``qweight`` ``[out / 16, in / 32, 16, 32]``
+    (``kernel_ops/csrc/int4_linear.cpp`` describes it): ``qweight`` ``[out / 16, in / 32, 16, 32]``
     holding ``q + 128``, ``scales`` ``[out / 16, in / 32, 16]``; computed by
     ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16 and VNNI; ``Q8BlockLinear``
     elsewhere)."""

@@ -27,7 +27,7 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, logprobs_mode: str = "raw_logprobs", backend: str = "torch") -> None:
         """``backend`` "triton": rows that sample (without min_p) are filtered and drawn by
-        ``kernels/triton_sampling.py`` (top-k/top-p cuts by bisection, the draw in vocabulary
+        ``kernel_ops/triton_sampling.py`` (top-k/top-p cuts by bisection, the draw in vocabulary
         order), not by the sort below; a seed then picks its tokens by that kernel's rule."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}")

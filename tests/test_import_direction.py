@@ -18,7 +18,7 @@ FORBIDDEN = {
     "server": ("llmrpc.gateway", "llmrpc.clients", "llmrpc.cli"),
     "gateway": ("llmrpc.engine", "llmrpc.kernels", "llmrpc.server", "llmrpc.cli"),
     "engine": ("grpc", "llmrpc.v1", *_ABOVE_SERVER),
-    "kernels": ("grpc", "llmrpc.v1", "llmrpc.engine", *_ABOVE_SERVER),
+    "kernel_ops": ("grpc", "llmrpc.v1", "llmrpc.engine", *_ABOVE_SERVER),
     "common": ("llmrpc.engine", "llmrpc.kernels", "llmrpc.v1", *_ABOVE_SERVER),
 }
 

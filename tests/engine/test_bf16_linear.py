@@ -1,5 +1,5 @@
-"""The blocked bfloat16 kernel (kernels/csrc/bf16_linear.cpp, ``BlockedLinear``) against the exact
-product, its promise that a row's output does not depend on the rows or threads beside it, its
+"""The blocked bfloat16 kernel (kernel_ops/csrc/bf16_linear.cpp, ``BlockedLinear``) against the
+exact product, its promise that a row's output does not depend on the rows or threads beside it, its
 layout contract, and the tied embedding that reads its rows from the blocks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel (kernels/csrc) against the pure-torch path it replaces."""
+"""The C++ decode-attention kernel (kernel_ops/csrc) against the pure-torch path it replaces."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_decode_kernel_names_a_bad_layout():
         _kernel(query[:, :3], key_cache, value_cache, metadata, 0.125)  # 3 heads over 2 KV heads
 
 
-# The fused elementwise kernels (kernels/csrc/elementwise.cpp) against their torch operations.
+# The fused elementwise kernels (kernel_ops/csrc/elementwise.cpp) against their torch operations.
 # In float32 they agree to float rounding; in bfloat16/float16 both round at the same places, so
 # all but a few elements (where a last float bit decides the rounding) are equal.
 ELEMENTWISE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}

@@ -236,7 +236,7 @@ def test_triton_backend_replays_with_its_store_kernel_skipping_padding(tiny_llam
 
 def test_compiled_triton_steps_are_what_the_graphs_capture(tiny_llama_dir, monkeypatch):
     """-O3 with graphs: each bucket captures the compiled forward (its Triton kernels nodes of
-    the graph, kernels/triton_ops.py), and the replays give eager's tokens."""
+    the graph, kernel_ops/triton_ops.py), and the replays give eager's tokens."""
     arrivals = [(0, 4, 3), (0, 6, 4), (0, 5, 2)]
     eager, _ = _drive(_core(tiny_llama_dir, "triton"), arrivals)
     compiled_calls = []

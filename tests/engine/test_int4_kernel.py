@@ -1,4 +1,4 @@
-"""The blocked int4 kernel (kernels/csrc/int4_linear.cpp) against the float matmul it stands for
+"""The blocked int4 kernel (kernel_ops/csrc/int4_linear.cpp) against the float matmul it stands for
 (the weights times the inputs quantized to int8 per 32, as the kernel documents), and the blocked
 layout against torch's int4 packing it replaces where AVX512-BF16 and AVX512-VNNI are present."""
 

@@ -87,7 +87,7 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
 
 def test_a_compiled_triton_engine_gives_eager_tokens(tiny_llama_dir, triton_run, monkeypatch):
     """-O3 on the Triton backend: the compiled decode step, its Triton kernels operations of the
-    graph (kernels/triton_ops.py), interpreted here, gives eager's greedy tokens for the same
+    graph (kernel_ops/triton_ops.py), interpreted here, gives eager's greedy tokens for the same
     mixed batch; its decodes-only steps ran compiled, from the graph compiled at load."""
     expected, _ = triton_run
     calls = [0]

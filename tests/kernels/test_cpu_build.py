@@ -1,4 +1,4 @@
-"""Where and when the C++ CPU kernels are built (``kernels/cpu_ops.py``).
+"""Where and when the C++ CPU kernels are built (``kernel_ops/cpu_ops.py``).
 
 The build folder lives under torch's extension folder, shared by every checkout and environment on
 the machine: its name is keyed by the sources' content and the compile flags, and the sources are
@@ -34,7 +34,7 @@ def _files(csrc: Path) -> list[Path]:
 
 
 def test_the_build_name_follows_the_sources_not_the_checkout(tmp_path):
-    first = _copy_csrc(tmp_path / "checkout-a" / "kernels" / "csrc")
+    first = _copy_csrc(tmp_path / "checkout-a" / "kernel_ops" / "csrc")
     second = _copy_csrc(tmp_path / "elsewhere" / "b" / "csrc")
     flags = cpu_ops.compile_flags()
     name = cpu_ops.build_name(_files(first), flags)

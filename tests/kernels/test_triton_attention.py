@@ -1,4 +1,4 @@
-"""The Triton attention kernels (kernels/triton_attention.py) against their torch twins.
+"""The Triton attention kernels (kernel_ops/triton_attention.py) against their torch twins.
 
 Without a GPU they run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
 ``TestCuda`` runs the same checks natively where a CUDA device is present. Every kernel output

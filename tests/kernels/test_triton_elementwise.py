@@ -1,4 +1,4 @@
-"""The Triton elementwise kernels against their torch twins (``kernels/elementwise.py``): in
+"""The Triton elementwise kernels against their torch twins (``kernel_ops/elementwise.py``): in
 Triton's interpreter on the CPU (conftest sets ``TRITON_INTERPRET=1`` without a GPU), and the same
 tests natively on CUDA under the ``gpu`` mark.
 

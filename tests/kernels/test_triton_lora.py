@@ -1,7 +1,7 @@
-"""The multi-LoRA matmuls (kernels/lora.py, kernels/triton_lora.py): the Triton kernels against
-the torch twin, in Triton's interpreter on the CPU (conftest sets ``TRITON_INTERPRET=1`` without
-a GPU) and natively on CUDA under the ``gpu`` mark; the twin against a per-row loop in float64
-(the oracle); ``LoRABatch.from_row_slots``; the layout-contract errors.
+"""The multi-LoRA matmuls (kernel_ops/lora.py, kernel_ops/triton_lora.py): the Triton kernels
+against the torch twin, in Triton's interpreter on the CPU (conftest sets ``TRITON_INTERPRET=1``
+without a GPU) and natively on CUDA under the ``gpu`` mark; the twin against a per-row loop in
+float64 (the oracle); ``LoRABatch.from_row_slots``; the layout-contract errors.
 
 Poison: the input rows of base-model rows (slot -1) and the weights of a slot no row uses are
 NaN, so reading either shows up as NaN in a result; the output buffer of the expand is a column

@@ -1,4 +1,4 @@
-"""The Triton kernels as torch operations (``kernels/triton_ops.py``), what ``torch.compile``
+"""The Triton kernels as torch operations (``kernel_ops/triton_ops.py``), what ``torch.compile``
 of a Triton-backend step is built from: ``torch.library.opcheck`` holds each to its registration
 (the schema names every tensor it writes, the fake gives the real output's shape, dtype and
 strides, the operation runs traced and functionalized), and each gives its wrapper's result,

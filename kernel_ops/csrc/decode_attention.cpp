@@ -2,8 +2,8 @@
 // read in place from the block-structured KV cache (no gathered copy), and the scores, softmax and
 // weighted sum are computed in float32 whatever the cache dtype.
 //
-// Registered as torch.ops.llmrpc_cpu.decode_attention. kernels/cpu_ops.py builds it for this
-// machine's vector width (AVX-512, AVX2 or plain C++) and loads it; kernels/attention.py keeps the
+// Registered as torch.ops.llmrpc_cpu.decode_attention. kernel_ops/cpu_ops.py builds it for this
+// machine's vector width (AVX-512, AVX2 or plain C++) and loads it; kernel_ops/attention.py keeps the
 // pure-torch path the tests hold it to.
 
 #include <ATen/Parallel.h>

@@ -8,7 +8,7 @@ row and gets nothing. Two steps, as in punica/vLLM: ``lora_shrink`` to ``[T, R]`
 ``lora_expand`` adds into the layer's output in place.
 
 ``batch.backend`` picks the path: "torch" (the twin here: one gather, matmul and scatter-add per
-slot in use, a handful, never a loop over requests or rows) or "triton" (``kernels/
+slot in use, a handful, never a loop over requests or rows) or "triton" (``kernel_ops/
 triton_lora.py``, segmented kernels, on CUDA or interpreted on the CPU). The twin computes in the
 input dtype as torch matmul does (the CPU engine runs it), with no host sync.
 """

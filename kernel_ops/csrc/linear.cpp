@@ -1,5 +1,5 @@
 // llmrpc_cpu::packed_linear: y = x W^T + b with W packed by mkldnn::_reorder_linear_weight
-// (kernels/linear.py's PackedLinear), as one operation of ours for torch.compile.
+// (kernel_ops/linear.py's PackedLinear), as one operation of ours for torch.compile.
 //
 // Eager PackedLinear calls mkldnn::_linear_pointwise itself. Under torch.compile that cannot stay:
 // inductor lowers mkldnn::_linear_pointwise only when the weight is a graph constant (freezing),

@@ -1,7 +1,7 @@
 """Paged attention over the block-structured KV cache: the dispatcher, and the torch path (CPU).
 
 ``metadata.backend`` picks the path: "torch" (here, with the C++ decode kernel where it is
-built) or "triton" (``kernels/triton_attention.py``, on CUDA, or interpreted on the CPU).
+built) or "triton" (``kernel_ops/triton_attention.py``, on CUDA, or interpreted on the CPU).
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A request's tokens live in the blocks named by its row of ``block_tables``; ``slot_mapping`` gives
@@ -190,7 +190,7 @@ def decode_attention_torch(
 
 
 def _kernel_fits(query, key_cache, value_cache) -> bool:
-    """Whether the C++ decode kernel (kernels/csrc, loaded at model load) takes these shapes."""
+    """Whether the C++ decode kernel (kernel_ops/csrc, loaded at model load) takes these shapes."""
     if not cpu_ops.loaded() or query.device.type != "cpu":
         return False
     head_dim = query.shape[2]

@@ -1,4 +1,4 @@
-"""Shape-only ("fake") versions of the C++ kernels' operations (``kernels/csrc``).
+"""Shape-only ("fake") versions of the C++ kernels' operations (``kernel_ops/csrc``).
 
 ``torch.compile`` traces the model with fake tensors, which have shapes and dtypes but no data;
 for an operation of ours it needs to be told what comes out. Each function here says just that.

@@ -1,4 +1,4 @@
-"""The engine's C++ CPU kernels (``kernels/csrc``), built for this machine once.
+"""The engine's C++ CPU kernels (``kernel_ops/csrc``), built for this machine once.
 
 ``torch.utils.cpp_extension`` compiles them with the system C++ compiler against the installed
 torch, for the widest vector unit torch itself dispatches to here (AVX-512, AVX2, or plain C++),
@@ -14,8 +14,8 @@ depends on); an edited kernel, other flags or another torch get a folder of thei
 checkout's build ever points at another's files.
 
 Where the build fails (no compiler, no Python headers), the engine logs why once and runs the
-torch operations of ``kernels/attention.py`` and ``kernels/elementwise.py``, which the kernels are
-tested against.
+torch operations of ``kernel_ops/attention.py`` and ``kernel_ops/elementwise.py``, which the
+kernels are tested against.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The decoder layer's elementwise steps as Triton kernels: RMS norm, add + RMS norm, rotary.
 
-Each kernel rounds where its torch twin in ``kernels/elementwise.py`` rounds (the dtype of ``x``
+Each kernel rounds where its torch twin in ``kernel_ops/elementwise.py`` rounds (the dtype of ``x``
 after every torch operation), computing in float32 in between; each wrapper checks the layout
 contract before the launch (``ValueError`` naming the argument). A program holds whole rows (whole
 tokens for rotary), each in a block of the next power of two, masked at the end: many short rows

@@ -1,5 +1,5 @@
 // bfloat16 weights times bfloat16 activations on the CPU: y = x W^T + b with W held in a blocked
-// layout (packed by kernels/linear.py, `BlockedLinear`): outputs in blocks of 16, each block's
+// layout (packed by kernel_ops/linear.py, `BlockedLinear`): outputs in blocks of 16, each block's
 // inputs in pairs, [out / 16, in / 2, 16, 2], so one 64-byte load is the 16 outputs x 2 inputs
 // AVX512-BF16's dot product takes.
 //

@@ -1,4 +1,5 @@
-"""Multi-LoRA shrink and expand as segmented Triton matmuls (the twins are in ``kernels/lora.py``).
+"""Multi-LoRA shrink and expand as segmented Triton matmuls (the twins are in
+``kernel_ops/lora.py``).
 
 The flat batch is cut into segments of rows that share a LoRA slot (``LoRABatch.seg_starts``,
 ``seg_slots``). A program owns one (segment, tile of ``BLOCK_M`` rows, tile of ``BLOCK_N``

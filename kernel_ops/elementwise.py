@@ -1,7 +1,8 @@
-"""The decoder layer's elementwise steps: one fused C++ pass each (``kernels/csrc/elementwise.cpp``)
-where the kernels are loaded, else the torch operations they replace (which the tests hold them to).
+"""The decoder layer's elementwise steps: one fused C++ pass each
+(``kernel_ops/csrc/elementwise.cpp``) where the kernels are loaded, else the torch operations they
+replace (which the tests hold them to).
 With ``backend="triton"`` (``--attention-backend``) the norms and rotary run the Triton kernels
-of ``kernels/triton_elementwise.py`` instead.
+of ``kernel_ops/triton_elementwise.py`` instead.
 
 The torch versions round where a model written in the dtype rounds (after every operation), as
 Transformers' Llama does, and the kernels round at the same places.

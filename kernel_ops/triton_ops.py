@@ -3,9 +3,9 @@
 ``torch.compile`` cannot trace a wrapper's launch (its layout checks, grid sizes, the interpreter
 on the CPU). Registered as operations with shape-only ("fake") versions, each kernel is one node
 of the compiled graph, whatever the device; inductor compiles the rest of the step around them.
-The functions here are what the dispatchers (``kernels/attention.py``, ``kernels/elementwise.py``)
-call on the Triton backend: the operation while torch.compile traces, the wrapper itself in an
-eager step, which so pays no dispatcher overhead.
+The functions here are what the dispatchers (``kernel_ops/attention.py``,
+``kernel_ops/elementwise.py``) call on the Triton backend: the operation while torch.compile traces,
+the wrapper itself in an eager step, which so pays no dispatcher overhead.
 
 The in-place kernels (``store_kv``, ``add_rms_norm``) are declared as mutating their outputs, so
 the compiled graph writes the KV cache and the residual where eager does, with no copy.
