@@ -27,10 +27,10 @@ from llmrpc.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
-from llmrpc.engine.quantization import QuantizedLinear
+from llmrpc.engine.quantization.linear import QuantizedLinear
 from llmrpc.engine.request import SamplingParams, StructuredOutputSpec
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig, check_parallel_options
-from llmrpc.engine.pooling import check_pooling_flags
+from llmrpc.engine.pooling.params import check_pooling_flags
 from llmrpc.engine.request import DEFAULT_MAX_JSON_WHITESPACE
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -55,7 +55,7 @@ class ModelConfig:
     device: str = "auto"  # auto: CUDA where a device is visible, else the CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     batch_invariant: bool = False  # a request's tokens do not depend on the rest of the batch
-    # embeddings (engine/pooling.py): --runner, --convert, --task, --override-pooler-config
+    # embeddings (engine/pooling/params.py): --runner, --convert, --task, --override-pooler-config
     runner: str = "auto"
     convert: str = "auto"
     task: str | None = None
@@ -192,8 +192,8 @@ class SchedulerConfig:
 class CompilationConfig:
     """``-O`` / ``--compilation-config``, ``--enforce-eager``, ``--cuda-graph-sizes`` and
     ``--max-seq-len-to-capture``: whether decode steps run a ``torch.compile`` of the model's
-    forward (``engine/compilation.py``), CUDA graphs of it (``engine/cuda_graphs.py``, a CUDA
-    device) or eager PyTorch.
+    forward (``engine/runner/compilation.py``), CUDA graphs of it (``engine/runner/cuda_graphs.py``,
+    a CUDA device) or eager PyTorch.
 
     ``config`` is vLLM's JSON object: ``{"level": N}`` (``-ON``), or ``{"mode": N}`` as newer
     vLLM names it; any other key is refused, so nothing given is silently ignored.

@@ -23,7 +23,7 @@ class ModelInfo:
     model_dir: str = ""  # the folder the weights were loaded from (a .gguf file's converted one)
     # how requests' structured output is checked and built (--guided-decoding-*)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
-    runner: str = "generate"  # or "pooling": embeddings only (engine/pooling.py)
+    runner: str = "generate"  # or "pooling": embeddings only (engine/pooling/params.py)
     embedding_size: int = 0  # the model's hidden size: an embedding's length
 
 

@@ -21,7 +21,7 @@ import msgspec
 
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
-from llmrpc.engine.lora_types import LoRAAdapterExistsError, LoRAAdapterNotFoundError
+from llmrpc.engine.lora.types import LoRAAdapterExistsError, LoRAAdapterNotFoundError
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
 # --- figures and errors ---------------------------------------------------------------------

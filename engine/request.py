@@ -7,16 +7,16 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmrpc.engine.pooling import PoolingParams
+from llmrpc.engine.pooling.params import PoolingParams
 from llmrpc.engine.timings import RequestTimings
 
 if TYPE_CHECKING:
     import torch
 
-    from llmrpc.engine.lora_types import LoRARef
+    from llmrpc.engine.lora.types import LoRARef
     from llmrpc.engine.matching import SuffixTracker
-    from llmrpc.engine.pooler import PoolerState
-    from llmrpc.engine.structured_output import Grammar
+    from llmrpc.engine.pooling.pooler import PoolerState
+    from llmrpc.engine.structured_output.grammar import Grammar
 
 
 class InvalidRequestError(ValueError):
@@ -72,7 +72,7 @@ DEFAULT_MAX_JSON_WHITESPACE = 16
 
 @dataclass(frozen=True)
 class StructuredOutputSpec:
-    """A constraint on the output's form (``engine/structured_output.py``)."""
+    """A constraint on the output's form (``engine/structured_output/grammar.py``)."""
 
     kind: str  # json_schema, json_object, regex, choice, grammar or structural_tag
     value: str = ""  # the schema's or structural tag's JSON text, the regex, the grammar
@@ -115,7 +115,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     # Who asked (API key digest, else the client's connection): callers take turns in the
-    # waiting queue (engine/request_queue.py); "" is one anonymous caller.
+    # waiting queue (engine/sched/request_queue.py); "" is one anonymous caller.
     caller: str = ""
     deadline: float | None = None  # time.monotonic() when the caller stops waiting
     structured_output: StructuredOutputSpec | None = None
@@ -247,7 +247,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first output only; None first
     timings: RequestTimings | None = None  # the last output of a request timed for tracing
-    embedding: list[float] | None = None  # a pooling request's result (engine/pooler.py)
+    embedding: list[float] | None = None  # a pooling request's result (engine/pooling/pooler.py)
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same sample into this one (for a consumer that lags)."""
@@ -308,13 +308,13 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] = []  # filled while the prompt is computed
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
-        # Set by the engine from params.structured_output (engine/structured_output.py), and
+        # Set by the engine from params.structured_output (engine/structured_output/grammar.py), and
         # per step, for a request that samples under it, the tokens its grammar allows.
         self.grammar: Grammar | None = None
         self.grammar_mask: torch.Tensor | None = None  # [vocab_size] bool
         self.lora: LoRARef | None = None  # the adapter params.lora_name names, as resolved
         self.timings: RequestTimings | None = None  # set when params.collect_timings
-        # A pooling request's pooler and what it has gathered (engine/pooler.py)
+        # A pooling request's pooler and what it has gathered (engine/pooling/pooler.py)
         self.pooler_state: PoolerState | None = None
 
     @property

@@ -41,7 +41,7 @@ _SOURCES = [
     _CSRC / "decode_attention.cpp",
     _CSRC / "elementwise.cpp",
     _CSRC / "int4_linear.cpp",
-    _CSRC / "linear.cpp",  # packed_linear, for torch.compile (engine/compilation.py)
+    _CSRC / "linear.cpp",  # packed_linear, for torch.compile (engine/runner/compilation.py)
 ]
 _HEADERS = [_CSRC / "vec_utils.h"]
 # torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>

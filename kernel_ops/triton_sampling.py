@@ -17,8 +17,8 @@ no NaN or +inf), for its ``temperature``, ``top_k``, ``top_p`` and ``uniform`` i
   the kept set is ``s >= t_p``, ``t_p`` the largest value ``v`` such that the weights of the
   survivors with ``s >= v`` reach ``top_p`` times the survivors' total. This is the smallest set
   of most probable tokens whose mass reaches ``top_p``, with every token tied at the cut (so the
-  most probable token always stays), as ``engine/sampler.py`` keeps it ("drop a token once the
-  tokens before it cover top_p") where there are no ties. Off: ``t_p = t_k``.
+  most probable token always stays), as ``engine/sample/sampler.py`` keeps it ("drop a token once
+  the tokens before it cover top_p") where there are no ties. Off: ``t_p = t_k``.
 * The draw: the first token in vocabulary order whose cumulative kept weight exceeds
   ``uniform * (total kept weight)``. Tokens of weight 0 are never drawn.
 

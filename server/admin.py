@@ -85,7 +85,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @handle_errors
     async def GetLoad(self, request, context):
         engine = self.state.require_engine()
-        # A data-parallel client (engine/dp_client.py) has each engine's figures too.
+        # A data-parallel client (engine/client/data_parallel.py) has each engine's figures too.
         response = convert.load_response(engine.stats, getattr(engine, "engine_stats", []))
         response.figures_age_seconds = engine.figures_age_s
         response.engine_stalled = engine.stalled

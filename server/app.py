@@ -25,10 +25,10 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmrpc.common.chat_template import read_chat_template
-from llmrpc.engine.async_engine import AsyncEngine, EngineClient
+from llmrpc.engine.client.async_engine import AsyncEngine, EngineClient
+from llmrpc.engine.client.data_parallel import DataParallelClient
+from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core_client import EngineProcessClient
-from llmrpc.engine.dp_client import DataParallelClient
 from llmrpc.server import model_paths
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners

@@ -11,9 +11,9 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
+from llmrpc.engine.client.async_engine import EngineDeadError, EngineStateError
 from llmrpc.engine.core_types import EngineStats, ModelInfo
-from llmrpc.engine.lora_types import (
+from llmrpc.engine.lora.types import (
     LoRAAdapterExistsError,
     LoRAAdapterNotFoundError,
     check_adapter_name,

@@ -14,8 +14,8 @@ from google.rpc import error_details_pb2, status_pb2
 
 from llmrpc.common.aio import gather_or_cancel
 from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
-from llmrpc.engine.async_engine import EngineDeadError, EngineStateError
-from llmrpc.engine.pooling import PoolingParams
+from llmrpc.engine.client.async_engine import EngineDeadError, EngineStateError
+from llmrpc.engine.pooling.params import PoolingParams
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 from llmrpc.server import convert
 from llmrpc.server.auth import fair_share_caller

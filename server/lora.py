@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from llmrpc.engine.lora_types import MAX_LORA_PATH_CHARS, check_adapter_name
+from llmrpc.engine.lora.types import MAX_LORA_PATH_CHARS, check_adapter_name
 from llmrpc.server import convert
 from llmrpc.server.errors import InvalidArgument
 from llmrpc.v1 import admin_pb2

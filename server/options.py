@@ -31,7 +31,7 @@ from llmrpc.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
-from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS

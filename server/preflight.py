@@ -12,7 +12,7 @@ from __future__ import annotations
 from llmrpc.common.chat_template import read_chat_template
 from llmrpc.common.tls_files import check_tls_files
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.model_source import check_model_sources
+from llmrpc.engine.loading.model_source import check_model_sources
 from llmrpc.server.settings import FrontendConfig
 
 

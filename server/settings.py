@@ -185,7 +185,7 @@ class FrontendConfig:
     # Where the engine core runs: in a process of its own (False, the default, as vLLM's), or
     # on a thread of the server's process (True: --disable-frontend-multiprocessing)
     disable_frontend_multiprocessing: bool = False
-    # Engine processes behind this frontend (--data-parallel-size; engine/dp_client.py)
+    # Engine processes behind this frontend (--data-parallel-size; engine/client/data_parallel.py)
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None  # accepted only equal to data_parallel_size
     tls: TLSConfig = field(default_factory=TLSConfig)

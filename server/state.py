@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, field
 
-from llmrpc.engine.lora_types import MAX_LORA_NAME_CHARS
+from llmrpc.engine.lora.types import MAX_LORA_NAME_CHARS
 from llmrpc.server.auth import RequestOwners
 from llmrpc.server.errors import NotFound, Unavailable
 from llmrpc.server.limits import AdmissionControl

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from llmrpc.engine import structured_output
 from llmrpc.engine.config import StructuredOutputConfig
 from llmrpc.engine.request import InvalidRequestError, StructuredOutputSpec
+from llmrpc.engine.structured_output import grammar as structured_output
 from llmrpc.v1 import common_pb2
 
 _KINDS = ", ".join(structured_output.KINDS)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from tiny_models import TINY_DECODER, save_tiny_model
 
-from llmrpc.engine.loader import CACHE_ENV, resolve_model_dir
+from llmrpc.engine.loading.loader import CACHE_ENV, resolve_model_dir
 from llmrpc.kernels.triton_utils import interpreting
 
 # A model folder that stands in for the packaged SmolLM2 (its tokenizer and config, random

@@ -57,7 +57,7 @@ def fail_requests(core, target: str, prefix: str, kind: str = "runtime", after: 
     <id>")``, or with ``kind`` "unicode" a ``UnicodeDecodeError`` whose reason is "injected".
 
     ``target`` is an attribute path from the core ("output_processor.add_token") or a module's
-    function ("llmrpc.engine.sampler:apply_logits_processors").
+    function ("llmrpc.engine.sample.sampler:apply_logits_processors").
     """
     if ":" in target:
         module_name, name = target.split(":")

@@ -20,6 +20,14 @@ FORBIDDEN = {
     "engine": ("grpc", "llmrpc.v1", *_ABOVE_SERVER),
     "kernel_ops": ("grpc", "llmrpc.v1", "llmrpc.engine", *_ABOVE_SERVER),
     "common": ("llmrpc.engine", "llmrpc.kernels", "llmrpc.v1", *_ABOVE_SERVER),
+    "clients": ("llmrpc.engine", "llmrpc.kernels", "llmrpc.server", "llmrpc.gateway", "llmrpc.cli"),
+    "protos": ("llmrpc.engine", "llmrpc.kernels", *_ABOVE_SERVER, "llmrpc.common"),
+    "cli": ("torch",),  # it loads in the engine (or its process), through it
+    # inside the engine: the frontend's side and the scheduler import no torch; neither the
+    # scheduler nor the outputs know how a step runs
+    "engine/client": ("torch",),
+    "engine/sched": ("torch", "llmrpc.engine.runner", "llmrpc.engine.core", "llmrpc.kernels"),
+    "engine/output": ("llmrpc.engine.runner", "llmrpc.kernels"),
 }
 
 

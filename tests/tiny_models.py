@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from llmrpc.engine.loader import load_tokenizer
+from llmrpc.engine.loading.loader import load_tokenizer
 
 # A decoder small enough to run in milliseconds: grouped-query attention 4/2.
 TINY_DECODER: dict[str, Any] = {

@@ -9,14 +9,14 @@ from llmrpc.engine.models.bert import BertModel
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
-from llmrpc.engine.quantization import QuantizationPlan
+from llmrpc.engine.quantization.linear import QuantizationPlan
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    # encoders: pooling only (engine/pooling.py ENCODER_ARCHITECTURES)
+    # encoders: pooling only (engine/pooling/params.py ENCODER_ARCHITECTURES)
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
     "BertForPreTraining": BertModel,

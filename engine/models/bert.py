@@ -2,8 +2,8 @@
 
 Works on the engine's flat batch like the decoders, but attends bidirectionally within each
 sequence and keeps no KV cache: the scheduler gives an encoder's requests whole in one step
-(``engine/pooler.py``), so a sequence is a run of positions that starts at 0. Post-LN layers,
-GELU, absolute position embeddings, token type 0 throughout. The module tree mirrors
+(``engine/pooling/pooler.py``), so a sequence is a run of positions that starts at 0. Post-LN
+layers, GELU, absolute position embeddings, token type 0 throughout. The module tree mirrors
 Transformers' names, so checkpoints load by name (with or without the ``bert.`` prefix).
 """
 

@@ -67,9 +67,10 @@ class Shard:
     """One worker rank's part of the model and of the KV cache, on its device."""
 
     def __init__(self, config, comm: Collectives, device: torch.device) -> None:
-        from llmrpc.engine import core, loader
-        from llmrpc.engine.device import HostStaging
+        from llmrpc.engine.core import engine_core as core
+        from llmrpc.engine.loading import loader
         from llmrpc.engine.models import build_model
+        from llmrpc.engine.runner.device import HostStaging
 
         self.config, self.comm, self.device = config, comm, device
         model_config = config.model
@@ -100,7 +101,7 @@ class Shard:
     def allocate_kv_cache(self) -> None:
         """As many blocks as rank 0 has, known without profiling (``--kv-cache-memory`` for the
         whole model's KV heads, or ``--num-gpu-blocks-override``)."""
-        from llmrpc.engine import core
+        from llmrpc.engine.core import engine_core as core
 
         num_blocks = core.num_kv_blocks(self.config.cache, self.hf_config, self.kv_dtype)
         self.kv_caches = self._runner(num_blocks).kv_caches
@@ -124,7 +125,7 @@ class Shard:
     def _runner(self, num_blocks: int):
         """A ``ModelRunner`` of this shard: the engine's own KV cache allocation (zero-filled;
         on the host calloc'd, resident only as blocks are written) and device profiling."""
-        from llmrpc.engine.model_runner import ModelRunner
+        from llmrpc.engine.runner.model_runner import ModelRunner
 
         return ModelRunner(
             self.model,
@@ -136,7 +137,7 @@ class Shard:
         )
 
     def _attention_backend(self) -> str:
-        from llmrpc.engine.device import resolve_attention_backend
+        from llmrpc.engine.runner.device import resolve_attention_backend
 
         return resolve_attention_backend(self.config.model.attention_backend, self.device)
 

@@ -18,7 +18,7 @@ from lora_adapters import AdapterSpec, make_adapter
 
 from llmrpc.clients import Client
 from llmrpc.clients.cli import common
-from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
+from llmrpc.engine.lora.types import LoRAConfig, LoRAModulePath
 
 LLMRPC = str(Path(sys.executable).parent / "llmrpc")
 

@@ -65,12 +65,14 @@ def test_no_client_module_imports_a_lower_layer(path: Path):
 
 
 def test_the_checks_see_imports_in_functions_and_from_forms():
-    source = "def f():\n    from llmrpc.engine.core import EngineCore\n    import torch\n"
+    source = (
+        "def f():\n    from llmrpc.engine.core.engine_core import EngineCore\n    import torch\n"
+    )
     source += "from llmrpc import server\nimport importlib\nM = 'llmrpc.engine.config'\n"
     tree = ast.parse(source)
     assert {n for n in imported_modules(tree) if _is_forbidden(n)} == {
-        "llmrpc.engine.core",
-        "llmrpc.engine.core.EngineCore",
+        "llmrpc.engine.core.engine_core",
+        "llmrpc.engine.core.engine_core.EngineCore",
         "torch",
         "llmrpc.server",
     }

@@ -14,7 +14,7 @@ from llmrpc.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import RequestOutput, SamplingParams
 
 

@@ -10,9 +10,9 @@ import engine_hooks
 import pytest
 import pytest_asyncio
 
-from llmrpc.engine.async_engine import AsyncEngine, EngineStateError
+from llmrpc.engine.client.async_engine import AsyncEngine, EngineStateError
+from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -190,7 +190,7 @@ async def test_outputs_made_before_a_fault_reach_the_caller_before_it():
     """A request's collector gets tokens, then its error, before the caller reads: the caller
     gets the tokens first (a stream that has begun), then the error. Raising at once lost them,
     and a REST stream failed with 500 instead of an SSE error event when the engine was fast."""
-    from llmrpc.engine.async_engine import _Collector
+    from llmrpc.engine.client.async_engine import _Collector
     from llmrpc.engine.request import RequestOutput
 
     collector = _Collector()

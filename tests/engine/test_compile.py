@@ -12,17 +12,17 @@ import pytest
 import torch
 from engine_utils import make_core
 
-from llmrpc.engine import compilation
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.models.llama import LlamaMLP
-from llmrpc.engine.quantization import (
+from llmrpc.engine.quantization.linear import (
     BLOCKED_DENSE_ABOVE,
     INT4_DENSE_ABOVE,
     INT8_DENSE_ABOVE,
     blocked_kernel_available,
 )
 from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.runner import compilation
 
 COMPILED = CompilationConfig({"level": 3})
 TOP = 5
@@ -140,7 +140,7 @@ def test_a_compile_that_fails_is_logged_once_and_the_engine_runs_eager(
         return original(self, x)
 
     monkeypatch.setattr(LlamaMLP, "forward", breaking_forward)
-    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.compilation"):
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.compilation"):
         core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
         outputs, _ = run_mixed_workload(core)
     assert core.runner.compiled_decode is None
@@ -164,7 +164,7 @@ def test_a_compiled_step_that_fails_runs_again_eager(
         return counting(*args)
 
     monkeypatch.setattr(compiled, "_forward", failing_on_the_fifth)
-    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.compilation"):
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.compilation"):
         outputs, _ = run_mixed_workload(core)
     assert calls[0] == 4  # none after the failure
     assert compiled.failure == "RuntimeError: compiled step broke"
@@ -310,7 +310,7 @@ def test_a_compile_that_cannot_be_built_logs_one_line_and_runs_eager(monkeypatch
         raise TypeError("compile() got an unexpected keyword argument 'isolate_recompiles'")
 
     monkeypatch.setattr(torch, "compile", unbuildable)
-    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.compilation"):
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.compilation"):
         compiled = compilation.CompiledDecode(torch.nn.Linear(2, 2), "torch")
         assert compiled(None, None, None, None) is None  # this step, and every one, eager
     assert compiled.failure.startswith("TypeError: compile() got an unexpected keyword")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmrpc.engine import loader
+from llmrpc.engine.loading import loader
 
 
 def _fake_gguf(path: Path) -> Path:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from transformers import modeling_gguf_pytorch_utils
 from transformers.utils import logging as hf_logging
 
-from llmrpc.engine import loader
+from llmrpc.engine.loading import loader
 
 
 class _Saved:
@@ -47,7 +47,7 @@ def test_conversion_progress_in_a_log_is_plain_lines(tmp_path, monkeypatch, capl
     monkeypatch.setattr(loader, "_causal_lm_class", lambda: _Model)
     log = io.StringIO()  # not a TTY, as stderr redirected to a file
     monkeypatch.setattr(sys, "stderr", log)
-    with caplog.at_level(logging.INFO, logger="llmrpc.engine.loader"):
+    with caplog.at_level(logging.INFO, logger="llmrpc.engine.loading.loader"):
         loader.convert_gguf(tmp_path / "model.gguf", tmp_path)
     assert "\x1b[" not in log.getvalue() and "\r" not in log.getvalue(), repr(log.getvalue())
     lines = [record.getMessage() for record in caplog.records]

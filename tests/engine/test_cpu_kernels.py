@@ -12,8 +12,8 @@ import pytest
 import torch
 from engine_utils import make_core, run_to_completion
 
-from llmrpc.engine.model_runner import _pad_tables
 from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.runner.model_runner import _pad_tables
 from llmrpc.kernels import cpu_ops, elementwise
 from llmrpc.kernels.attention import AttentionMetadata, decode_attention_torch
 
@@ -300,7 +300,7 @@ def test_int4_kernel_is_built_where_the_cpu_matches():
     AVX512-VNNI; elsewhere (the AVX2 and plain builds too, run below) int4 layers keep torch's
     packing. Either computes the product within 1% of the sum of |x| |w| (ours quantizes the
     inputs to int8 per 32; tests/engine/test_int4_kernel.py holds the exact checks)."""
-    from llmrpc.engine.quantization import Int4Linear, blocked_kernel_available
+    from llmrpc.engine.quantization.linear import Int4Linear, blocked_kernel_available
 
     expected = (
         cpu_ops._capability() == "AVX512"

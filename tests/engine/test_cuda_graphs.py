@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps (engine/cuda_graphs.py), their plumbing on the CPU.
+"""CUDA graphs of decode steps (engine/runner/cuda_graphs.py), their plumbing on the CPU.
 
 A stand-in capture takes the place of ``torch.cuda.graph``: its replay runs the captured forward
 again on the same static buffers and writes into the same output tensor, which is what a replay
@@ -17,7 +17,6 @@ import torch
 from engine_utils import make_core
 
 from llmrpc.common.args import OneLineErrorParser
-from llmrpc.engine.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
 from llmrpc.engine.config import (
     CacheConfig,
     CompilationConfig,
@@ -25,16 +24,17 @@ from llmrpc.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.cuda_graphs import (
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.lora.types import LoRAConfig
+from llmrpc.engine.parallel.config import ParallelConfig
+from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.runner.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
+from llmrpc.engine.runner.cuda_graphs import (
     DecodeGraphPlan,
     capture_sizes,
     plan_decode_graphs,
     why_not_captured,
 )
-from llmrpc.engine.lora_types import LoRAConfig
-from llmrpc.engine.parallel.config import ParallelConfig
-from llmrpc.engine.request import SamplingParams
 from llmrpc.kernels.attention import AttentionMetadata, write_kv
 from llmrpc.kernels.triton_attention import store_kv_torch
 from llmrpc.server import options
@@ -153,7 +153,7 @@ def _spy(core) -> list[dict]:
 
 
 def _graph_logs(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "llmrpc.engine.cuda_graphs"]
+    return [r.getMessage() for r in caplog.records if r.name == "llmrpc.engine.runner.cuda_graphs"]
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def test_a_failed_capture_is_logged_once_and_the_engine_runs_eager(
     tiny_llama_dir, eager_tokens, caplog
 ):
     capture = RerunCapture(fail_capture=True)
-    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.cuda_graphs"):
         core = _core(tiny_llama_dir, capture=capture)
         tokens, steps = _drive(core)
     assert core.runner.decode_graphs is None
@@ -324,7 +324,7 @@ def test_a_replay_that_raises_runs_its_step_again_eager_and_drops_the_graphs(
     """An error raised in Python at a replay (the stand-in's; a fault on the device, whose CUDA
     error is sticky, cannot be recovered from and is not shown here)."""
     capture = RerunCapture(fail_at_replay=5)
-    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.cuda_graphs"):
         core = _core(tiny_llama_dir, capture=capture)
         tokens, steps = _drive(core)
     assert tokens == eager_tokens
@@ -425,7 +425,7 @@ def test_plan_on_a_cuda_device_and_the_reasons_not_to_capture(caplog):
     config = EngineConfig(
         lora=LoRAConfig(enabled=True), parallel=ParallelConfig(), compilation=CompilationConfig()
     )
-    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.cuda_graphs"):
         assert plan_decode_graphs(config, cuda, model, "triton", 2048) is None
     assert _graph_logs(caplog) == [
         "decode steps run eager, not as CUDA graphs: --enable-lora (a step's adapters are "

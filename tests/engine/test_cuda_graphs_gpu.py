@@ -17,7 +17,7 @@ from llmrpc.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import SamplingParams
 
 pytestmark = [

@@ -9,10 +9,10 @@ import inspect
 
 import pytest
 
-from llmrpc.engine.async_engine import EngineClient
+from llmrpc.engine.client.async_engine import EngineClient
+from llmrpc.engine.client.data_parallel import DataParallelClient, cpu_shares, sum_stats
+from llmrpc.engine.client.dp_balance import MAX_PREFIX_BLOCKS, LoadBalancer, prefix_hashes
 from llmrpc.engine.core_types import EngineStats
-from llmrpc.engine.dp_balance import MAX_PREFIX_BLOCKS, LoadBalancer, prefix_hashes
-from llmrpc.engine.dp_client import DataParallelClient, cpu_shares, sum_stats
 from llmrpc.engine.request import RequestOutput, SamplingParams
 
 BLOCK = 4

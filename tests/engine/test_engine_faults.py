@@ -18,9 +18,9 @@ import engine_hooks
 import pytest
 import pytest_asyncio
 
-from llmrpc.engine.async_engine import AsyncEngine, EngineDeadError
+from llmrpc.engine.client.async_engine import AsyncEngine, EngineDeadError
+from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.request import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -98,7 +98,8 @@ async def test_cancelled_call_while_queued_for_the_engine_is_harmless(idle_engin
 
 
 FAULTS = {
-    "logits_processors": "llmrpc.engine.sampler:apply_logits_processors",  # the batched sampler
+    # the batched sampler
+    "logits_processors": "llmrpc.engine.sample.sampler:apply_logits_processors",
     "detokenizer": "output_processor.add_token",
     "stop_check": "scheduler._check_token_stop",
     "make_output": "output_processor.make_output",

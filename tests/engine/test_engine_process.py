@@ -18,9 +18,9 @@ import engine_hooks
 import pytest
 from process_state import process_ended
 
-from llmrpc.engine.async_engine import EngineDeadError
+from llmrpc.engine.client.async_engine import EngineDeadError
+from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.request import SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -84,7 +84,7 @@ async def test_sigterm_and_sigint_do_not_stop_the_engine_process_but_shutdown_do
     pid, folder = engine.pid, engine._folder
     # The engine process's log records are this process's, under their own logger names.
     assert any(
-        r.name == "llmrpc.engine.core"
+        r.name == "llmrpc.engine.core.engine_core"
         and r.getMessage().startswith("KV cache: 64 blocks")
         and r.process == pid
         for r in caplog.records
@@ -118,7 +118,7 @@ async def test_the_engine_process_exits_when_the_frontend_process_dies(tiny_llam
         f"""
         import asyncio, sys
         from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-        from llmrpc.engine.core_client import EngineProcessClient
+        from llmrpc.engine.client.process import EngineProcessClient
 
         async def main():
             config = EngineConfig(
@@ -150,7 +150,7 @@ async def test_the_engine_process_exits_when_the_frontend_dies_while_it_loads(ti
         f"""
         import asyncio, logging
         from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-        from llmrpc.engine.core_client import EngineProcessClient
+        from llmrpc.engine.client.process import EngineProcessClient
 
         logging.basicConfig(level=logging.INFO)
         config = EngineConfig(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from llmrpc.engine.config import SchedulerConfig
-from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.request import FinishReason, Request, SamplingParams
-from llmrpc.engine.request_queue import make_waiting_queue
-from llmrpc.engine.scheduler import Scheduler
+from llmrpc.engine.sched.kv_cache import KVCacheManager
+from llmrpc.engine.sched.request_queue import make_waiting_queue
+from llmrpc.engine.sched.scheduler import Scheduler
 
 
 def request(request_id: str, caller: str, priority: int = 0, arrival: float = 0.0) -> Request:

@@ -14,7 +14,7 @@ import torch
 from engine_utils import FIXED_TEXT, engine_perplexity, make_core, run_to_completion
 
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import SamplingParams
 
 

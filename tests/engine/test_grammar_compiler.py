@@ -15,9 +15,9 @@ import time
 import pytest
 from engine_utils import make_core
 
-from llmrpc.engine import grammar_lanes
-from llmrpc.engine.grammar_compiler import GrammarCompiler
 from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
+from llmrpc.engine.structured_output import lanes as grammar_lanes
+from llmrpc.engine.structured_output.compiler import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 WAIT_S = 30  # only ever reached when the behaviour under test is broken

@@ -8,7 +8,7 @@ import torch
 
 from llmrpc.engine.matching import SequenceAutomaton, SuffixTracker
 from llmrpc.engine.request import Request, SamplingParams
-from llmrpc.engine.sampler import Sampler
+from llmrpc.engine.sample.sampler import Sampler
 
 VOCAB = 400
 ALLOWED = [100, 200, 300]

@@ -8,7 +8,7 @@ import torch
 from engine_utils import run_to_completion
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import SamplingParams
 
 

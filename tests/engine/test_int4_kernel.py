@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrpc.engine import quantization
-from llmrpc.engine.quantization import (
+from llmrpc.engine.quantization import linear as quantization
+from llmrpc.engine.quantization.linear import (
     GROUP_SIZE,
     Int4Linear,
     Q8BlockLinear,

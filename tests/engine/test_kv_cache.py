@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmrpc.engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
-from llmrpc.engine.lora_types import LoRARef
+from llmrpc.engine.lora.types import LoRARef
 from llmrpc.engine.request import Request, SamplingParams
+from llmrpc.engine.sched.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
 
 BLOCK = 4
 

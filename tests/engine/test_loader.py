@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmrpc.engine import loader
+from llmrpc.engine.loading import loader
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from llmrpc.engine.logits_processors import apply_logits_processors
 from llmrpc.engine.matching import SequenceAutomaton, SuffixTracker
 from llmrpc.engine.request import Request, SamplingParams
+from llmrpc.engine.sample.logits_processors import apply_logits_processors
 
 VOCAB = 64
 EOS = 3

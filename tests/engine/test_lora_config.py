@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
+from llmrpc.engine.lora.types import LoRAConfig, LoRAModulePath
 from llmrpc.server import options
 
 

@@ -9,11 +9,11 @@ from engine_utils import greedy_generate, hf_greedy, run_to_completion
 from lora_adapters import AdapterSpec, make_adapter
 from tiny_models import TINY_DECODER, save_tiny_model
 
-from llmrpc.engine import lora_layers
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.core_types import EngineStateError
-from llmrpc.engine.lora_types import (
+from llmrpc.engine.lora import layers as lora_layers
+from llmrpc.engine.lora.types import (
     LoRAAdapterExistsError,
     LoRAAdapterNotFoundError,
     LoRAConfig,

@@ -8,8 +8,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmrpc.engine.detokenizer import IncrementalDetokenizer
 from llmrpc.engine.matching import SequenceAutomaton, SuffixTracker
+from llmrpc.engine.output.detokenizer import IncrementalDetokenizer
 
 SETTINGS = settings(max_examples=300, derandomize=True, database=None, deadline=None)
 

@@ -7,7 +7,7 @@ import torch
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -12,9 +12,9 @@ from engine_utils import hf_greedy, make_core, run_to_completion
 from torch.nn import functional
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.core_types import EngineStateError
-from llmrpc.engine.pooling import PoolerConfig, PoolingParams, model_pooler_config
+from llmrpc.engine.pooling.params import PoolerConfig, PoolingParams, model_pooler_config
 from llmrpc.engine.request import InvalidRequestError, SamplingParams
 
 MIN_COSINE = 0.9999

@@ -1,7 +1,7 @@
 """Weight-only quantization (--quantization int8 / int4 / gguf).
 
 - A packed layer computes the matmul of its hand-dequantized weight (the reference quantizers
-  below are the documented formulas, written out apart from engine/quantization.py), and its
+  below are the documented formulas, written out apart from engine/quantization/linear.py), and its
   buffers take the bytes the packing promises.
 - The quantized model against Transformers' model carrying the same quantization (its weights
   fake-quantized: quantized, then dequantized). In float32 the math is the same (each layer's
@@ -34,12 +34,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
-from llmrpc.engine import loader
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.model_source import packaged_gguf_path
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.loading import loader
+from llmrpc.engine.loading.model_source import packaged_gguf_path
 from llmrpc.engine.models import build_model
-from llmrpc.engine.quantization import (
+from llmrpc.engine.quantization.linear import (
     BLOCKED_DENSE_ABOVE,
     GROUP_SIZE,
     INT4_DENSE_ABOVE,

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from llmrpc.engine import request as limits
-from llmrpc.engine.input_processor import InputLimits, InputProcessor
+from llmrpc.engine.core.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.request import InvalidRequestError, SamplingParams
 
 VOCAB = 1000

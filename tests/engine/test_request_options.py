@@ -9,8 +9,8 @@ import pytest
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.generation_config import sampling_defaults
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.loading.generation_config import sampling_defaults
 from llmrpc.engine.request import FinishReason, InvalidRequestError, SamplingParams
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmrpc.engine.sampler import row_max
+from llmrpc.engine.sample.sampler import row_max
 
 SPECIAL = [math.inf, -math.inf, 0.0, 1.0, -1.0]
 

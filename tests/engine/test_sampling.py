@@ -7,7 +7,7 @@ import torch
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.request import Request, SamplingParams
-from llmrpc.engine.sampler import Sampler, _processed_logits
+from llmrpc.engine.sample.sampler import Sampler, _processed_logits
 
 SEEDED = SamplingParams(
     temperature=0.9, top_p=0.95, top_k=100, seed=1234, max_tokens=24, ignore_eos=True

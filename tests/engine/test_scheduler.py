@@ -5,9 +5,9 @@ from __future__ import annotations
 import weakref
 
 from llmrpc.engine.config import SchedulerConfig
-from llmrpc.engine.kv_cache import KVCacheManager
 from llmrpc.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from llmrpc.engine.scheduler import Scheduler, SchedulerOutput
+from llmrpc.engine.sched.kv_cache import KVCacheManager
+from llmrpc.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 BLOCK = 4
 

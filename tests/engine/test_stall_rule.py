@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from llmrpc.engine import async_engine
-from llmrpc.engine.async_engine import IDLE_STALL_MIN_S, EngineClient
+from llmrpc.engine.client import async_engine
+from llmrpc.engine.client.async_engine import IDLE_STALL_MIN_S, EngineClient
 from llmrpc.engine.core_types import EngineStats
 from llmrpc.engine.messages import AddRequest, Call, Figures, Outputs, Result, Snapshot
 from llmrpc.engine.request import RequestOutput, SamplingParams

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmrpc.engine import core as engine_core
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.threads import ThreadBudget
+from llmrpc.engine.core import engine_core
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.runner.threads import ThreadBudget
 
 
 def _load_messages(model_dir, caplog, **model) -> list[str]:
@@ -18,7 +18,7 @@ def _load_messages(model_dir, caplog, **model) -> list[str]:
         model=ModelConfig(model=str(model_dir), max_model_len=512, **model),
         cache=CacheConfig(num_gpu_blocks_override=64),
     )
-    with caplog.at_level(logging.INFO, logger="llmrpc.engine.core"):
+    with caplog.at_level(logging.INFO, logger="llmrpc.engine.core.engine_core"):
         EngineCore(config)
     return [r.getMessage() for r in caplog.records if "linear layers" in r.getMessage()]
 
@@ -38,6 +38,6 @@ def test_float_layers_are_reported_packed(tiny_llama_dir, caplog):
 def test_the_thread_count_line_is_singular_for_one(monkeypatch, caplog, cores, expected):
     monkeypatch.setattr(engine_core, "idle_core_budget", lambda: ThreadBudget(cores))
     engine = SimpleNamespace(parallel=None, runner=SimpleNamespace(compiled_decode=None))
-    with caplog.at_level(logging.INFO, logger="llmrpc.engine.core"):
+    with caplog.at_level(logging.INFO, logger="llmrpc.engine.core.engine_core"):
         assert EngineCore.use_idle_cores(engine)
     assert f"engine: {expected}" in caplog.text, caplog.text

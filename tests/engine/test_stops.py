@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from engine_utils import make_core, run_to_completion
 
-from llmrpc.engine.detokenizer import IncrementalDetokenizer
-from llmrpc.engine.loader import load_tokenizer
+from llmrpc.engine.loading.loader import load_tokenizer
+from llmrpc.engine.output.detokenizer import IncrementalDetokenizer
 from llmrpc.engine.request import FinishReason, SamplingParams
 
 

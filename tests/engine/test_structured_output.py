@@ -15,8 +15,6 @@ import jsonschema
 import pytest
 from engine_utils import make_core, run_to_completion
 
-from llmrpc.engine import structured_output
-from llmrpc.engine.grammar_step import allocate_bitmask, bitmask_to_bool
 from llmrpc.engine.request import (
     DEFAULT_MAX_JSON_WHITESPACE,
     FinishReason,
@@ -24,6 +22,8 @@ from llmrpc.engine.request import (
     SamplingParams,
     StructuredOutputSpec,
 )
+from llmrpc.engine.structured_output import grammar as structured_output
+from llmrpc.engine.structured_output.step import allocate_bitmask, bitmask_to_bool
 
 SCHEMA = {
     "type": "object",

@@ -21,8 +21,8 @@ from llmrpc.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.lora_types import LoRAConfig
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.parallel.executor import WorkerDied
 from llmrpc.engine.request import SamplingParams

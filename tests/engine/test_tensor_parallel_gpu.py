@@ -16,7 +16,7 @@ import torch
 from test_tensor_parallel import engine_config, greedy_tokens
 
 from llmrpc.engine.config import CacheConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.parallel.executor import WorkerDied
 from llmrpc.engine.request import SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 from engine_utils import make_core
 
 from llmrpc.engine.request import SamplingParams
-from llmrpc.engine.threads import (
+from llmrpc.engine.runner.threads import (
     ThreadBudget,
     engine_threads,
     idle_core_budget,

@@ -11,8 +11,8 @@ from engine_utils import hf_greedy, run_to_completion
 from tiny_models import save_tiny_model
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from llmrpc.engine.core import EngineCore
-from llmrpc.engine.loader import iter_weights, load_hf_config
+from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.loading.loader import iter_weights, load_hf_config
 from llmrpc.engine.models import build_model, model_class
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.request import InvalidRequestError, SamplingParams

@@ -8,11 +8,11 @@ import pytest
 import torch
 from engine_utils import make_core, run_to_completion
 
-from llmrpc.engine import core as core_module
-from llmrpc.engine.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
 from llmrpc.engine.config import CompilationConfig
-from llmrpc.engine.device import resolve_attention_backend, resolve_device
+from llmrpc.engine.core import engine_core as core_module
 from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.runner.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
+from llmrpc.engine.runner.device import resolve_attention_backend, resolve_device
 
 
 def _spy(core) -> dict[str, set]:

@@ -1,5 +1,5 @@
 """Start-up with the triton backend compiles, before the first request, every Triton kernel
-variant a server's steps need (engine/kernel_warm_up.py, on CUDA), and Triton keeps what it
+variant a server's steps need (engine/runner/kernel_warm_up.py, on CUDA), and Triton keeps what it
 compiled in the model cache folder. On the CPU the kernels run in Triton's interpreter, and
 Triton's own binder gives the compile key each launch would have on a GPU
 (tests/triton_compile_keys.py): a key the warm-up did not have is a compile at a request."""
@@ -12,9 +12,13 @@ import pytest
 from engine_utils import make_core, run_to_completion
 from triton_compile_keys import recorded_compile_keys
 
-from llmrpc.engine.kernel_warm_up import TRITON_CACHE_ENV, triton_cache_dir, warm_up_triton_kernels
-from llmrpc.engine.loader import CACHE_ENV
+from llmrpc.engine.loading.loader import CACHE_ENV
 from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.runner.kernel_warm_up import (
+    TRITON_CACHE_ENV,
+    triton_cache_dir,
+    warm_up_triton_kernels,
+)
 from llmrpc.kernels.triton_utils import interpreting
 
 KERNELS = {

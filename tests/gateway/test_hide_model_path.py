@@ -17,7 +17,7 @@ from envoy_support import Replica, ServerLoop, tiny_engine_config
 from gateway_support import RunningGateway, in_process_gateway
 from lora_adapters import AdapterSpec, make_adapter
 
-from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
+from llmrpc.engine.lora.types import LoRAConfig, LoRAModulePath
 from llmrpc.server.settings import FrontendConfig
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc
 

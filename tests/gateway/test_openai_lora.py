@@ -16,7 +16,7 @@ from gateway_support import RunningGateway, in_process_gateway
 from lora_adapters import AdapterSpec, greedy_tokens, make_adapter
 
 from llmrpc.clients import LlmrpcError
-from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
+from llmrpc.engine.lora.types import LoRAConfig, LoRAModulePath
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282]
 MAX_TOKENS = 6

@@ -11,7 +11,7 @@ import torch
 import transformers
 import triton
 
-import llmrpc.engine.core  # noqa: F401 - the engine imports with only what is here
+import llmrpc.engine.core.engine_core  # noqa: F401 - the engine imports with only what is here
 
 info = {
     "python": platform.python_version(),

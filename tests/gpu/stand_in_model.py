@@ -39,7 +39,7 @@ SEED = 0
 
 def write_carry(target: Path) -> Path:
     """SmolLM2's config and tokenizer files from the packaged model, converted once."""
-    from llmrpc.engine.loader import resolve_model_dir
+    from llmrpc.engine.loading.loader import resolve_model_dir
 
     source = resolve_model_dir(None)
     target.mkdir(parents=True, exist_ok=True)

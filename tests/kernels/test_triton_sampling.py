@@ -1,6 +1,6 @@
 """The Triton sampling kernel against its twin ``sample_torch`` and against the kept sets of
-``engine/sampler.py``: in Triton's interpreter on the CPU (conftest sets ``TRITON_INTERPRET=1``
-without a GPU), and the same tests natively on CUDA under the ``gpu`` mark.
+``engine/sample/sampler.py``: in Triton's interpreter on the CPU (conftest sets
+``TRITON_INTERPRET=1`` without a GPU), and the same tests natively on CUDA under the ``gpu`` mark.
 
 Kernel and twin select the same top-k sets exactly, on every device: ``logits / temperature`` is
 an IEEE division in both. Weights (``exp``) and their sums are rounded differently (float32 and,
@@ -26,7 +26,7 @@ import triton.language as tl
 from compiled_ptx import compiled_ptx
 from kernel_devices import DEVICES
 
-from llmrpc.engine.sampler import _apply_top_k_top_p
+from llmrpc.engine.sample.sampler import _apply_top_k_top_p
 from llmrpc.kernels.triton_sampling import kept_cutoff_torch, sample, sample_torch
 from llmrpc.kernels.triton_utils import interpreting
 
@@ -255,7 +255,7 @@ def test_kept_sets_match_twin_rounded_as_on_a_gpu(gpu_rounding):
 
 
 def test_kept_sets_match_engine_sampler(device):
-    """With no ties (random floats), the kept sets are those ``engine/sampler.py`` keeps."""
+    """With no ties (random floats), the kept sets are those ``engine/sample/sampler.py`` keeps."""
     rows = len(FILTERS)
     top_k, top_p = (torch.tensor(column) for column in zip(*FILTERS, strict=True))
     args = batch(random_logits(rows, 1000, seed=5), 0.8, top_k, top_p, 0.5, device)

@@ -366,7 +366,7 @@ def _tiny_model(out_dir: Path) -> list[str]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
     from tiny_models import TINY_DECODER, save_tiny_model
 
-    from llmrpc.engine.loader import resolve_model_dir
+    from llmrpc.engine.loading.loader import resolve_model_dir
 
     config = {**TINY_DECODER, "tie_word_embeddings": True, "max_position_embeddings": MAX_MODEL_LEN}
     return [str(save_tiny_model(out_dir, resolve_model_dir(None), "llama", **config))]

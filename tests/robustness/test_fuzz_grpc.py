@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from llmrpc.engine import request as limits
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
-from llmrpc.engine.loader import load_tokenizer
+from llmrpc.engine.loading.loader import load_tokenizer
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.server.settings import FrontendConfig, LimitsConfig
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc

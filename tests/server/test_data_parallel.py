@@ -26,7 +26,7 @@ from server_utils import (
     wait_until,
 )
 
-from llmrpc.engine.dp_client import DataParallelClient, cpu_shares
+from llmrpc.engine.client.data_parallel import DataParallelClient, cpu_shares
 from llmrpc.engine.request import SamplingParams
 from llmrpc.server import app, options
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc

@@ -16,7 +16,7 @@ from google.rpc import error_details_pb2
 from lora_adapters import AdapterSpec, greedy_tokens, make_adapter
 from server_utils import field_violations, frontend_config, status_detail, tiny_engine_config
 
-from llmrpc.engine.lora_types import LoRAConfig, LoRAModulePath
+from llmrpc.engine.lora.types import LoRAConfig, LoRAModulePath
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.v1 import (
     admin_pb2,

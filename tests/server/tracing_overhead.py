@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: otlp_rec
 from otlp_receiver import OtlpReceiver  # noqa: E402
 
 from llmrpc.engine.config import EngineConfig, ModelConfig  # noqa: E402
-from llmrpc.engine.loader import resolve_model_dir  # noqa: E402
+from llmrpc.engine.loading.loader import resolve_model_dir  # noqa: E402
 from llmrpc.server.app import start_server  # noqa: E402
 from llmrpc.server.settings import FrontendConfig  # noqa: E402
 from llmrpc.server.tracing_config import TracingConfig  # noqa: E402

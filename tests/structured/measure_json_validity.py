@@ -20,7 +20,7 @@ import time
 import jsonschema
 
 from llmrpc.engine.config import EngineConfig, ModelConfig
-from llmrpc.engine.core import EngineCore
+from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
 
 SCHEMAS = {

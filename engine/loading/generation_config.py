@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmrpc.engine.model_source import PACKAGED_SAMPLING, generation_config_file
+from llmrpc.engine.loading.model_source import PACKAGED_SAMPLING, generation_config_file
 
 # generation_config.json key -> SamplingParams field
 _KEYS = {

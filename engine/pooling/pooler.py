@@ -19,7 +19,7 @@ from torch.nn import functional
 
 from llmrpc.engine.config import SchedulerConfig
 from llmrpc.engine.core_types import EngineStateError
-from llmrpc.engine.pooling import (
+from llmrpc.engine.pooling.params import (
     PoolerConfig,
     PoolingParams,
     is_encoder,

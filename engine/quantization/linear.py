@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmrpc.engine.config import ModelConfig
-from llmrpc.engine.model_source import locate_model
+from llmrpc.engine.loading.model_source import locate_model
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import RowsEmbedding
 
@@ -85,8 +85,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         dtype = rows.dtype
-        # A compiled graph holds one branch: engine/compilation.py runs it for steps of at most
-        # dense_above rows only.
+        # A compiled graph holds one branch: engine/runner/compilation.py runs it for steps of at
+        # most dense_above rows only.
         few_rows = torch.compiler.is_compiling() or rows.shape[0] <= self.dense_above
         if few_rows and dtype in _FAST_DTYPES and dtype == self.dtype:
             y = self.packed_matmul(rows)

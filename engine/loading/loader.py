@@ -28,7 +28,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from llmrpc.engine.model_source import (
+from llmrpc.engine.loading.model_source import (
     DEFAULT_PACKAGE,  # noqa: F401 - part of this module's interface
     DEFAULT_SERVED_NAME,
     locate_model,

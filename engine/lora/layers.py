@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmrpc.engine.device import model_device
-from llmrpc.engine.lora_peft import LoRAAdapter
+from llmrpc.engine.lora.peft import LoRAAdapter
 from llmrpc.engine.models.llama import LlamaForCausalLM
+from llmrpc.engine.runner.device import model_device
 from llmrpc.kernels.linear import pack_linear_layers
 from llmrpc.kernels.lora import LoRABatch, lora_expand, lora_shrink
 

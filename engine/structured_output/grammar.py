@@ -10,13 +10,13 @@ Life of a constraint:
 - ``check_form`` (in the server, off the event loop, and again in the engine) checks what needs
   no grammar engine: its kind, sizes and choices. xgrammar imports torch, which the server
   process does without.
-- ``GrammarCompiler.submit`` (in the engine, ``grammar_compiler.py``) compiles it against the
+- ``GrammarCompiler.submit`` (in the engine, ``compiler.py``) compiles it against the
   vocabulary on a small pool of threads, small grammars apart from big ones, cached ones at
   once, choosing the backend on the way (``first_buildable``), so a compile never holds up a
   step nor a cheap grammar an expensive one; the request joins the scheduler once its grammar
   is ready, or ends with an ``InvalidRequestError`` naming its field when no backend can build
   it or it is not ready in time. ``check`` makes the same choice without a vocabulary.
-- Per step, ``grammar_step`` writes the bitmask rows of the requests that sample (on a worker
+- Per step, ``step`` (``GrammarStep``) writes the bitmask rows of the requests that sample (on a worker
   thread, while the forward pass runs); ``Grammar.accept`` advances each matcher by its token.
 """
 
@@ -231,7 +231,7 @@ def _guidance_build(spec: StructuredOutputSpec) -> str:
 _BUILDERS = {"xgrammar": _xgrammar_build, "guidance": _guidance_build}
 
 
-# --- in the engine (compiles: grammar_compiler.py) -----------------------------------------
+# --- in the engine (compiles: compiler.py) -----------------------------------------
 
 
 class Grammar:

@@ -1,6 +1,6 @@
 """Compiling structured-output grammars against the vocabulary, off the engine's step.
 
-Compiles run on two lanes of threads (``grammar_lanes.py``; xgrammar compiles in native code
+Compiles run on two lanes of threads (``lanes.py``; xgrammar compiles in native code
 with the GIL released, so threads compile side by side while the step goes on): grammars of at
 most ``SMALL_GRAMMAR_CHARS`` characters (``json_object``, a usual schema, a short regex) on one,
 bigger ones (long enums and choice lists, which take seconds to minutes) on the other; on each,
@@ -27,19 +27,19 @@ import time
 from dataclasses import dataclass, replace
 
 from llmrpc.engine.config import DEFAULT_COMPILE_TIMEOUT_S
-from llmrpc.engine.grammar_lanes import CompileLane
 from llmrpc.engine.request import InvalidRequestError, StructuredOutputSpec
-from llmrpc.engine.structured_output import (
+from llmrpc.engine.structured_output.grammar import (
     _guidance_build,
     _xgrammar_build,
     field_name,
     first_buildable,
 )
+from llmrpc.engine.structured_output.lanes import CompileLane
 
 logger = logging.getLogger(__name__)
 
 SMALL_GRAMMAR_CHARS = 16_384  # a schema's JSON text, a regex, a grammar, the choices together
-SMALL_LANE = (2, 4)  # threads for fast compiles, threads in all (grammar_lanes.py)
+SMALL_LANE = (2, 4)  # threads for fast compiles, threads in all (lanes.py)
 LARGE_LANE = (1, 2)
 _COMPILED_CACHE_BYTES = 256 * 2**20
 

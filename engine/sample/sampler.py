@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrpc.engine.logits_processors import NEG_INF, HardConstraints, apply_logits_processors
 from llmrpc.engine.request import Request, TokenLogprobs
+from llmrpc.engine.sample.logits_processors import NEG_INF, HardConstraints, apply_logits_processors
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 

@@ -6,9 +6,9 @@ steps, and level 0, run eager. On the CPU inductor turns the forward into one C+
 ``cpp_wrapper``) that calls oneDNN for the packed linear layers and our kernels for the rest
 with no Python between them, which is what a decode step gains: the layers' Python overhead.
 With ``--attention-backend triton`` the Triton kernels are operations of the graph
-(``kernel_ops/triton_ops.py``); on CUDA, where only that backend is compiled (``core.py`` refuses
-the torch one), inductor's own kernels do the rest and the CUDA graphs of
-``engine/cuda_graphs.py`` capture the compiled forward.
+(``kernel_ops/triton_ops.py``); on CUDA, where only that backend is compiled
+(``core/engine_core.py`` refuses the torch one), inductor's own kernels do the rest and the CUDA
+graphs of ``engine/runner/cuda_graphs.py`` capture the compiled forward.
 
 - One graph serves every step: the token and block-table sizes are marked unbacked, so torch
   neither specializes them (on 1, say) nor recompiles for a new batch size.
@@ -39,10 +39,10 @@ import torch
 from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from llmrpc.engine.device import model_device
-from llmrpc.engine.loader import cache_root
+from llmrpc.engine.loading.loader import cache_root
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
-from llmrpc.engine.quantization import QuantizedLinear
+from llmrpc.engine.quantization.linear import QuantizedLinear
+from llmrpc.engine.runner.device import model_device
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import AttentionMetadata
 from llmrpc.kernels.fake_kernels import missing_fake_kernels, register_fake_kernels

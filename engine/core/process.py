@@ -48,7 +48,7 @@ from llmrpc.engine.messages import (
 )
 
 if TYPE_CHECKING:
-    from llmrpc.engine.core import EngineCore
+    from llmrpc.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,9 @@ def main() -> int:
     root.handlers[:] = [_ForwardingHandler(channel.send)]
     root.setLevel(startup.log_level)
     try:
-        from llmrpc.engine.core import EngineCore  # torch: loaded here, not in the frontend
+        from llmrpc.engine.core.engine_core import (
+            EngineCore,  # torch: loaded here, not in the frontend
+        )
 
         core = EngineCore(startup.config)
         core.use_idle_cores()  # this process's CPU time is the engine's alone

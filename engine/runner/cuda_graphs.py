@@ -6,8 +6,9 @@ by one from Python, than to run. At start-up, on a CUDA device with the Triton a
 the forward is captured once per batch-size bucket; a step whose every row is a decode
 (``AttentionMetadata.decodes_only``) then copies its inputs into the graphs' static buffers and
 replays the graph of the smallest bucket that holds it: one launch for the whole forward. With
-``-O1`` to ``-O3`` the forward captured is the ``torch.compile``d one (``engine/compilation.py``,
-compiled before the capture): inductor's fused kernels, launched by the graph.
+``-O1`` to ``-O3`` the forward captured is the ``torch.compile``d one
+(``engine/runner/compilation.py``, compiled before the capture): inductor's fused kernels, launched
+by the graph.
 
 - Buckets: vLLM's ``--cuda-graph-sizes`` (``capture_sizes``), each capped at ``--max-num-seqs``.
 - Static buffers, on the device, sized for the largest bucket: ``input_ids``, ``positions``,
@@ -49,8 +50,8 @@ import torch
 from torch import nn
 
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.device import model_device
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
+from llmrpc.engine.runner.device import model_device
 from llmrpc.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ the event loop on the model.
 which merges deltas when its consumer lags; utility calls answered by id; the engine's figures
 as of its latest message, and how old they are. A consumer that stops listening (a cancelled
 or expired call) aborts its request, which frees its KV blocks at the next step. The engine
-core's step loop (``core_process.EngineLoop``) runs either on a thread of this process
+core's step loop (``core.process.EngineLoop``) runs either on a thread of this process
 (``AsyncEngine``, here: ``--disable-frontend-multiprocessing``) or in a process of its own
-(``core_client.EngineProcessClient``); the two exchange the same typed messages
+(``client.process.EngineProcessClient``); the two exchange the same typed messages
 (``messages``).
 
 The step loop's messages are its heartbeat: ``Outputs`` after each step, ``Figures`` every
@@ -33,8 +33,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
+from llmrpc.engine.client.tokenizer_workers import TokenizerWorkers
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core_process import STATS_REFRESH_S, EngineLoop
+from llmrpc.engine.core.process import STATS_REFRESH_S, EngineLoop
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.messages import (
     Abort,
@@ -48,12 +49,11 @@ from llmrpc.engine.messages import (
     Snapshot,
     rebuild_error,
 )
-from llmrpc.engine.pooling import PoolingParams
+from llmrpc.engine.pooling.params import PoolingParams
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
-from llmrpc.engine.tokenizer_workers import TokenizerWorkers
 
 if TYPE_CHECKING:
-    from llmrpc.engine.core import EngineCore
+    from llmrpc.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class EngineClient:
         await self._utility("wake_up")
 
     async def load_lora_adapter(self, name: str, path: str, base_model_name: str = "") -> dict:
-        """Load the PEFT adapter at ``path`` as ``name`` (``engine/lora_manager.py``)."""
+        """Load the PEFT adapter at ``path`` as ``name`` (``engine/lora/manager.py``)."""
         return await self._utility("load_lora_adapter", name, path, base_model_name)
 
     async def unload_lora_adapter(self, name: str) -> None:
@@ -420,7 +420,9 @@ class AsyncEngine(EngineClient):
     # --- the engine thread ------------------------------------------------------------------
 
     def _run(self, config: EngineConfig, loaded: concurrent.futures.Future) -> None:
-        from llmrpc.engine.core import EngineCore  # torch: only where the engine runs in-process
+        from llmrpc.engine.core.engine_core import (
+            EngineCore,  # torch: only where the engine runs in-process
+        )
 
         try:
             self.core = EngineCore(config)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrpc.engine.detokenizer import IncrementalDetokenizer
+from llmrpc.engine.output.detokenizer import IncrementalDetokenizer
 from llmrpc.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
 from llmrpc.engine.timings import detokenize_timed, finish_timings
 

@@ -26,10 +26,10 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 
+from llmrpc.engine.client.dp_balance import LoadBalancer
+from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core_client import EngineProcessClient
 from llmrpc.engine.core_types import EngineStats, ModelInfo
-from llmrpc.engine.dp_balance import LoadBalancer
 from llmrpc.engine.messages import EngineDeadError
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 

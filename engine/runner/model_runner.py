@@ -11,13 +11,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmrpc.engine.compilation import CompiledDecode, why_not_compiled
-from llmrpc.engine.cuda_graphs import CudaGraphCapture, DecodeGraphPlan, DecodeGraphs, GraphCapture
-from llmrpc.engine.device import HostStaging, kv_blocks_for_device_memory, model_device
 from llmrpc.engine.models.llama import head_dim_of
-from llmrpc.engine.pooler import PoolSpan, gather
+from llmrpc.engine.pooling.pooler import PoolSpan, gather
 from llmrpc.engine.request import Request
-from llmrpc.engine.scheduler import SchedulerOutput
+from llmrpc.engine.runner.compilation import CompiledDecode, why_not_compiled
+from llmrpc.engine.runner.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphPlan,
+    DecodeGraphs,
+    GraphCapture,
+)
+from llmrpc.engine.runner.device import HostStaging, kv_blocks_for_device_memory, model_device
+from llmrpc.engine.sched.scheduler import SchedulerOutput
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import FP8_DTYPES, AttentionMetadata, PrefillSeq
 from llmrpc.kernels.lora import LoRABatch

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrpc.engine.request import InvalidRequestError, Request
-from llmrpc.engine.structured_output import field_name
+from llmrpc.engine.structured_output.grammar import field_name
 
 _BITS = torch.arange(32, dtype=torch.int32)
 

@@ -2,7 +2,8 @@
 runner a server is (``--runner``, ``--convert``, ``--task``, ``--override-pooler-config``).
 
 Torch-free: the server process builds ``PoolingParams`` and reads the flags; the pooler that
-turns a request's hidden rows into its embedding is ``engine/pooler.py``, on the engine side.
+turns a request's hidden rows into its embedding is ``engine/pooling/pooler.py``, on the engine
+side.
 """
 
 from __future__ import annotations

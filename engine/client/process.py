@@ -1,7 +1,7 @@
 """``EngineProcessClient``: the engine core in a process of its own, behind the same surface as
 ``AsyncEngine``.
 
-The engine process (``python -m llmrpc.engine.core_process``) loads the model and runs the
+The engine process (``python -m llmrpc.engine.core.process``) loads the model and runs the
 step loop, detokenization and stop matching included, so none of that holds this process's
 GIL, which grpc.aio, the REST gateway and the tokenizer workers share. Commands go to it and
 outputs, results, figures and log records come back as msgspec messages (msgpack) over two
@@ -34,10 +34,11 @@ import weakref
 import msgspec
 import zmq
 
-from llmrpc.engine import loader
-from llmrpc.engine.async_engine import EngineClient
+from llmrpc.engine.client.async_engine import EngineClient
+from llmrpc.engine.client.tokenizer_workers import TokenizerWorkers
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.core_process import IDLE_TRIM_INTERVAL_S
+from llmrpc.engine.core.process import IDLE_TRIM_INTERVAL_S
+from llmrpc.engine.loading import loader
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.messages import (
     EngineDeadError,
@@ -49,7 +50,6 @@ from llmrpc.engine.messages import (
     Startup,
     rebuild_error,
 )
-from llmrpc.engine.tokenizer_workers import TokenizerWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class EngineProcessClient(EngineClient):
         level = min(logging.INFO, logging.getLogger("llmrpc").getEffectiveLevel())
         startup = Startup(to_core, from_core, config, level, [p for p in sys.path if p])
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "llmrpc.engine.core_process"],
+            [sys.executable, "-m", "llmrpc.engine.core.process"],
             stdin=subprocess.PIPE,
             close_fds=True,
             env=env,

@@ -12,33 +12,26 @@ import time
 import torch
 from torch import nn
 
-from llmrpc.engine import loader, structured_output
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, check_cuda_graph_flags
+from llmrpc.engine.core.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
-from llmrpc.engine.cuda_graphs import plan_decode_graphs
-from llmrpc.engine.device import (
-    DeviceMonitor,
-    resolve_attention_backend,
-    resolve_device,
-)
-from llmrpc.engine.generation_config import sampling_defaults
-from llmrpc.engine.grammar_compiler import GrammarCompiler
-from llmrpc.engine.grammar_step import GrammarStep
-from llmrpc.engine.input_processor import InputLimits, InputProcessor
-from llmrpc.engine.kernel_warm_up import triton_cache_dir, warm_up_triton_kernels, warms_up_triton
-from llmrpc.engine.kv_cache import KVCacheManager
-from llmrpc.engine.lora_manager import build_lora_manager, resolve_adapter
-from llmrpc.engine.lora_types import LORA_OFF
+from llmrpc.engine.loading import loader
+from llmrpc.engine.loading.generation_config import sampling_defaults
+from llmrpc.engine.lora.manager import build_lora_manager, resolve_adapter
+from llmrpc.engine.lora.types import LORA_OFF
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.metrics import RateMeter
-from llmrpc.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.models import build_model
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
-from llmrpc.engine.output_processor import OutputProcessor
+from llmrpc.engine.output.output_processor import OutputProcessor
 from llmrpc.engine.parallel.executor import start_tensor_parallel
-from llmrpc.engine.pooler import EnginePooling
-from llmrpc.engine.quantization import QuantizedLinear, describe_linear_layers, plan_quantization
+from llmrpc.engine.pooling.pooler import EnginePooling
+from llmrpc.engine.quantization.linear import (
+    QuantizedLinear,
+    describe_linear_layers,
+    plan_quantization,
+)
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -46,15 +39,31 @@ from llmrpc.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from llmrpc.engine.sampler import Sampler, token_logprobs
-from llmrpc.engine.scheduler import Scheduler
-from llmrpc.engine.structured_output import Grammar
-from llmrpc.engine.threads import (
+from llmrpc.engine.runner.cuda_graphs import plan_decode_graphs
+from llmrpc.engine.runner.device import (
+    DeviceMonitor,
+    resolve_attention_backend,
+    resolve_device,
+)
+from llmrpc.engine.runner.kernel_warm_up import (
+    triton_cache_dir,
+    warm_up_triton_kernels,
+    warms_up_triton,
+)
+from llmrpc.engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from llmrpc.engine.runner.threads import (
     ThreadBudget,
     configure_engine_threads,
     cpu_threads,
     idle_core_budget,
 )
+from llmrpc.engine.sample.sampler import Sampler, token_logprobs
+from llmrpc.engine.sched.kv_cache import KVCacheManager
+from llmrpc.engine.sched.scheduler import Scheduler
+from llmrpc.engine.structured_output import grammar as structured_output
+from llmrpc.engine.structured_output.compiler import GrammarCompiler
+from llmrpc.engine.structured_output.grammar import Grammar
+from llmrpc.engine.structured_output.step import GrammarStep
 from llmrpc.engine.timings import record_step, start_timings
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
@@ -499,7 +508,7 @@ class EngineCore:
 
     def use_idle_cores(self) -> bool:
         """Let each step also take the core left to the frontend while the rest of the machine
-        leaves it idle (``engine/threads.py``). Only for an engine in its own process: the
+        leaves it idle (``engine/runner/threads.py``). Only for an engine in its own process: the
         budget counts this process's CPU time as the engine's. Returns whether it applies
         (not where ``OMP_NUM_THREADS`` fixes the count, on one core, or for a compiled step:
         torch.compile guards its graph on the thread count, and a change would end it)."""

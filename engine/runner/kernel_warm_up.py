@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmrpc.engine.device import model_device
-from llmrpc.engine.loader import cache_root
+from llmrpc.engine.loading.loader import cache_root
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
+from llmrpc.engine.runner.device import model_device
 from llmrpc.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ def warm_up_triton_kernels(
     context = min(width * block_size, max_model_len)
     input_ids, positions, metadata = _decode_step(context, block_size, device)
     logits = model.compute_logits(model(input_ids, positions, kv_caches, metadata))
-    # as engine/sampler.py passes them: [rows, vocab] float32 scaled, int64 top_k, float32 rest
+    # as engine/sample/sampler.py passes them: [rows, vocab] float32 scaled, int64 top_k, float32
+    # rest
     ones = torch.ones(1, device=device)
     top_k = torch.zeros(1, dtype=torch.long, device=device)
     cutoff = torch.empty(1, device=device)

@@ -16,11 +16,11 @@ from collections import OrderedDict
 
 import torch
 
-from llmrpc.engine import loader
 from llmrpc.engine.config import EngineConfig
-from llmrpc.engine.lora_layers import LoRAModel
-from llmrpc.engine.lora_peft import LoRAAdapter, load_adapter
-from llmrpc.engine.lora_types import (
+from llmrpc.engine.loading import loader
+from llmrpc.engine.lora.layers import LoRAModel
+from llmrpc.engine.lora.peft import LoRAAdapter, load_adapter
+from llmrpc.engine.lora.types import (
     MAX_LORA_PATH_CHARS,
     LoRAAdapterExistsError,
     LoRAAdapterNotFoundError,
@@ -29,7 +29,7 @@ from llmrpc.engine.lora_types import (
     check_adapter_name,
 )
 from llmrpc.engine.request import InvalidRequestError, Request
-from llmrpc.engine.scheduler import SchedulerOutput
+from llmrpc.engine.sched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class LoRAManager:
         model,
         model_dtype: torch.dtype,
         base_model_name: str,
-        dense: bool = True,  # small CPU steps may take the dense path (engine/lora_layers.py)
+        dense: bool = True,  # small CPU steps may take the dense path (engine/lora/layers.py)
     ) -> None:
         self.config = config
         self.dense = dense

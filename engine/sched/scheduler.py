@@ -14,10 +14,10 @@ import logging
 from dataclasses import dataclass, field
 
 from llmrpc.engine.config import SchedulerConfig
-from llmrpc.engine.kv_cache import KVCacheManager
-from llmrpc.engine.lora_types import LoRAAdmission
+from llmrpc.engine.lora.types import LoRAAdmission
 from llmrpc.engine.request import FinishReason, Request, RequestStatus
-from llmrpc.engine.request_queue import make_waiting_queue
+from llmrpc.engine.sched.kv_cache import KVCacheManager
+from llmrpc.engine.sched.request_queue import make_waiting_queue
 
 logger = logging.getLogger(__name__)
 

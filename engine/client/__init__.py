@@ -1,0 +1,3 @@
+"""The engine as its callers see it: the EngineClient protocol and its three clients (in-thread,
+engine process, data-parallel), the frontend's tokenizer threads. No module here imports torch
+(the frontend runs them with torch blocked; the in-thread client loads the core when it starts)."""
