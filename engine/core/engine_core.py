@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ from llmrpc.engine.runner.threads import (
 )
 from llmrpc.engine.sample.sampler import Sampler, token_logprobs
 from llmrpc.engine.sched.kv_cache import KVCacheManager
-from llmrpc.engine.sched.scheduler import Scheduler
+from llmrpc.engine.sched.scheduler import Scheduler, SchedulerOutput
 from llmrpc.engine.structured_output import grammar as structured_output
 from llmrpc.engine.structured_output.compiler import GrammarCompiler
 from llmrpc.engine.structured_output.grammar import Grammar
@@ -188,6 +189,30 @@ def check_batch_invariant(model, attention_backend: str, kv_in_model_dtype: bool
                 "(--dtype bfloat16, no --quantization, a CPU with AVX512-BF16); "
                 f"{name} is {type(module).__name__}, whose reduction order depends on the batch"
             )
+
+
+@dataclass
+class _StepPlan:
+    """A step as scheduled: the batch (None: nothing to run), the requests it ended already,
+    its grammars' masks."""
+
+    scheduled: SchedulerOutput | None
+    ended: list[RequestOutput]
+    grammar_masks: object
+
+
+@dataclass
+class _StepResult:
+    """A step as executed: the rows that sampled and their tokens and logprobs by request id,
+    the pooled hidden rows, the requests that failed (with why), and (forward started, forward
+    seconds, execute seconds)."""
+
+    requests: list[Request]
+    tokens: dict
+    logprobs: dict
+    pooled: object
+    failed: dict[Request, str]
+    timing: tuple[float, float, float]
 
 
 class EngineCore:
@@ -532,18 +557,31 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One step of the batch. A fault that belongs to one request finishes that request with
-        ``FinishReason.ERROR``; only a failed forward pass (or scheduling) raises."""
+        """One step of the batch, in three parts: schedule, execute and sample, update. A fault
+        that belongs to one request finishes that request with ``FinishReason.ERROR``; only a
+        failed forward pass (or scheduling) raises."""
         started = time.monotonic()
-        dropped = self._drop_hopeless_waiting(started) + self._admit_compiled()
+        plan = self._schedule(started)
+        if plan.scheduled is None:
+            return plan.ended
+        result = self._execute(plan)
+        return self._update(plan, result, started)
+
+    def _schedule(self, now: float) -> _StepPlan:
+        """The scheduler's batch and what it needs before the forward pass: the adapters in
+        their slots (LoRA), the threads for its size, the grammars' masks started (they are
+        computed while the forward pass runs); its batch None when there is nothing to run (a
+        grammar may be compiling). Requests this ends (hopeless, refused, failed adapters) are
+        kept for the step's outputs."""
+        ended = self._drop_hopeless_waiting(now) + self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             self._wait_for_a_grammar()
-            return dropped
-        if self.lora is not None:  # the step's adapters into slots
-            dropped += self._fail_requests(self.lora.prepare(scheduled, self.scheduler.running))
+            return _StepPlan(None, ended, None)
+        if self.lora is not None:
+            ended += self._fail_requests(self.lora.prepare(scheduled, self.scheduler.running))
             if not scheduled:
-                return dropped
+                return _StepPlan(None, ended, None)
         self._prompt_rate.add(
             sum(
                 max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
@@ -554,12 +592,18 @@ class EngineCore:
             threads = self.thread_budget.threads_now()
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-        masks = self.grammar_step.start(scheduled.scheduled)  # while the forward pass runs
+        return _StepPlan(scheduled, ended, self.grammar_step.start(scheduled.scheduled))
+
+    def _execute(self, plan: _StepPlan) -> _StepResult:
+        """The forward pass, then what reads its logits: the grammars' masks applied, prompt
+        logprobs recorded, the sampled rows' tokens drawn. If the batched sampler fails, the
+        requests at fault are found and the others leave the batch, to redo this step."""
+        scheduled = plan.scheduled
         forward_started = time.time()
         model_output = self.runner.execute(scheduled, self.kv_manager.block_ids)
         forward_s = time.time() - forward_started
         failed: dict[Request, str] = {}
-        self.grammar_step.finish(masks, model_output.logits.device, failed)
+        self.grammar_step.finish(plan.grammar_masks, model_output.logits.device, failed)
         self._record_prompt_logprobs(model_output.prompt_logits, failed)
         requests = model_output.sampled_requests
         sampled = self._sample(model_output.logits, requests, failed)
@@ -573,17 +617,27 @@ class EngineCore:
             ids = [r.request_id for r in requests]
             tokens = dict(zip(ids, sampled.token_ids, strict=True))
             logprobs = dict(zip(ids, sampled.logprobs, strict=True))
-        updated = self.scheduler.update_from_output(scheduled, tokens, failed)
-        record_step(scheduled.scheduled, updated, forward_started, forward_s, execute_s)
-        pooled = self.pooling.finish(self.scheduler, self._output, model_output.pooled, failed)
-        self.grammar_step.advance(requests, updated, failed)
+        timing = (forward_started, forward_s, execute_s)
+        return _StepResult(requests, tokens, logprobs, model_output.pooled, failed, timing)
+
+    def _update(self, plan: _StepPlan, result: _StepResult, started: float) -> list[RequestOutput]:
+        """The step's tokens into the scheduler (finished requests free their blocks), then what
+        follows from them: timings, pooled embeddings, the grammars advanced, and each request's
+        output (detokenized, stop strings checked)."""
+        scheduled, failed = plan.scheduled, result.failed
+        updated = self.scheduler.update_from_output(scheduled, result.tokens, failed)
+        record_step(scheduled.scheduled, updated, *result.timing)
+        pooled = self.pooling.finish(self.scheduler, self._output, result.pooled, failed)
+        self.grammar_step.advance(result.requests, updated, failed)
         updated = [request for request in updated if request not in failed]
-        outputs = [self._process_new_token(r, logprobs[r.request_id], failed) for r in updated]
+        outputs = [
+            self._process_new_token(r, result.logprobs[r.request_id], failed) for r in updated
+        ]
         elapsed = max(time.monotonic() - started, 1e-6)
         pace = scheduled.num_scheduled_tokens / elapsed
         self._peak_tokens_per_second = max(self._peak_tokens_per_second, pace)
         outputs = [output for output in outputs if output is not None]
-        outputs = dropped + outputs + pooled
+        outputs = plan.ended + outputs + pooled
         return outputs + self._fail_requests(failed) + self._end_expired_requests()
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], failed: dict):

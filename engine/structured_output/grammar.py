@@ -16,7 +16,7 @@ Life of a constraint:
   step nor a cheap grammar an expensive one; the request joins the scheduler once its grammar
   is ready, or ends with an ``InvalidRequestError`` naming its field when no backend can build
   it or it is not ready in time. ``check`` makes the same choice without a vocabulary.
-- Per step, ``step`` (``GrammarStep``) writes the bitmask rows of the requests that sample (on a worker
+- Per step, ``GrammarStep`` writes the bitmask rows of the requests that sample (on a worker
   thread, while the forward pass runs); ``Grammar.accept`` advances each matcher by its token.
 """
 
