@@ -7,6 +7,7 @@ the packaged model, or a lost exit code fails here. ``make test`` sets
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -68,3 +69,12 @@ def test_a_failed_stage_fails_the_check_and_the_rest_still_run(tmp_path, device_
     done, rows = _check(tmp_path, device_python, STAGES="versions,bandwidth", FAIL_STAGE="versions")
     assert done.returncode == 1, (done.stdout + done.stderr)[-4000:]
     assert rows == {"versions": "97", "bandwidth": "0"}
+
+
+def test_the_stage_limits_leave_the_check_within_nine_minutes():
+    """A lent GPU machine gives minutes, start-up included: the stages' own time limits add up
+    to at most 510 s, leaving the set-up (wheels, the stand-in model) half a minute."""
+    script = (ROOT / "tests/gpu/device_check.sh").read_text()
+    limits = dict(re.findall(r"^(?:pytest_)?stage (\w+) (\d+) ", script, flags=re.MULTILINE))
+    assert set(limits) == set(STAGES)
+    assert sum(map(int, limits.values())) <= 510, limits
