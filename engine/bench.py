@@ -30,7 +30,7 @@ from llmrpc.engine.config import (
 from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
-from llmrpc.engine.quantization.linear import QuantizedLinear
+from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.request import SamplingParams, StructuredOutputSpec
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear
 

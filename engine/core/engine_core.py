@@ -28,11 +28,8 @@ from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output.output_processor import OutputProcessor
 from llmrpc.engine.parallel.executor import start_tensor_parallel
 from llmrpc.engine.pooling.pooler import EnginePooling
-from llmrpc.engine.quantization.linear import (
-    QuantizedLinear,
-    describe_linear_layers,
-    plan_quantization,
-)
+from llmrpc.engine.quantization.layers import QuantizedLinear
+from llmrpc.engine.quantization.plan import describe_linear_layers, plan_quantization
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,

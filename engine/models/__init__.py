@@ -9,7 +9,7 @@ from llmrpc.engine.models.bert import BertModel
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
-from llmrpc.engine.quantization.linear import QuantizationPlan
+from llmrpc.engine.quantization.plan import QuantizationPlan
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -1,2 +1,3 @@
-"""Weight-only quantization (--quantization, GGUF blocks): packed linear layers and the plan that
-replaces a model's layers. Imports torch."""
+"""Weight-only quantization (--quantization, GGUF blocks): layers (the packed linear layers and
+their packing), plan (the plan that swaps a loaded model's layers for them) and gguf_blocks (a
+.gguf file's Q4_0/Q4_1/Q8_0 blocks served as they are). Imports torch."""

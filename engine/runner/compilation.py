@@ -41,7 +41,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from llmrpc.engine.loading.loader import cache_root
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
-from llmrpc.engine.quantization.linear import QuantizedLinear
+from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.runner.device import model_device
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import AttentionMetadata

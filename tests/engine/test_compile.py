@@ -15,7 +15,7 @@ from engine_utils import make_core
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.models.llama import LlamaMLP
-from llmrpc.engine.quantization.linear import (
+from llmrpc.engine.quantization.layers import (
     BLOCKED_DENSE_ABOVE,
     INT4_DENSE_ABOVE,
     INT8_DENSE_ABOVE,

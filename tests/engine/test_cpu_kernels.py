@@ -300,7 +300,7 @@ def test_int4_kernel_is_built_where_the_cpu_matches():
     AVX512-VNNI; elsewhere (the AVX2 and plain builds too, run below) int4 layers keep torch's
     packing. Either computes the product within 1% of the sum of |x| |w| (ours quantizes the
     inputs to int8 per 32; tests/engine/test_int4_kernel.py holds the exact checks)."""
-    from llmrpc.engine.quantization.linear import Int4Linear, blocked_kernel_available
+    from llmrpc.engine.quantization.layers import Int4Linear, blocked_kernel_available
 
     expected = (
         cpu_ops._capability() == "AVX512"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrpc.engine.quantization import linear as quantization
-from llmrpc.engine.quantization.linear import (
+from llmrpc.engine.quantization import layers
+from llmrpc.engine.quantization.layers import (
     GROUP_SIZE,
     Int4Linear,
     Q8BlockLinear,
@@ -104,7 +104,7 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch():
 def test_blocked_layout_unpacks_to_the_codes_and_matches_torch_packing(monkeypatch):
     codes, scales, zeros, x = _case(208, 96, 4)
     blocked = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
-    monkeypatch.setattr(quantization, "blocked_kernel_available", lambda dtype=None: False)
+    monkeypatch.setattr(layers, "blocked_kernel_available", lambda dtype=None: False)
     torch_packed = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
     assert blocked.blocked and not torch_packed.blocked
     assert blocked.qweight.shape == (13, 3, 8, 32) and blocked.scales_and_zeros.shape == (
@@ -120,7 +120,7 @@ def test_blocked_layout_unpacks_to_the_codes_and_matches_torch_packing(monkeypat
     assert torch.equal(blocked._row_codes(ids), codes[ids])
     assert torch.equal(blocked.rows(ids), torch_packed.rows(ids))
     # the same memory: half a byte a weight, a bfloat16 scale and zero per group
-    assert quantization.packed_bytes(blocked) == 208 * 96 // 2 + 208 * 3 * 4
+    assert layers.packed_bytes(blocked) == 208 * 96 // 2 + 208 * 3 * 4
     # torch's kernel multiplies the same weights by the bfloat16 inputs themselves
     torch.testing.assert_close(
         torch_packed.packed_matmul(x).double(),
@@ -136,7 +136,7 @@ def test_layers_take_the_kernel_up_to_long_prefills_in_bfloat16_only():
     for dtype in (torch.float32, torch.float16):  # their packed kernels are torch's
         assert not Int4Linear.from_codes(codes, scales, zeros, None, dtype).blocked
     layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
-    assert layer.dense_above == quantization.BLOCKED_DENSE_ABOVE >= 512
+    assert layer.dense_above == layers.BLOCKED_DENSE_ABOVE >= 512
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_q8_layout_dequantizes_as_the_two_int4_halves():
     assert torch.equal(blocked.rows(ids), weight[ids].bfloat16())
     assert torch.equal(blocked.rows(ids), halves.rows(ids))
     # one byte a weight and a bfloat16 scale per 32
-    assert quantization.packed_bytes(blocked) == 208 * 96 + 208 * 3 * 2
+    assert layers.packed_bytes(blocked) == 208 * 96 + 208 * 3 * 2
     with pytest.raises(RuntimeError, match="q8_linear: scales"):
         torch.ops.llmrpc_cpu.q8_linear(x, blocked.qweight, blocked.scales.float())
     with pytest.raises(RuntimeError, match="q8_linear: weight"):

@@ -1,7 +1,7 @@
 """Weight-only quantization (--quantization int8 / int4 / gguf).
 
 - A packed layer computes the matmul of its hand-dequantized weight (the reference quantizers
-  below are the documented formulas, written out apart from engine/quantization/linear.py), and its
+  below are the documented formulas, written out apart from engine/quantization/layers.py), and its
   buffers take the bytes the packing promises.
 - The quantized model against Transformers' model carrying the same quantization (its weights
   fake-quantized: quantized, then dequantized). In float32 the math is the same (each layer's
@@ -39,7 +39,7 @@ from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.loading import loader
 from llmrpc.engine.loading.model_source import packaged_gguf_path
 from llmrpc.engine.models import build_model
-from llmrpc.engine.quantization.linear import (
+from llmrpc.engine.quantization.layers import (
     BLOCKED_DENSE_ABOVE,
     GROUP_SIZE,
     INT4_DENSE_ABOVE,
@@ -48,13 +48,11 @@ from llmrpc.engine.quantization.linear import (
     Int8Linear,
     Q8BlockLinear,
     Q8Linear,
-    QuantizationPlan,
     QuantizedLinear,
     blocked_kernel_available,
     packed_bytes,
-    plan_quantization,
-    quantize_model,
 )
+from llmrpc.engine.quantization.plan import QuantizationPlan, plan_quantization, quantize_model
 from llmrpc.engine.request import SamplingParams
 from llmrpc.kernels.linear import RowsEmbedding
 from llmrpc.server import options

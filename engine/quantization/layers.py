@@ -1,8 +1,9 @@
-"""Weight-only quantization (``--quantization``): linear layers whose weights are held packed.
+"""Weight-only quantization's packed linear layers: weights held packed, and their packing.
 
-- ``int8``: per-output-channel symmetric int8, ``w = q * scale[n]`` with ``q`` in [-127, 127]
-  and ``scale[n] = max|w[n, :]| / 127``; computed by ``torch.ops.aten._weight_int8pack_mm``.
-- ``int4``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
+- ``Int8Linear``: per-output-channel symmetric int8, ``w = q * scale[n]`` with ``q`` in
+  [-127, 127] and ``scale[n] = max|w[n, :]| / 127``; computed by
+  ``torch.ops.aten._weight_int8pack_mm``.
+- ``Int4Linear``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
   ``w = (u - 8) * scale + zero`` with ``u`` in [0, 15], ``scale = (max - min) / 15`` and
   ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX512-BF16 and AVX512-VNNI,
   computed by our kernel (``kernel_ops/csrc/int4_linear.cpp``: integer dot products with the inputs
@@ -11,11 +12,9 @@
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on weights packed by
   ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly that formula, with
   ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
-- ``gguf``: a .gguf model's Q4_0, Q4_1 and Q8_0 tensors served from their own blocks (see
-  ``quantize_model_from_gguf``); its other tensors stay as dequantized at load.
+- ``Q8Linear`` and ``Q8BlockLinear``: GGUF's Q8_0 blocks exactly, in our blocked layout where
+  our kernel computes, else as two int4 halves (``gguf_blocks`` builds them).
 
-Every ``nn.Linear`` of the model is swapped after loading, ``lm_head`` included; an embedding
-tied to ``lm_head`` reads its rows from the same packed weight, so the float weight is freed.
 Scales (and zeros) are held in the model's dtype, as the kernels require.
 
 torch's packed kernels are fast only with bfloat16 activations, and only for few rows: their
@@ -28,6 +27,9 @@ and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact i
 quantized float32 model computes what the same model holding the dequantized weights computes
 (slowly: measured 5-30x slower than the unquantized float32 model, whose linear layers are
 packed for oneDNN).
+
+The two helpers at the end put a packed layer into a model and hand the freed float weights'
+memory back; ``plan`` and ``gguf_blocks`` both swap layers with them.
 """
 
 from __future__ import annotations
@@ -36,23 +38,12 @@ import contextlib
 import ctypes
 import functools
 import itertools
-import logging
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from llmrpc.engine.config import ModelConfig
-from llmrpc.engine.loading.model_source import locate_model
 from llmrpc.kernels import cpu_ops
-from llmrpc.kernels.linear import RowsEmbedding
-
-logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and Q8_0
 # Rows up to which the packed kernels beat dequantize-then-dense in bfloat16 (one thread, this
@@ -465,85 +456,7 @@ def packed_bytes(module: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantizing a loaded model
-
-
-@dataclass(frozen=True)
-class QuantizationPlan:
-    """What ``--quantization`` asks of the loaded model: a method, and for gguf the file."""
-
-    method: str  # one of config.QUANTIZATION_METHODS
-    gguf_path: Path | None = None
-
-    def apply(self, model: nn.Module, hf_config, dtype: torch.dtype) -> nn.Module:
-        if self.method == "gguf":
-            return quantize_model_from_gguf(model, self.gguf_path, hf_config, dtype)
-        return quantize_model(model, self.method, dtype)
-
-
-def describe_linear_layers(model: nn.Module, num_packed: int, method: str | None) -> str:
-    """The log's line on the linear layers' form after load: quantized ones by kind (they are
-    packed by their quantization, not by ``pack_linear_layers``), float ones packed for the CPU."""
-    kinds = Counter(type(m).__name__ for m in model.modules() if isinstance(m, QuantizedLinear))
-    parts = []
-    if kinds:
-        by_kind = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-        parts.append(f"{kinds.total()} quantized by --quantization {method} ({by_kind})")
-    if num_packed or not kinds:
-        parts.append(f"{num_packed} in floating point, packed for this CPU")
-    return "linear layers: " + "; ".join(parts)
-
-
-def plan_quantization(model_config: ModelConfig) -> QuantizationPlan | None:
-    """The plan for ``model_config.quantization``; None: weights in --dtype."""
-    method = model_config.quantization
-    if method is None:
-        return None
-    if method == "gguf":
-        source = locate_model(model_config.model)
-        if not source.is_gguf:  # ModelConfig checks the name; this, the file found
-            raise ValueError(f"--quantization gguf: {source.path} is not a .gguf file")
-        return QuantizationPlan(method, source.path)
-    return QuantizationPlan(method)
-
-
-def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> nn.Module:
-    """Swap every ``nn.Linear`` of ``model`` for its ``method`` (int8 or int4) packed form.
-
-    An ``nn.Embedding`` sharing its weight with a linear layer (a tied ``lm_head``) reads the
-    packed rows instead. An int4 layer torch cannot pack (outputs not a multiple of 16, inputs
-    not of 32) stays in ``dtype``. Call it on the float32 weights, before ``model.to(dtype)``.
-    """
-    if method not in ("int8", "int4"):
-        raise ValueError(f"--quantization: quantize_model does int8 and int4, not {method!r}")
-    kind = Int8Linear if method == "int8" else Int4Linear
-    embeddings = _tied_embeddings(model)
-    skipped = []
-    for name, linear in _plain_modules(model, nn.Linear):
-        if kind is Int4Linear and not Int4Linear.supports(linear.out_features, linear.in_features):
-            skipped.append(name)
-            continue
-        packed = kind.from_float(linear.weight, linear.bias, dtype)
-        _replace(model, name, packed)
-        for embedding_name in embeddings.get(id(linear.weight), ()):
-            _replace(model, embedding_name, RowsEmbedding(packed))
-    if skipped:
-        logger.info("--quantization %s: left in %s (not packable): %s", method, dtype, skipped)
-    release_freed_memory()
-    return model
-
-
-def _plain_modules(model: nn.Module, kind: type) -> list[tuple[str, nn.Module]]:
-    """Modules of exactly ``kind`` (a subclass may do more in its forward), each once."""
-    return [(name, m) for name, m in model.named_modules() if type(m) is kind]
-
-
-def _tied_embeddings(model: nn.Module) -> dict[int, list[str]]:
-    """id of an embedding's weight -> the names of the plain embeddings holding it."""
-    tied: dict[int, list[str]] = {}
-    for name, embedding in _plain_modules(model, nn.Embedding):
-        tied.setdefault(id(embedding.weight), []).append(name)
-    return tied
+# Putting packed layers into a model
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -556,188 +469,3 @@ def release_freed_memory() -> None:
     and the process's resident memory would not drop)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF files served from their blocks
-
-# GGUF tensor name (after "blk.N.") -> (our module under layers.N, shard index in a fused one)
-_GGUF_LAYER_TENSORS = {
-    "attn_q": ("self_attn.qkv_proj", 0),
-    "attn_k": ("self_attn.qkv_proj", 1),
-    "attn_v": ("self_attn.qkv_proj", 2),
-    "attn_output": ("self_attn.o_proj", 0),
-    "ffn_gate": ("mlp.gate_up_proj", 0),
-    "ffn_up": ("mlp.gate_up_proj", 1),
-    "ffn_down": ("mlp.down_proj", 0),
-}
-_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the GGML types served from their blocks
-
-
-@dataclass
-class _Blocks:
-    """One GGUF tensor's blocks as arrays over ``[rows, in]`` (rows: the outputs)."""
-
-    type_name: str
-    codes: np.ndarray  # Q4_x: uint8 in [0, 15]; Q8_0: int8
-    scales: np.ndarray  # float32 [rows, in / 32]: d
-    zeros: np.ndarray | None  # float32 [rows, in / 32]: Q4_x's w at code 8; None for Q8_0
-
-    def permuted(self, order: np.ndarray) -> _Blocks:
-        zeros = None if self.zeros is None else self.zeros[order]
-        return _Blocks(self.type_name, self.codes[order], self.scales[order], zeros)
-
-
-def read_blocks(tensor) -> _Blocks:
-    """Decode a Q4_0, Q4_1 or Q8_0 tensor of a ``gguf.GGUFReader`` to codes, scales, zeros.
-
-    Q4_0: 2-byte f16 d, 16 bytes of nibbles (low: elements 0-15, high: 16-31), w = d * (u - 8).
-    Q4_1: d, f16 m, nibbles, w = d * u + m = (u - 8) * d + (m + 8 d).
-    Q8_0: d, 32 int8 q, w = d * q.
-    """
-    name = tensor.tensor_type.name
-    data = np.asarray(tensor.data)
-    rows = data.shape[0]
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
-    blocks = data.reshape(rows, -1, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-        return _Blocks(name, q, d, None)
-    offset = 2 if name == "Q4_0" else 4
-    nibbles = blocks[..., offset:]
-    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
-    if name == "Q4_0":
-        zeros = np.zeros_like(d)
-    else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros = m + 8 * d
-    return _Blocks(name, codes, d, zeros)
-
-
-def _reverse_permute_order(rows: int, num_heads: int) -> np.ndarray:
-    """The row order undoing llama.cpp's rotary permutation of q/k (as Transformers' GGUF
-    loader undoes it for the llama architecture)."""
-    half = rows // num_heads // 2
-    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
-
-
-def quantize_model_from_gguf(
-    model: nn.Module, gguf_path: Path, hf_config, dtype: torch.dtype
-) -> nn.Module:
-    """Swap the linear layers (and a tied or Q8_0 embedding) of a native Llama-family model for
-    packed ones built from the GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
-
-    A fused layer (qkv_proj, gate_up_proj) is packed when all its parts are Q4_x (int4), or all
-    Q8_0; otherwise, like every tensor of another type (F16, K-quants...), it keeps the weights
-    already loaded (the file dequantized). Call it before ``model.to(dtype)``.
-    """
-    import gguf  # only for a .gguf file
-
-    if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
-        raise ValueError(
-            "--quantization gguf serves native Llama-family models (Llama, Mistral, SmolLM2, "
-            "Qwen2, Qwen3); use --model-impl auto or vllm"
-        )
-    reader = gguf.GGUFReader(str(gguf_path))
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    parts: dict[str, dict[int, object]] = {}
-    for tensor in reader.tensors:
-        target = _gguf_target(tensor.name)
-        if target is not None:
-            module, shard = target
-            parts.setdefault(module, {})[shard] = tensor
-    kept = []
-    for module_name, shards in parts.items():
-        blocks = _module_blocks(module_name, shards, architecture, hf_config)
-        if blocks is None or not _packable(blocks):
-            kept.append(module_name)
-            continue
-        if module_name == "embed_tokens":
-            _serve_embedding(model, hf_config, blocks, dtype)
-            continue
-        linear = model.get_submodule(module_name)
-        _check_shape(module_name, blocks, linear.out_features, linear.in_features)
-        _replace(model, module_name, _packed_linear(blocks, linear.bias, dtype))
-    if kept:
-        logger.info("--quantization gguf: %d layers kept as loaded in %s", len(kept), dtype)
-    release_freed_memory()
-    return model
-
-
-def _gguf_target(name: str) -> tuple[str, int] | None:
-    if name == "token_embd.weight":
-        return "embed_tokens", 0
-    if name == "output.weight":
-        return "lm_head", 0
-    prefix, _, rest = name.partition(".")
-    layer, _, rest = rest.partition(".")
-    tensor, _, suffix = rest.partition(".")
-    if prefix != "blk" or suffix != "weight" or tensor not in _GGUF_LAYER_TENSORS:
-        return None
-    module, shard = _GGUF_LAYER_TENSORS[tensor]
-    return f"layers.{int(layer)}.{module}", shard
-
-
-def _module_blocks(module_name, shards, architecture: str, hf_config) -> _Blocks | None:
-    """The module's blocks, its shards' rows one after another; None if they cannot be served."""
-    types = {tensor.tensor_type.name for tensor in shards.values()}
-    if not types <= set(_BLOCK_TYPES) or ("Q8_0" in types and len(types) > 1):
-        return None
-    decoded = []
-    for shard in sorted(shards):
-        tensor = shards[shard]
-        blocks = read_blocks(tensor)
-        if architecture == "llama" and module_name.endswith("qkv_proj") and shard < 2:
-            heads = hf_config.num_attention_heads if shard == 0 else hf_config.num_key_value_heads
-            blocks = blocks.permuted(_reverse_permute_order(blocks.codes.shape[0], heads))
-        decoded.append(blocks)
-    if len(decoded) == 1:
-        return decoded[0]
-    zeros = None if "Q8_0" in types else np.concatenate([b.zeros for b in decoded])
-    return _Blocks(
-        decoded[0].type_name,
-        np.concatenate([b.codes for b in decoded]),
-        np.concatenate([b.scales for b in decoded]),
-        zeros,
-    )
-
-
-def _packable(blocks: _Blocks) -> bool:
-    rows, columns = blocks.codes.shape
-    return Int4Linear.supports(rows if blocks.zeros is not None else 2 * rows, columns)
-
-
-def _packed_linear(blocks: _Blocks, bias, dtype) -> QuantizedLinear:
-    codes, scales = torch.from_numpy(blocks.codes), torch.from_numpy(blocks.scales)
-    if blocks.zeros is None:
-        if blocked_kernel_available(dtype):
-            return Q8Linear.from_blocks(codes, scales, bias, dtype)
-        return Q8BlockLinear.from_blocks(codes, scales, bias, dtype)
-    return Int4Linear.from_codes(codes, scales, torch.from_numpy(blocks.zeros), bias, dtype)
-
-
-def _serve_embedding(model: nn.Module, hf_config, blocks: _Blocks, dtype) -> None:
-    embedding = model.embed_tokens
-    _check_shape("embed_tokens", blocks, embedding.num_embeddings, embedding.embedding_dim)
-    packed = _packed_linear(blocks, None, dtype)
-    model.embed_tokens = RowsEmbedding(packed)
-    if getattr(hf_config, "tie_word_embeddings", False):
-        model.lm_head = packed
-
-
-def _check_shape(name: str, blocks: _Blocks, rows: int, columns: int) -> None:
-    if blocks.codes.shape != (rows, columns):
-        raise ValueError(
-            f"--quantization gguf: the GGUF tensor for {name} is {blocks.codes.shape}, the model "
-            f"expects ({rows}, {columns})"
-        )
-
-
-def linear_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """The model's linear layers, packed or not (for reports and tests)."""
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, QuantizedLinear))
-    ]
