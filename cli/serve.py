@@ -37,7 +37,7 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
     try:
         configure_logging(frontend.logs)
         check_before_binding(engine_config, frontend)
-        if frontend.rest.enabled:
+        if frontend.rest_gateway:
             rest.gateway_settings(frontend)
     except ValueError as error:
         serve_parser.error(str(error))
@@ -66,7 +66,7 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
     from llmrpc.server import app  # the engine: imported only when serving
 
     beside = None
-    if frontend.rest.enabled:
+    if frontend.rest_gateway:
         beside = functools.partial(rest.in_process_gateway, frontend)
     return await app.serve(engine_config, frontend, beside=beside)
 

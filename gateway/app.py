@@ -78,7 +78,7 @@ def _add_middleware(
     http = settings.http
     app.add_middleware(
         BodyLimitMiddleware,
-        max_size=http.max_request_body_size,
+        max_size=http.body_limit,
         timeout_s=http.request_body_timeout_s,
     )
     if settings.backends.forward_api_key:  # llmrpc serve's gateway: its server reads these

@@ -1,14 +1,16 @@
 """``llmrpc gateway --backend HOST:PORT [--backend ...]``: the OpenAI-compatible REST gateway alone,
 in front of gRPC replicas (``llmrpc serve`` runs the same gateway in front of its own server).
 
-The REST flags are ``vllm serve``'s, with its defaults.
+The REST flags are ``vllm serve``'s, with its defaults. Those of the listener, CORS and the API
+are declared once, on the settings fields they fill (``common.rest_settings``), and read from
+there by this parser and ``llmrpc serve``'s alike: the same names, defaults and help ("(llmrpc)"
+marks our own flags, not vLLM's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -17,14 +19,8 @@ from llmrpc.common.args import OneLineErrorParser
 from llmrpc.common.chat_template import read_chat_template
 from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from llmrpc.common.fd_limit import raise_open_file_limit
+from llmrpc.common.rest_options import RestOption, declared_options, shown_help
 from llmrpc.gateway.settings import (
-    CONTENT_FORMATS,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-    DEFAULT_MAX_REQUEST_BODY_SIZE,
-    DEFAULT_REQUEST_BODY_TIMEOUT_S,
-    DEFAULT_RESPONSES_STORE_MAX_BYTES,
-    UVICORN_LOG_LEVELS,
     ApiSettings,
     BackendSettings,
     CorsSettings,
@@ -33,13 +29,6 @@ from llmrpc.gateway.settings import (
 )
 
 logger = logging.getLogger("llmrpc.gateway")
-
-
-def _json_list(text: str) -> list:
-    value = json.loads(text)
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"expected a JSON list, got {text!r}")
-    return value
 
 
 def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,13 +50,36 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     add("--backend-server-name", help="Name expected in the replicas' certificates.")
 
 
+def _add_declared(group: argparse._ArgumentGroup, settings_class: type) -> None:
+    """The REST flags declared on ``settings_class``'s fields (``common.rest_settings``):
+    ``llmrpc serve`` takes the same ones, with the same defaults and help."""
+    for declared in declared_options(settings_class):
+        group.add_argument(declared.name, **_argument_options(declared))
+
+
+def _argument_options(declared: RestOption) -> dict:
+    options = {
+        "dest": declared.field,
+        "default": declared.default,
+        "help": shown_help(declared.help, declared.default, declared.ours),
+    }
+    if declared.parse is None:
+        options["action"] = "store_true"
+        return options
+    options["type"] = declared.parse
+    if declared.repeatable:
+        options["action"] = "extend"
+    for key in ("choices", "nargs", "metavar"):
+        if getattr(declared, key) is not None:
+            options[key] = getattr(declared, key)
+    return options
+
+
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("REST listener")
     add = group.add_argument
     add("--host", help="Address to listen on. Default: all addresses.")
-    add("--port", type=int, default=8000, help="Default: %(default)s.")
-    add("--uds", help="Listen on this Unix socket instead (host and port ignored).")
-    add("--root-path", help="Path prefix when behind a path-routing proxy.")
+    _add_declared(group, HttpSettings)
     add("--ssl-keyfile", help="Private key (PEM) of --ssl-certfile.")
     add("--ssl-certfile", help="Certificate chain (PEM): HTTPS.")
     add("--ssl-ca-certs", help="CA certificates (PEM) that client certificates must chain to.")
@@ -83,79 +95,7 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Serve replaced certificate files to new connections without a restart.",
     )
-    add(
-        "--h11-max-incomplete-event-size",
-        type=int,
-        default=4194304,
-        help="Largest request head in bytes. Default: %(default)s.",
-    )
-    add(
-        "--h11-max-header-count",
-        type=int,
-        default=256,
-        help="Most header fields in a request. Default: %(default)s.",
-    )
-    add(
-        "--max-request-body-size",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BODY_SIZE,
-        metavar="BYTES",
-        help="Largest request body; larger ones get HTTP 413. Default: %(default)s (the gRPC "
-        "servers' default --grpc-max-receive-message-size).",
-    )
-    add(
-        "--request-body-timeout",
-        type=float,
-        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
-        dest="request_body_timeout_s",
-        metavar="SECONDS",
-        help="A request body must arrive within this long, else HTTP 408 (slow clients cannot "
-        "hold connections). Default: %(default)s.",
-    )
-    add(
-        "--request-header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        dest="header_timeout_s",
-        metavar="SECONDS",
-        help="A new connection's TLS handshake, then each request head, must arrive within "
-        "this long (an unfinished head gets HTTP 408), else the connection closes. Default: "
-        "%(default)s.",
-    )
-    add(
-        "--rest-keep-alive-timeout",
-        type=float,
-        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-        dest="keep_alive_timeout_s",
-        metavar="SECONDS",
-        help="A connection idle this long after a response is closed. Default: %(default)s.",
-    )
-    add(
-        "--rest-max-connections",
-        type=int,
-        dest="max_connections",
-        metavar="N",
-        help="Most connections held at once; more are closed as they are accepted. Default: a "
-        "quarter of the process's open-file limit (raised to its hard limit at start-up).",
-    )
-    add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
-    add("--disable-uvicorn-access-log", action="store_true")
-    add("--allowed-origins", type=_json_list, default=["*"], help="CORS: a JSON list.")
-    add("--allowed-methods", type=_json_list, default=["*"], help="CORS: a JSON list.")
-    add("--allowed-headers", type=_json_list, default=["*"], help="CORS: a JSON list.")
-    add("--allow-credentials", action="store_true", help="CORS: allow credentials.")
-
-
-# On/off flags of the OpenAI API: (flag, help).
-_API_SWITCHES = (
-    ("--return-tokens-as-token-ids", "Logprob tokens written as token_id:N."),
-    ("--enable-prompt-tokens-details", "usage.prompt_tokens_details.cached_tokens in responses."),
-    ("--enable-force-include-usage", "Streams end with a usage chunk even when not asked for."),
-    ("--enable-tokenizer-info-endpoint", "GET /get_tokenizer_info (may reveal the chat template)."),
-    ("--enable-server-load-tracking", "GET /load: generation requests in flight here."),
-    ("--enable-request-id-headers", "X-Request-Id on responses."),
-    ("--disable-fastapi-docs", "No OpenAPI schema, Swagger UI or ReDoc."),
-)
+    _add_declared(group, CorsSettings)
 
 
 def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,25 +113,7 @@ def _add_api_arguments(parser: argparse.ArgumentParser) -> None:
         "file's path, or (if no such file, and the value holds a brace or a line break) the "
         "template itself.",
     )
-    add("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS)
-    add("--response-role", default="assistant", help="Role of chat answers.")
-    for flag, help_text in _API_SWITCHES:
-        add(flag, action="store_true", help=help_text)
-    add(
-        "--middleware",
-        action="append",
-        default=[],
-        metavar="IMPORT.PATH",
-        help="ASGI middleware class or async HTTP middleware function; repeatable.",
-    )
-    add(
-        "--responses-store-max-bytes",
-        type=int,
-        default=DEFAULT_RESPONSES_STORE_MAX_BYTES,
-        metavar="BYTES",
-        help="Bytes the Responses API's store may hold (0: nothing is kept); past them the least "
-        "recently used responses go first. Default: %(default)s (256 MiB).",
-    )
+    _add_declared(group, ApiSettings)
     add(
         "--max-prompts-per-request",
         type=int,
@@ -227,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """Raises ValueError naming the flag."""
-    v = vars(args)
-    http_fields = {name: v[name] for name in HttpSettings.__dataclass_fields__}
     api_key = args.backend_api_key or (args.api_key[0] if args.api_key else None)
     backends = BackendSettings(
         targets=tuple(args.backend),
@@ -239,19 +159,32 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         client_key=args.backend_keyfile,
         server_name=args.backend_server_name,
     )
-    cors = CorsSettings(
-        tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-        args.allow_credentials,
+    http = HttpSettings(
+        host=args.host, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+        enable_ssl_refresh=args.enable_ssl_refresh, **_declared_values(args, HttpSettings),
     )  # fmt: skip
-    api_fields = {name: v[name] for name in ApiSettings.__dataclass_fields__ if name in v}
-    api_fields.update(
+    api = ApiSettings(
         api_keys=tuple(args.api_key),
         chat_template=None
         if args.chat_template is None
         else read_chat_template(args.chat_template),
-        middleware=tuple(args.middleware),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_sequences_per_request=args.max_sequences_per_request,
+        **_declared_values(args, ApiSettings),
     )
-    return GatewaySettings(backends, HttpSettings(**http_fields), cors, ApiSettings(**api_fields))
+    cors = CorsSettings(**_declared_values(args, CorsSettings))
+    return GatewaySettings(backends, http, cors, api)
+
+
+def _declared_values(args: argparse.Namespace, settings_class: type) -> dict:
+    """The values of the flags declared on ``settings_class``, by field (lists as tuples)."""
+    values = {
+        declared.field: getattr(args, declared.field)
+        for declared in declared_options(settings_class)
+    }
+    return {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
 
 
 async def run(settings: GatewaySettings) -> int:

@@ -4,6 +4,12 @@ A row gives the flag's names, vLLM's default, its value parser, its state (works
 inert, see ``flags``) and, for a flag that works, the configuration field it sets. Changing a
 flag's state is changing its row. ``options`` builds the parser, ``--help`` and the
 configurations from this table alone.
+
+The REST gateway's options (``--port``, ``--h11-max-incomplete-event-size``...) are declared
+once, on the gateway's settings fields in ``common.rest_settings``, which ``llmrpc gateway``
+reads too; their rows here (``_rest``) only name them, keeping their place in ``--help``. They
+fill the gateway's own settings objects (``FrontendConfig.rest_http``, ``rest_cors``,
+``rest_api``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_SEQUENCES_PER_REQUEST
+from llmrpc.common.rest_options import declared_options
 from llmrpc.engine.config import (
     DEFAULT_COMPILE_TIMEOUT_S,
     DTYPES,
@@ -25,13 +32,13 @@ from llmrpc.server.flags import (
     inert,
     int_or_none,
     json_object,
-    json_value,
     ours,
     refused,
+    rest_flag,
     works,
 )
 from llmrpc.server.reasoning_parsers import reasoning_parser_names
-from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB
+from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB, REST_SECTIONS
 from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
@@ -69,6 +76,19 @@ OLD_FEATURE = (
 )
 
 
+# The REST gateway's options, declared on the gateway's settings fields (common.rest_settings)
+# and taken by llmrpc gateway too: a row names one, which keeps its place in --help.
+_REST_FLAGS = {
+    declared.name: rest_flag(declared, section)
+    for section, settings_class in REST_SECTIONS.items()
+    for declared in declared_options(settings_class)
+}
+
+
+def _rest(name: str) -> Flag:
+    return _REST_FLAGS[name]
+
+
 def _group(name: str, *flags: Flag) -> list[Flag]:
     return [dataclasses.replace(flag, group=name) for flag in flags]
 
@@ -76,27 +96,14 @@ def _group(name: str, *flags: Flag) -> list[Flag]:
 _OURS = _group(
     "llmrpc (our own flags)",
     ours("--grpc-port", DEFAULT_GRPC_PORT, int, "frontend.grpc_port", "gRPC port; always on."),
-    ours("--rest-gateway", True, None, "rest.enabled",
+    ours("--rest-gateway", True, None, "frontend.rest_gateway",
          "Serve the OpenAI-compatible REST gateway on --host/--port (--no-rest-gateway: gRPC "
          "only)."),
-    ours("--max-request-body-size", None, human_readable_int, "rest.max_request_body_size",
-         "Largest REST request body in bytes (16M = 16 MiB); a larger one gets HTTP 413, refused "
-         "by its Content-Length or as it arrives. Default: --grpc-max-receive-message-size.",
-         metavar="BYTES"),
-    ours("--request-body-timeout", 30.0, float, "rest.request_body_timeout_s",
-         "Seconds a REST request body has to arrive in full; a slower one gets HTTP 408, so a "
-         "client trickling its body cannot hold a connection.", metavar="SECONDS"),
-    ours("--request-header-timeout", 10.0, float, "rest.header_timeout_s",
-         "Seconds a new REST connection has to finish its TLS handshake, then each request "
-         "head to arrive (from the connection's start or the previous response's end); an "
-         "unfinished head gets HTTP 408 and the connection closes.", metavar="SECONDS"),
-    ours("--rest-keep-alive-timeout", 5.0, float, "rest.keep_alive_timeout_s",
-         "Seconds a REST connection may stay idle after a response before it is closed.",
-         metavar="SECONDS"),
-    ours("--rest-max-connections", None, int, "rest.max_connections",
-         "Most connections the REST gateway holds at once; more are closed as they are "
-         "accepted, before a byte is read. Default: a quarter of the process's open-file limit "
-         "(raised to its hard limit at start-up).", metavar="N"),
+    _rest("--max-request-body-size"),
+    _rest("--request-body-timeout"),
+    _rest("--request-header-timeout"),
+    _rest("--rest-keep-alive-timeout"),
+    _rest("--rest-max-connections"),
     ours(
         "--health-port", None, int, "frontend.health_port",
         "A second, plaintext port serving grpc.health.v1 alone, for Kubernetes gRPC probes "
@@ -109,10 +116,7 @@ _OURS = _group(
          "LLMRPC_ADMIN_API_KEY environment variable, if set; without one, --api-key keys may "
          "call the admin-only RPCs.",
          nargs="+", secret=True),
-    ours("--responses-store-max-bytes", 256 * MIB, human_readable_int,
-         "rest.responses_store_max_bytes",
-         "Bytes the Responses API's store may hold (256M = 256 MiB; 0: nothing is kept); past "
-         "them the least recently used responses go first. Default: 256 MiB.", metavar="BYTES"),
+    _rest("--responses-store-max-bytes"),
     ours("--log-level", "info", str, "logs.level", "Logging level.",
          choices=("debug", "info", "warning", "error", "critical")),
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",
@@ -199,23 +203,14 @@ _FRONTEND = _group(
           "wins over the file.", metavar="FILE"),
     works("--host", None, str, "frontend.host",
           "Address the gRPC server and the REST gateway listen on. Default: all addresses."),
-    works("--port", 8000, int, "rest.port",
-          "Port of the OpenAI-compatible REST gateway (0: the OS chooses; the log says which)."),
-    works("--uds", None, str, "rest.uds",
-          "Serve the REST gateway on this Unix socket instead of --host/--port."),
-    works("--uvicorn-log-level", "info", str, "rest.uvicorn_log_level",
-          "Log level of the REST gateway's HTTP server (uvicorn).",
-          choices=("critical", "error", "warning", "info", "debug", "trace")),
-    works("--disable-uvicorn-access-log", False, None, "rest.disable_uvicorn_access_log",
-          "No access log line per REST request."),
-    works("--allow-credentials", False, None, "rest.allow_credentials",
-          "CORS: allow credentials on the REST gateway."),
-    works("--allowed-origins", ["*"], json_value, "rest.allowed_origins",
-          "CORS: origins allowed on the REST gateway (a JSON list)."),
-    works("--allowed-methods", ["*"], json_value, "rest.allowed_methods",
-          "CORS: methods allowed on the REST gateway (a JSON list)."),
-    works("--allowed-headers", ["*"], json_value, "rest.allowed_headers",
-          "CORS: headers allowed on the REST gateway (a JSON list)."),
+    _rest("--port"),
+    _rest("--uds"),
+    _rest("--uvicorn-log-level"),
+    _rest("--disable-uvicorn-access-log"),
+    _rest("--allow-credentials"),
+    _rest("--allowed-origins"),
+    _rest("--allowed-methods"),
+    _rest("--allowed-headers"),
     works("--api-key", (), str, "frontend.api_key",
           "Bearer key(s) every call must send: gRPC metadata or the REST header "
           "'authorization: Bearer KEY' (else UNAUTHENTICATED, HTTP 401). Health, reflection, "
@@ -233,27 +228,17 @@ _FRONTEND = _group(
           choices=(0, 1, 2)),
     works("--enable-ssl-refresh", False, None, "tls.refresh",
           "Serve replaced certificate and key files to new connections without a restart."),
-    works("--root-path", None, str, "rest.root_path",
-          "Path prefix a path-routing proxy strips before the REST gateway."),
-    works("--middleware", [], str, "rest.middleware",
-          "Import path of an ASGI middleware class or async HTTP middleware function added to "
-          "the REST gateway; several allowed.", nargs="+"),
-    works("--disable-fastapi-docs", False, None, "rest.disable_fastapi_docs",
-          "No OpenAPI schema, Swagger UI or ReDoc on the REST gateway."),
-    works("--enable-request-id-headers", False, None, "rest.enable_request_id_headers",
-          "X-Request-Id on REST responses (the caller's, else a new one: the gRPC request id)."),
-    works("--h11-max-incomplete-event-size", 4194304, int, "rest.h11_max_incomplete_event_size",
-          "Largest unfinished HTTP/1.1 request head in bytes on the REST gateway."),
-    works("--h11-max-header-count", 256, int, "rest.h11_max_header_count",
-          "Most header fields in a REST request; more get HTTP 431."),
+    _rest("--root-path"),
+    _rest("--middleware"),
+    _rest("--disable-fastapi-docs"),
+    _rest("--enable-request-id-headers"),
+    _rest("--h11-max-incomplete-event-size"),
+    _rest("--h11-max-header-count"),
     works("--chat-template", None, str, "frontend.chat_template",
           "Chat template for chat input: the path of a readable file, else the template "
           "itself when the value holds a brace or a line break (anything else is refused). "
           "Default: the tokenizer's."),
-    works("--chat-template-content-format", "auto", str, "rest.chat_template_content_format",
-          "Message content given to chat templates: a string, or OpenAI's list of text parts; "
-          "auto: parts for templates that loop over the content.",
-          choices=("auto", "string", "openai")),
+    _rest("--chat-template-content-format"),
     works("--trust-request-chat-template", False, None, "frontend.trust_request_chat_template",
           "Accept chat templates sent with requests (chat.chat_template; chat_template on "
           "REST). Off: such requests get INVALID_ARGUMENT. On: they render off the event loop, "
@@ -262,14 +247,12 @@ _FRONTEND = _group(
     ours("--hide-model-path", False, None, "frontend.hide_model_path",
          "Answers name no server folder: model roots and adapter paths are names, the served "
          "name defaults to --model's last component (docs/security.md: Model paths)."),
-    works("--response-role", "assistant", str, "rest.response_role",
-          "Role of REST chat answers when add_generation_prompt is true."),
+    _rest("--response-role"),
     works("--lora-modules", None, str, "lora.lora_modules",
           "LoRA adapters loaded at start-up (needs --enable-lora): name=path, or JSON "
           '{"name": ..., "path": ..., "base_model_name": ...}; path is a local PEFT folder.',
           nargs="+"),
-    works("--return-tokens-as-token-ids", False, None, "rest.return_tokens_as_token_ids",
-          "REST logprob tokens written as token_id:N."),
+    _rest("--return-tokens-as-token-ids"),
     works("--enable-auto-tool-choice", False, None, "parsing.enable_auto_tool_choice",
           "Chat tool_choice auto: calls read by --tool-call-parser."),
     works("--tool-call-parser", None, str, "parsing.tool_call_parser",
@@ -281,15 +264,10 @@ _FRONTEND = _group(
           "parsing.exclude_tools_when_tool_choice_none",
           "No tools in prompts of tool_choice none."),
     refused("--tool-server", None, str, TOOL_SERVER),
-    works("--enable-prompt-tokens-details", False, None, "rest.enable_prompt_tokens_details",
-          "usage.prompt_tokens_details.cached_tokens in REST responses."),
-    works("--enable-force-include-usage", False, None, "rest.enable_force_include_usage",
-          "REST streams end with a usage chunk even when the request does not ask."),
-    works("--enable-server-load-tracking", False, None, "rest.enable_server_load_tracking",
-          "GET /load on the REST gateway: generation requests in flight there (AdminService "
-          "GetLoad always reports the engine's load)."),
-    works("--enable-tokenizer-info-endpoint", False, None, "rest.enable_tokenizer_info_endpoint",
-          "GET /get_tokenizer_info on the REST gateway."),
+    _rest("--enable-prompt-tokens-details"),
+    _rest("--enable-force-include-usage"),
+    _rest("--enable-server-load-tracking"),
+    _rest("--enable-tokenizer-info-endpoint"),
     works("--enable-log-requests", False, None, "logs.enable_log_requests",
           "Log each generation request: prompt (cut at --max-log-len) and parameters."),
     inert("--disable-log-requests", False, None,

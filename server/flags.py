@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import enum
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
+
+from llmrpc.common.rest_options import RestOption, human_readable_int
+
+__all__ = ["human_readable_int"]  # a value parser of the table, declared with the REST options
 
 
 class State(enum.Enum):
@@ -41,6 +43,7 @@ class Flag:
     metavar: str | None = None
     accepted: tuple = ()  # REFUSED: values besides the default that change nothing
     secret: bool = False  # never shown in the effective configuration
+    repeatable: bool = False  # given again, its values are added to the first's
 
     @property
     def name(self) -> str:
@@ -80,40 +83,27 @@ def inert(names, default, parse, why: str, **more) -> Flag:
     return Flag(_names(names), default, parse, State.INERT, None, why, **more)
 
 
+def rest_flag(declared: RestOption, section: str) -> Flag:
+    """A REST gateway option (``common.rest_settings``) as a serve flag: its name, default,
+    parser and help as declared; it fills ``section.field``, the gateway's settings field."""
+    make = ours if declared.ours else works
+    return make(
+        declared.name, declared.default, declared.parse, f"{section}.{declared.field}",
+        declared.help, choices=declared.choices, nargs=declared.nargs,
+        metavar=declared.metavar, repeatable=declared.repeatable,
+    )  # fmt: skip
+
+
 def _names(names: str | tuple[str, ...]) -> tuple[str, ...]:
     return (names,) if isinstance(names, str) else names
 
 
 # --- value parsers ---------------------------------------------------------------------------
 
-_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
-_EXPONENTS = {"k": 1, "m": 2, "g": 3, "t": 4}
-
 
 def int_or_none(text: str) -> int | None:
     """A count, or ``none`` (unbounded)."""
     return None if text.strip().lower() == "none" else int(text)
-
-
-def human_readable_int(text: str) -> int:
-    """``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600, ``2m`` = 2000000, ``2M`` = 2 * 1024**2.
-
-    Lower-case suffixes are powers of 1000, upper-case ones powers of 1024 (as in vLLM).
-    """
-    match = _HUMAN_INT.match(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {text!r}: expected an integer, optionally with a k/m/g/t (x1000) "
-            "or K/M/G/T (x1024) suffix, e.g. 4096, 32k, 25.6k or 32K"
-        )
-    number, suffix = match.groups()
-    value = Decimal(number)
-    if suffix:
-        base = 1000 if suffix.islower() else 1024
-        value *= base ** _EXPONENTS[suffix.lower()]
-    if value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a whole number")
-    return int(value)
 
 
 def json_object(text: str) -> dict:

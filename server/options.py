@@ -37,11 +37,11 @@ from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
 from llmrpc.server.settings import (
+    REST_SECTIONS,
     FrontendConfig,
     LimitsConfig,
     LogConfig,
     ParsingConfig,
-    RestConfig,
     TLSConfig,
 )
 from llmrpc.server.tracing_config import TracingConfig
@@ -62,7 +62,7 @@ _FRONTEND_PARTS = {
     "tls": TLSConfig,
     "limits": LimitsConfig,
     "logs": LogConfig,
-    "rest": RestConfig,
+    **REST_SECTIONS,
     "parsing": ParsingConfig,
     "tracing": TracingConfig,
 }

@@ -15,6 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
+from llmrpc.common.rest_options import shown_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, MergeJsonAction, State
 
@@ -76,9 +77,7 @@ def flag_help(flag: Flag) -> str:
         return f"[refused] This flag {flag.help}; start-up stops {refusal_terms(flag)}."
     if flag.state is State.INERT:
         return f"[inert] No effect: this flag {flag.help}."
-    unset = flag.default in (None, (), [], {}, "")
-    default = "" if unset else f" (default: {flag.default})"
-    return f"{'(llmrpc) ' if flag.ours else ''}{flag.help}{default}"
+    return shown_help(flag.help, flag.default, flag.ours)  # as llmrpc gateway shows REST flags
 
 
 def argument_options(flag: Flag) -> dict[str, Any]:
@@ -94,6 +93,8 @@ def argument_options(flag: Flag) -> dict[str, Any]:
     options["type"] = flag.parse
     if flag.is_json:
         options["action"] = MergeJsonAction
+    if flag.repeatable:
+        options["action"] = "extend"
     for key in ("choices", "nargs", "const", "metavar"):
         if getattr(flag, key) is not None:
             options[key] = getattr(flag, key)

@@ -2,6 +2,10 @@
 
 Frozen dataclasses built once from the command line (see ``options``); bad values raise
 ``ValueError`` naming the flag. Defaults here are the flags' defaults.
+
+The REST gateway's part is the gateway's own settings (``common.rest_settings``: the listener,
+CORS, the API), filled by the REST flags declared there; ``llmrpc.cli.rest`` completes them
+with what serve shares between gRPC and REST (host, TLS, keys, limits).
 """
 
 from __future__ import annotations
@@ -13,11 +17,18 @@ from llmrpc.common.fanout import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     check_fanout_flags,
 )
+from llmrpc.common.rest_settings import ApiSettings, CorsSettings, HttpSettings
 from llmrpc.common.tls_files import check_tls_flags
 from llmrpc.server.tracing_config import TracingConfig
 
 DEFAULT_GRPC_PORT = 50051
 MIB = 1024 * 1024
+# The sections of FrontendConfig that the REST flags fill: the gateway's settings classes.
+REST_SECTIONS: dict[str, type] = {
+    "rest_http": HttpSettings,
+    "rest_cors": CorsSettings,
+    "rest_api": ApiSettings,
+}
 
 
 def _check_port(flag: str, value: int | None) -> None:
@@ -110,41 +121,6 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
-class RestConfig:
-    """The OpenAI-compatible REST gateway ``llmrpc serve`` runs on ``--host``/``--port`` (vLLM's
-    flags); checked when the gateway's own settings are built from it (``llmrpc.cli.rest``)."""
-
-    enabled: bool = True
-    port: int = 8000
-    uds: str | None = None
-    root_path: str | None = None
-    uvicorn_log_level: str = "info"
-    disable_uvicorn_access_log: bool = False
-    allowed_origins: tuple[str, ...] = ("*",)
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-    middleware: tuple[str, ...] = ()
-    disable_fastapi_docs: bool = False
-    enable_request_id_headers: bool = False
-    h11_max_incomplete_event_size: int = 4194304
-    h11_max_header_count: int = 256
-    chat_template_content_format: str = "auto"
-    response_role: str = "assistant"
-    responses_store_max_bytes: int = 256 * MIB  # the gateway's own default too
-    return_tokens_as_token_ids: bool = False
-    enable_prompt_tokens_details: bool = False
-    enable_force_include_usage: bool = False
-    enable_tokenizer_info_endpoint: bool = False
-    enable_server_load_tracking: bool = False
-    max_request_body_size: int | None = None  # None: the gRPC receive limit
-    request_body_timeout_s: float = 30.0
-    max_connections: int | None = None  # None: a quarter of the open-file limit
-    header_timeout_s: float = 10.0
-    keep_alive_timeout_s: float = 5.0
-
-
-@dataclass(frozen=True)
 class ParsingConfig:
     """Parsing of chat outputs: tool calls (``--enable-auto-tool-choice``, ``--tool-call-parser``,
     ``--tool-parser-plugin``, ``--exclude-tools-when-tool-choice-none``) and reasoning
@@ -191,7 +167,11 @@ class FrontendConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logs: LogConfig = field(default_factory=LogConfig)
-    rest: RestConfig = field(default_factory=RestConfig)
+    rest_gateway: bool = True  # --rest-gateway: the REST gateway runs beside the gRPC server
+    # The gateway's settings as the REST flags set them (host, TLS, keys and limits unset)
+    rest_http: HttpSettings = field(default_factory=HttpSettings)
+    rest_cors: CorsSettings = field(default_factory=CorsSettings)
+    rest_api: ApiSettings = field(default_factory=ApiSettings)
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
@@ -234,8 +214,8 @@ class FrontendConfig:
     def _check_ports_apart(self) -> None:
         """Two of our own listeners cannot share a port (0, the OS chooses, is never shared)."""
         ports = {"--grpc-port": self.grpc_port, "--health-port": self.health_port}
-        if self.rest.enabled and self.rest.uds is None:
-            ports["--port"] = self.rest.port
+        if self.rest_gateway and self.rest_http.uds is None:
+            ports["--port"] = self.rest_http.port
         seen: dict[int, str] = {}
         for flag, port in ports.items():
             if port and port in seen:

@@ -85,7 +85,7 @@ def test_manifests_run_the_images_entrypoint_an_installed_console_script():
 def test_exposed_ports_are_the_serve_defaults_and_the_manifests_ports():
     exposed = {int(port) for port in only("EXPOSE").split()}
     frontend = serve_frontend(json.loads(only("CMD")))
-    assert exposed == {frontend.grpc_port, frontend.rest.port, frontend.health_port}
+    assert exposed == {frontend.grpc_port, frontend.rest_http.port, frontend.health_port}
     assert exposed == {port["containerPort"] for port in default_container()["ports"]}
 
 

@@ -170,6 +170,6 @@ def test_gateway_flags_set_the_limit_and_the_timeout():
     assert gateway_cli.settings_from_args(args).http.max_request_body_size == 2048
     args = parser.parse_args(["--backend", "x:1", "--request-body-timeout", "2.5"])
     http = gateway_cli.settings_from_args(args).http
-    assert http.request_body_timeout_s == 2.5 and http.max_request_body_size == 16 * MIB
+    assert http.request_body_timeout_s == 2.5 and http.body_limit == 16 * MIB
     with pytest.raises(ValueError, match="--request-body-timeout"):
         HttpSettings(request_body_timeout_s=0)

@@ -17,8 +17,9 @@ from gateway_support import RunningGateway, wait_serving
 
 from llmrpc.cli.rest import IN_PROCESS_TARGET, gateway_settings
 from llmrpc.gateway.envoy import GRPC_CLUSTER
+from llmrpc.gateway.settings import HttpSettings
 from llmrpc.server.app import start_server
-from llmrpc.server.settings import FrontendConfig, RestConfig
+from llmrpc.server.settings import FrontendConfig
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc
 
 ALICE, BOB, ADMIN = "alice-key-0001", "bob-key-0002", "admin-key-0003"
@@ -29,7 +30,7 @@ def served(server_loop, tiny_llama_dir) -> Iterator[tuple]:
     """(running gRPC server, its REST gateway), wired as ``llmrpc serve`` wires them."""
     frontend = FrontendConfig(
         host="127.0.0.1", grpc_port=0, api_key=(ALICE, BOB), admin_api_key=(ADMIN,),
-        rest=RestConfig(port=0, uvicorn_log_level="warning"),
+        rest_http=HttpSettings(port=0, uvicorn_log_level="warning"),
     )  # fmt: skip
     running = server_loop.run(start_server(tiny_engine_config(tiny_llama_dir), frontend=frontend))
     settings = gateway_settings(frontend)

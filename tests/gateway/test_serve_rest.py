@@ -41,19 +41,19 @@ def test_rest_flags_reach_the_gateway_configuration():
         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
         "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
     )  # fmt: skip
-    rest = frontend.rest
-    assert (rest.port, rest.uds, rest.root_path) == (9001, "/tmp/x.sock", "/llm")
-    assert rest.allowed_origins == ("https://a.example",) and rest.allow_credentials
-    assert rest.middleware == ("a.b", "c.d") and rest.h11_max_header_count == 64
-    assert rest.response_role == "bot" and rest.chat_template_content_format == "openai"
-    assert rest.uvicorn_log_level == "warning" and rest.disable_uvicorn_access_log
+    http, cors, api = frontend.rest_http, frontend.rest_cors, frontend.rest_api
+    assert (http.port, http.uds, http.root_path) == (9001, "/tmp/x.sock", "/llm")
+    assert cors.allowed_origins == ("https://a.example",) and cors.allow_credentials
+    assert api.middleware == ("a.b", "c.d") and http.h11_max_header_count == 64
+    assert api.response_role == "bot" and api.chat_template_content_format == "openai"
+    assert http.uvicorn_log_level == "warning" and http.disable_uvicorn_access_log
     for name in (
         "disable_fastapi_docs", "enable_request_id_headers", "return_tokens_as_token_ids",
         "enable_prompt_tokens_details", "enable_force_include_usage",
         "enable_server_load_tracking", "enable_tokenizer_info_endpoint",
     ):  # fmt: skip
-        assert getattr(rest, name) is True, name
-    assert rest.enabled and not _configs("--no-rest-gateway")[1].rest.enabled
+        assert getattr(api, name) is True, name
+    assert frontend.rest_gateway and not _configs("--no-rest-gateway")[1].rest_gateway
 
 
 class Serve:

@@ -21,9 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from llmrpc.cli import serve as serve_cli
+from llmrpc.common.rest_settings import HttpSettings
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.server import app
-from llmrpc.server.settings import FrontendConfig, RestConfig
+from llmrpc.server.settings import FrontendConfig
 
 NUM_KV_BLOCKS = 256
 # Where a test server's engine core runs: "thread" (a thread of the test's process,
@@ -153,7 +154,8 @@ async def serve_in_process(
     monkeypatch.setattr(app, "build_server", build_and_record)
     engine_config = tiny_engine_config(model_dir)
     if with_rest:
-        frontend = dataclasses.replace(frontend, rest=RestConfig(port=0))  # REST on a free port
+        # REST on a free port
+        frontend = dataclasses.replace(frontend, rest_http=HttpSettings(port=0))
         serving = asyncio.ensure_future(serve_cli.serve(engine_config, frontend))
     else:
         serving = asyncio.ensure_future(app.serve(engine_config, frontend))
