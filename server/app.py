@@ -7,9 +7,11 @@ and no step for that long; ``server/health.py``) health says NOT_SERVING, and SE
 once it steps. On SIGTERM health turns NOT_SERVING at once; calls are still served for the
 drain delay (load balancers stop routing here meanwhile), then the server stops: calls in
 flight get the shutdown grace to finish, new ones get UNAVAILABLE, and the engine stops (its
-process, unless --disable-frontend-multiprocessing keeps it on a thread here). If the engine
-dies (its step loop fails, or its process ends unasked), the calls waiting on it get
-UNAVAILABLE, health turns NOT_SERVING and ``serve`` returns 1 with the cause logged.
+process, unless --disable-frontend-multiprocessing keeps it on a thread here). Once the engine
+has loaded, the server loads its own tokenizers (one set, whatever the number of engines:
+``server/tokenization.py``); the engine receives token ids. If the engine dies (its step loop
+fails, or its process ends unasked), the calls waiting on it get UNAVAILABLE, health turns
+NOT_SERVING and ``serve`` returns 1 with the cause logged.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from llmrpc.server.servicers import GenerationServicer, TokenizationServicer
 from llmrpc.server.settings import BindError, FrontendConfig, grpc_bind_address
 from llmrpc.server.state import SERVICE_NAMES, ServerState
 from llmrpc.server.tls import server_credentials
+from llmrpc.server.tokenization import Tokenization, tokenizer_path
 from llmrpc.server.tracing import ServerTracing
 from llmrpc.v1 import (
     admin_pb2_grpc,
@@ -108,6 +111,11 @@ class RunningServer:
         return self.state.engine
 
     @property
+    def tokenization(self) -> Tokenization | None:
+        """The frontend's tokenizers (``server/tokenization.py``), once loaded."""
+        return self.state.tokenization
+
+    @property
     def address(self) -> str:
         """A ``host:port`` a client on this machine can dial."""
         host = self.host if self.host not in ("", "[::]", "0.0.0.0") else "localhost"
@@ -115,7 +123,7 @@ class RunningServer:
 
     async def load(self, engine_config: EngineConfig, frontend: FrontendConfig) -> None:
         """Start the engine (in its own process unless --disable-frontend-multiprocessing) and
-        load the model, warm it up, then report SERVING."""
+        load the model, load the frontend's tokenizers, warm up, then report SERVING."""
         engine_config = model_paths.engine_config_for(engine_config, frontend.hide_model_path)
         if frontend.disable_frontend_multiprocessing:
             engine: EngineClient = await AsyncEngine.create(engine_config)
@@ -123,15 +131,19 @@ class RunningServer:
             engine = await DataParallelClient.create(engine_config, frontend.data_parallel_size)
         else:
             engine = await EngineProcessClient.create(engine_config)
+        try:
+            tokenization = await _load_tokenization(engine_config, engine.model_info, frontend)
+        except BaseException:
+            await engine.shutdown()
+            raise
+        self.state.tokenization = tokenization
         self.state.engine = engine
         engine.on_dead.append(self._on_engine_dead)
-        if frontend.chat_template is not None:
-            engine.set_chat_template(read_chat_template(frontend.chat_template))
         self.state.effective_config.update(_engine_facts(engine.model_info))
         if frontend.hide_model_path:
             config = model_paths.hidden_config(self.state.effective_config, engine_config)
             self.state.effective_config.update(config)
-        await engine.warmup()
+        await engine.warmup(_warmup_prompt(tokenization.tokenizer))
         if not frontend.logs.disable_log_stats:
             interval = frontend.logs.stats_interval_s
             self._stats_task = asyncio.create_task(log_stats_forever(engine, interval))
@@ -164,6 +176,8 @@ class RunningServer:
                 task.cancel()
         if self.state.engine is not None:
             await self.state.engine.shutdown()
+        if self.state.tokenization is not None:
+            self.state.tokenization.shutdown()
         await self._end_tracing()
         logger.info("server stopped")
 
@@ -193,6 +207,24 @@ class RunningServer:
         """End the drain delay and the calls in flight at once (a second SIGTERM)."""
         self._hurry.set()
         self.calls.cut_all()
+
+
+async def _load_tokenization(engine_config, model_info, frontend: FrontendConfig) -> Tokenization:
+    """One tokenizer set for the frontend, whatever the number of engines; with --chat-template,
+    rendering with that template."""
+    tokenization = await Tokenization.load(tokenizer_path(engine_config, model_info))
+    try:
+        if frontend.chat_template is not None:
+            tokenization.set_chat_template(read_chat_template(frontend.chat_template))
+    except BaseException:
+        tokenization.shutdown()
+        raise
+    return tokenization
+
+
+def _warmup_prompt(tokenizer) -> list[int]:
+    """The warm-up request's prompt: "Hello" in the model's tokens (none without a tokenizer)."""
+    return tokenizer.encode("Hello", add_special_tokens=False) if tokenizer is not None else []
 
 
 def _engine_facts(model_info) -> dict[str, str]:

@@ -46,7 +46,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         admitted = self.state.admission.admit(engine, len(request.inputs))
         # The whole call's errors: engine stopped, an input dropped for the deadline...
         with admitted, convert.engine_errors(request):
-            prompts = await engine.run_tokenizer(_tokenize_inputs, request)
+            prompts = await self.state.tokenization.run(_tokenize_inputs, request)
             base_id = current_request_id() or "embed"
             results = await gather_or_cancel(
                 *(

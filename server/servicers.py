@@ -1,6 +1,8 @@
 """GenerationService and TokenizationService: thin handlers over the engine client
 (``EngineClient``: the engine core on a thread or in a process of its own); conversion lives in
-``convert``, the reading of chat outputs (reasoning, tool calls) in ``output_parsing``.
+``convert``, the reading of chat outputs (reasoning, tool calls) in ``output_parsing``. Prompts
+are tokenized and chats rendered here, on the server's tokenizer workers (``tokenization``); the
+engine receives token ids.
 
 A call whose client cancels or whose deadline passes has its handler task cancelled by grpc.aio;
 ``aclosing`` then closes the engine's output stream, which aborts the request and frees its KV
@@ -35,7 +37,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _prepare(self, request, context, engine, adapter: str | None):
         check_request_template(request.chat, self.state.trust_request_chat_template)
         # Tokenizing, chat rendering and the tools' checks grow with the input: off the loop.
-        prompt, params, plan = await engine.run_tokenizer(
+        prompt, params, plan = await self.state.tokenization.run(
             _to_engine_request,
             request,
             engine.model_info,
@@ -88,7 +90,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             traced = traced_call()  # None unless tracing is on and this call is sampled
             if traced is not None:
                 traced.ask_timings(params, target[0])
-            outputs_so_far = convert.OutputAccumulator(request_id, params, engine.tokenizer)
+            outputs_so_far = convert.OutputAccumulator(
+                request_id, params, self.state.tokenization.tokenizer
+            )
             async with aclosing(engine.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
                     if output.timings is not None:  # a traced sample's last output
@@ -128,13 +132,14 @@ class TokenizationServicer(tokenization_pb2_grpc.TokenizationServiceServicer):
         await self._check_model(engine, request.model)
         check_request_template(request.chat, self.state.trust_request_chat_template)
         parsers = self.state.output_parsers
-        return await engine.run_tokenizer(_tokenize, request, engine.model_info, parsers)
+        tokenization = self.state.tokenization
+        return await tokenization.run(_tokenize, request, engine.model_info, parsers)
 
     @handle_errors
     async def Detokenize(self, request, context):
         engine = self.state.require_engine()
         await self._check_model(engine, request.model)
-        return await engine.run_tokenizer(_detokenize, request, engine.model_info)
+        return await self.state.tokenization.run(_detokenize, request, engine.model_info)
 
     async def _check_model(self, engine, requested: str) -> None:
         """``model`` names a served model or a loaded LoRA adapter (one of ListModels' names):

@@ -1,9 +1,11 @@
-"""What the services share: the engine (None while the model loads) and the server's facts."""
+"""What the services share: the engine and the frontend's tokenizers (None while the model
+loads; the tokenizers are set first) and the server's facts."""
 
 from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmrpc.engine.lora.types import MAX_LORA_NAME_CHARS
 from llmrpc.server.auth import RequestOwners
@@ -12,6 +14,9 @@ from llmrpc.server.limits import AdmissionControl
 from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.settings import LogConfig
 from llmrpc.v1 import admin_pb2, embedding_pb2, generation_pb2, tokenization_pb2
+
+if TYPE_CHECKING:
+    from llmrpc.server.tokenization import Tokenization
 
 API_VERSION = "v1"
 SERVICE_NAMES = tuple(
@@ -46,6 +51,7 @@ class ServerState:
     hide_model_path: bool = False  # --hide-model-path (server/model_paths.py)
     output_parsers: OutputParsers = field(default_factory=OutputParsers)  # tools, reasoning
     lora_enabled: bool = False  # --enable-lora: ``model`` may name a loaded adapter
+    tokenization: Tokenization | None = None  # set before ``engine``: an engine has one
     engine: object | None = None
 
     def require_engine(self):

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from tiny_models import TINY_DECODER, save_tiny_model
 
-from llmrpc.engine.loading.loader import CACHE_ENV, resolve_model_dir
+from llmrpc.engine.loading.loader import CACHE_ENV, load_tokenizer, resolve_model_dir
 from llmrpc.kernels.triton_utils import interpreting
 
 # A model folder that stands in for the packaged SmolLM2 (its tokenizer and config, random
@@ -81,6 +81,13 @@ def _gpu_tests_run_natively(request: pytest.FixtureRequest) -> None:
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A 2-layer random-weight Llama (hidden 64, GQA 4/2, tied embeddings), SmolLM2 tokenizer."""
     return make_tiny_model_dir(tmp_path_factory, smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tokenizer(tiny_llama_dir: Path):
+    """The tiny model's tokenizer, for tests that give an engine client token ids (the clients
+    take ids: the server tokenizes), used on the test's own thread."""
+    return load_tokenizer(tiny_llama_dir)
 
 
 @pytest.fixture(scope="session")

@@ -42,10 +42,11 @@ def script_outputs(core, scripts: dict[str, list[int]]) -> None:
     core.__dict__[_SCRIPTS].update(scripts)
 
 
-async def script(engine, request_id: str, *texts: str, tokenizer=None) -> int:
-    """Script ``request_id`` (one text) or its samples (several) to generate ``texts``; returns
-    the most tokens one of them takes (for max_tokens: add one for EOS)."""
-    tokenizer = tokenizer or engine.tokenizer
+async def script(server, request_id: str, *texts: str) -> int:
+    """Script ``request_id`` (one text) or its samples (several) to generate ``texts`` on
+    ``server`` (a ``RunningServer``: its engine, texts in its tokenizer's ids); returns the most
+    tokens one of them takes (for max_tokens: add one for EOS)."""
+    engine, tokenizer = server.engine, server.tokenization.tokenizer
     tokens = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     if len(texts) == 1:
         scripts = {request_id: tokens[0]}

@@ -8,7 +8,8 @@ or expired call) aborts its request, which frees its KV blocks at the next step.
 core's step loop (``core.process.EngineLoop``) runs either on a thread of this process
 (``AsyncEngine``, here: ``--disable-frontend-multiprocessing``) or in a process of its own
 (``client.process.EngineProcessClient``); the two exchange the same typed messages
-(``messages``).
+(``messages``). Requests come as token ids: the server tokenizes and renders chats
+(``server/tokenization.py``); the engine core detokenizes with its own tokenizer where it runs.
 
 The step loop's messages are its heartbeat: ``Outputs`` after each step, ``Figures`` every
 ``STATS_REFRESH_S`` while idle, ``Result`` after each command. With ``stall_timeout_s`` set
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import copy
 import itertools
 import logging
 import queue
@@ -33,7 +33,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
-from llmrpc.engine.client.tokenizer_workers import TokenizerWorkers
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core.process import STATS_REFRESH_S, EngineLoop
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
@@ -115,10 +114,6 @@ class EngineClient:
         self._call_ids = itertools.count(1)
         self.dead_error: BaseException | None = None
         self.on_dead: list = []  # callbacks run on the event loop when the engine dies
-        # The event loop's own tokenizer and the tokenizer workers' copies (fast tokenizers
-        # must not be shared between threads); the engine core detokenizes with its own.
-        self._tokenizer = None
-        self._workers: TokenizerWorkers | None = None
         self._model_info: ModelInfo | None = None
         self._snapshot: Snapshot | None = None
         # The heartbeat: when the step loop last sent a message, and when requests in flight
@@ -140,23 +135,6 @@ class EngineClient:
         raise NotImplementedError
 
     # --- the surface ------------------------------------------------------------------------
-
-    @property
-    def tokenizer(self):
-        """The event loop's own tokenizer, for small bounded work (single-token text)."""
-        return self._tokenizer
-
-    async def run_tokenizer(self, work, *args):
-        """``work(tokenizer, *args)`` off the event loop, on a worker with its own tokenizer
-        (at once, with None, for a server without a tokenizer)."""
-        if self._workers is None:
-            return work(None, *args)
-        return await self._workers.run(work, *args)
-
-    def set_chat_template(self, template: str) -> None:
-        """``--chat-template``: the template the frontend renders chats with."""
-        self._tokenizer.chat_template = template
-        self._workers.set_chat_template(template)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -269,10 +247,10 @@ class EngineClient:
         reference = f"{function.__module__}:{function.__qualname__}"
         return self._call(lambda call_id: Call(call_id, "call_function", [reference, *args]))
 
-    async def warmup(self) -> None:
-        """Run one short request end to end, so the first user request pays no start-up cost."""
-        tokenizer = self.tokenizer
-        prompt = (tokenizer.encode("Hello", add_special_tokens=False) if tokenizer else []) or [0]
+    async def warmup(self, prompt_token_ids: list[int] | None = None) -> None:
+        """Run one short request end to end, so the first user request pays no start-up cost
+        (``prompt_token_ids``: the frontend's tokens for it; token 0 without any)."""
+        prompt = list(prompt_token_ids or []) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         if self.model_info.runner == "pooling":  # a server that embeds only
             params = SamplingParams(max_tokens=None, pooling=PoolingParams())
@@ -402,8 +380,6 @@ class AsyncEngine(EngineClient):
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     async def shutdown(self) -> None:
-        if self._workers is not None:
-            self._workers.shutdown()
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(Shutdown())
             await asyncio.to_thread(self._thread.join)
@@ -426,9 +402,6 @@ class AsyncEngine(EngineClient):
 
         try:
             self.core = EngineCore(config)
-            if self.core.tokenizer is not None:
-                self._tokenizer = copy.deepcopy(self.core.tokenizer)
-                self._workers = TokenizerWorkers(self.core.tokenizer)
             loop = EngineLoop(self.core, self._deliver, wrap_error=lambda error: error)
             self._model_info = self.core.model_info
             self._snapshot = loop.snapshot()

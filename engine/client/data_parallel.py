@@ -5,7 +5,8 @@ Each engine is an ``EngineProcessClient`` (its own process, model copy, KV cache
 loop). A new request goes to the engine ``dp_balance.LoadBalancer`` chooses (least load,
 prefix preference); its outputs, aborts and cancellation stay with that engine. Admin calls
 (prefix cache reset, sleep and wake, LoRA adapters) go to every engine; figures are the sum of
-the engines' (``engine_stats`` keeps each one's); model facts and tokenizers are engine 0's.
+the engines' (``engine_stats`` keeps each one's); model facts are engine 0's. The engines take
+token ids: the server loads one tokenizer set for all of them (``server/tokenization.py``).
 The server serves once every engine has loaded and served a warm-up request; if any engine
 process dies, the whole client is dead, as one engine's death is (the server stops). An engine
 that has stalled (``EngineClient.stalled``: stopped, or a step that does not return) takes no
@@ -107,16 +108,6 @@ class DataParallelClient:
         return cls(engines, balancer)
 
     # --- facts -------------------------------------------------------------------------------
-
-    @property
-    def tokenizer(self):
-        return self.engines[0].tokenizer
-
-    async def run_tokenizer(self, work, *args):
-        return await self.engines[0].run_tokenizer(work, *args)
-
-    def set_chat_template(self, template: str) -> None:
-        self.engines[0].set_chat_template(template)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -227,9 +218,9 @@ class DataParallelClient:
         )
         return [request_id for aborted in answers for request_id in aborted]
 
-    async def warmup(self) -> None:
+    async def warmup(self, prompt_token_ids: list[int] | None = None) -> None:
         """One short request end to end on every engine."""
-        await asyncio.gather(*(engine.warmup() for engine in self.engines))
+        await asyncio.gather(*(engine.warmup(prompt_token_ids) for engine in self.engines))
 
     # --- admin: every engine ---------------------------------------------------------------------
 

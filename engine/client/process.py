@@ -6,8 +6,8 @@ step loop, detokenization and stop matching included, so none of that holds this
 GIL, which grpc.aio, the REST gateway and the tokenizer workers share. Commands go to it and
 outputs, results, figures and log records come back as msgspec messages (msgpack) over two
 ZeroMQ IPC sockets in a private temporary folder; a thread here receives them and hands them
-to the event loop in batches. This process keeps its own tokenizer copies for the event loop
-and the tokenizer workers.
+to the event loop in batches. This client loads no tokenizer: the server tokenizes
+(``server/tokenization.py``) and sends token ids.
 
 If the engine process ends unasked (a crash, ``kill -9``, the step loop dying), every request
 in flight fails with ``EngineDeadError`` and ``on_dead`` is told the cause. ``shutdown`` asks it
@@ -35,10 +35,8 @@ import msgspec
 import zmq
 
 from llmrpc.engine.client.async_engine import EngineClient
-from llmrpc.engine.client.tokenizer_workers import TokenizerWorkers
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core.process import IDLE_TRIM_INTERVAL_S
-from llmrpc.engine.loading import loader
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.messages import (
     EngineDeadError,
@@ -101,10 +99,6 @@ class EngineProcessClient(EngineClient):
             ready: Ready = await client._ready
             client._model_info = ready.model_info
             client._snapshot = ready.snapshot
-            if not config.model.skip_tokenizer_init:
-                path = config.model.tokenizer or ready.model_info.model_dir
-                client._tokenizer = await asyncio.to_thread(loader.load_tokenizer, path)
-                client._workers = TokenizerWorkers(client._tokenizer)
         except BaseException:
             await client._stop()
             raise
@@ -161,8 +155,6 @@ class EngineProcessClient(EngineClient):
         """Stop the engine process: told to once it serves; while it loads, by SIGTERM (its
         at-exit clean-up runs: a conversion under way removes its folder). Killed if it has
         not ended after ``SHUTDOWN_TIMEOUT_S``."""
-        if self._workers is not None:
-            self._workers.shutdown()
         process = self._process
         if self._stopping:
             return

@@ -46,9 +46,11 @@ async def collect(engine, request_id, prompt, params):
     return outputs
 
 
-async def test_cancelled_consumer_aborts_its_request_and_others_finish(engine):
+async def test_cancelled_consumer_aborts_its_request_and_others_finish(
+    engine, tiny_llama_tokenizer
+):
     total = engine.stats.num_total_blocks
-    prompt = engine.tokenizer.encode("A long story begins")
+    prompt = tiny_llama_tokenizer.encode("A long story begins")
     first_output = asyncio.Event()
 
     async def victim():
@@ -72,8 +74,8 @@ async def test_cancelled_consumer_aborts_its_request_and_others_finish(engine):
     assert engine.stats.num_running == 0
 
 
-async def test_abort_ends_the_stream_with_an_abort_reason(engine):
-    prompt = engine.tokenizer.encode("Abort me")
+async def test_abort_ends_the_stream_with_an_abort_reason(engine, tiny_llama_tokenizer):
+    prompt = tiny_llama_tokenizer.encode("Abort me")
     outputs = []
     async for output in engine.generate("a", prompt, LONG):
         outputs.append(output)
@@ -83,8 +85,8 @@ async def test_abort_ends_the_stream_with_an_abort_reason(engine):
     assert await engine.abort(["a"]) == []  # idempotent
 
 
-async def test_bad_requests_fail_alone(engine):
-    prompt = engine.tokenizer.encode("Hello")
+async def test_bad_requests_fail_alone(engine, tiny_llama_tokenizer):
+    prompt = tiny_llama_tokenizer.encode("Hello")
     good = asyncio.create_task(collect(engine, "good", prompt, SamplingParams(max_tokens=20)))
     with pytest.raises(InvalidRequestError) as error:
         await collect(engine, "bad", prompt, SamplingParams(temperature=-1))
@@ -99,16 +101,16 @@ async def test_bad_requests_fail_alone(engine):
     assert outputs[-1].num_output_tokens == 20
 
 
-async def test_time_limit_ends_with_the_output_so_far(engine):
-    prompt = engine.tokenizer.encode("Go on forever")
+async def test_time_limit_ends_with_the_output_so_far(engine, tiny_llama_tokenizer):
+    prompt = tiny_llama_tokenizer.encode("Go on forever")
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, time_limit_s=0.05)
     outputs = await collect(engine, "t", prompt, params)
     assert outputs[-1].finish_reason is FinishReason.TIME_LIMIT
     assert 0 < outputs[-1].num_output_tokens < 400
 
 
-async def test_logprobs_and_stop_strings_cross_whole(engine):
-    prompt = engine.tokenizer.encode("Count with me")
+async def test_logprobs_and_stop_strings_cross_whole(engine, tiny_llama_tokenizer):
+    prompt = tiny_llama_tokenizer.encode("Count with me")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     params.prompt_logprobs = 1
     outputs = await collect(engine, "lp", prompt, params)
@@ -123,8 +125,8 @@ async def test_logprobs_and_stop_strings_cross_whole(engine):
     assert "".join(o.text for o in stopped) == text[: text.index(stop)]
 
 
-async def test_load_figures_and_prefix_cache_reset(engine):
-    prompt = engine.tokenizer.encode("A shared prefix that spans more than one block " * 3)
+async def test_load_figures_and_prefix_cache_reset(engine, tiny_llama_tokenizer):
+    prompt = tiny_llama_tokenizer.encode("A shared prefix that spans more than one block " * 3)
     await collect(engine, "first", prompt, SamplingParams(max_tokens=4))
     second = await collect(engine, "second", prompt, SamplingParams(max_tokens=4))
     assert second[-1].num_cached_tokens > 0
@@ -151,14 +153,16 @@ async def test_a_function_run_in_the_core_returns_its_result_and_raises_its_erro
 
 
 @pytest.mark.parametrize("level", [1, 2])
-async def test_sleep_and_wake_up_keep_the_output(tiny_llama_dir, engine_class, level):
+async def test_sleep_and_wake_up_keep_the_output(
+    tiny_llama_dir, tiny_llama_tokenizer, engine_class, level
+):
     config = EngineConfig(
         model=ModelConfig(str(tiny_llama_dir), dtype="float32", enable_sleep_mode=True),
         cache=CacheConfig(num_gpu_blocks_override=64),
     )
     engine = await engine_class.create(config)
     try:
-        prompt = engine.tokenizer.encode("Sleep well")
+        prompt = tiny_llama_tokenizer.encode("Sleep well")
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         before = await collect(engine, "before", prompt, params)
         await engine.sleep(level)

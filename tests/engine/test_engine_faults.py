@@ -22,12 +22,14 @@ from llmrpc.engine.client.async_engine import AsyncEngine, EngineDeadError
 from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.request import FinishReason, SamplingParams
+from llmrpc.server.tokenization import Tokenization
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
 PROMPTS = {"a": "One two three", "b": "The quick brown fox", "bad": "Trouble ahead", "c": "Hi"}
+PROMPT_IDS: dict[str, list[int]] = {}  # PROMPTS in token ids (the engine clients take ids)
 ENGINES = {"thread": AsyncEngine, "process": EngineProcessClient}
 
 
@@ -41,6 +43,11 @@ def engine_config(model_dir) -> EngineConfig:
 @pytest.fixture(scope="module", params=list(ENGINES))
 def engine_class(request):
     return ENGINES[request.param]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prompt_ids(tiny_llama_tokenizer):
+    PROMPT_IDS.update({key: tiny_llama_tokenizer.encode(text) for key, text in PROMPTS.items()})
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -63,7 +70,7 @@ async def idle_engine(engine):
 
 
 async def run(engine, request_id: str, params: SamplingParams):
-    prompt = engine.tokenizer.encode(PROMPTS[request_id])
+    prompt = PROMPT_IDS[request_id]
     outputs = [o async for o in engine.generate(request_id, prompt, params)]
     return [t for o in outputs for t in o.token_ids], outputs[-1]
 
@@ -130,7 +137,7 @@ async def test_a_fault_in_one_request_ends_it_alone(idle_engine, where, params, 
 
 async def test_a_fault_in_prompt_logprobs_ends_that_request_alone(idle_engine):
     engine = idle_engine
-    num_logits = len(engine.tokenizer.encode(PROMPTS["bad"])) - 1
+    num_logits = len(PROMPT_IDS["bad"]) - 1
     await engine.call_in_core(engine_hooks.fail_prompt_logprobs, num_logits)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     good = asyncio.create_task(run(engine, "b", GREEDY))
@@ -156,21 +163,27 @@ async def test_a_failed_forward_pass_stops_the_engine(tiny_llama_dir, engine_cla
         await engine.shutdown()
 
 
-async def test_stats_and_tokenizers_are_safe_to_use_while_the_engine_runs(idle_engine):
-    """The event loop reads the engine's figures and tokenizes while the engine steps and
-    detokenizes: each thread has its own tokenizer, and the figures are a snapshot."""
+async def test_stats_and_tokenizers_are_safe_to_use_while_the_engine_runs(
+    idle_engine, tiny_llama_dir, tiny_llama_tokenizer
+):
+    """The event loop reads the engine's figures and the server's tokenizers tokenize while the
+    engine steps and detokenizes: each thread has its own tokenizer (the server loads its own
+    set, ``server/tokenization.py``, even with the engine core on a thread of its process), and
+    the figures are a snapshot."""
     engine = idle_engine
     params = SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True)
     ids = [f"r{i}" for i in range(8)]
-    PROMPTS.update({i: f"Request {i} says hello" for i in ids})
+    PROMPT_IDS.update({i: tiny_llama_tokenizer.encode(f"Request {i} says hello") for i in ids})
+    tokenization = await Tokenization.load(str(tiny_llama_dir))
     batch = asyncio.ensure_future(run_batch(engine, ids, params))
     text = "Tokenize me while the engine runs. " * 200
     reads = 0
     while not batch.done():
         stats = engine.stats
         assert 0.0 <= stats.kv_cache_usage <= 1.0 and stats.generation_throughput >= 0
-        tokens = await engine.run_tokenizer(lambda tokenizer: tokenizer.encode(text))
-        assert engine.tokenizer.decode(tokens[:5])
+        tokens = await tokenization.run(lambda tokenizer: tokenizer.encode(text))
+        assert tokenization.tokenizer.decode(tokens[:5])
         reads += 1
+    tokenization.shutdown()
     assert reads > 1
     assert all(last.num_output_tokens == 40 for _, last in (await batch).values())

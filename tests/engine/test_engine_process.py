@@ -41,12 +41,14 @@ async def wait_until_ended(pid: int, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_a_killed_engine_process_fails_every_request_with_the_cause(tiny_llama_dir, caplog):
+async def test_a_killed_engine_process_fails_every_request_with_the_cause(
+    tiny_llama_dir, tiny_llama_tokenizer, caplog
+):
     engine = await EngineProcessClient.create(engine_config(tiny_llama_dir))
     try:
         causes = []
         engine.on_dead.append(causes.append)
-        prompt = engine.tokenizer.encode("Hello there")
+        prompt = tiny_llama_tokenizer.encode("Hello there")
         outputs = aiter(engine.generate("victim", prompt, LONG))
         await anext(outputs)
         os.kill(engine.pid, signal.SIGKILL)
@@ -77,7 +79,7 @@ async def test_a_result_that_cannot_cross_is_a_type_error_and_the_engine_goes_on
 
 
 async def test_sigterm_and_sigint_do_not_stop_the_engine_process_but_shutdown_does(
-    tiny_llama_dir, caplog
+    tiny_llama_dir, tiny_llama_tokenizer, caplog
 ):
     caplog.set_level(logging.INFO)
     engine = await EngineProcessClient.create(engine_config(tiny_llama_dir))
@@ -89,7 +91,7 @@ async def test_sigterm_and_sigint_do_not_stop_the_engine_process_but_shutdown_do
         and r.process == pid
         for r in caplog.records
     )
-    prompt = engine.tokenizer.encode("Still here")
+    prompt = tiny_llama_tokenizer.encode("Still here")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for signum in (signal.SIGTERM, signal.SIGINT):
         os.kill(pid, signum)

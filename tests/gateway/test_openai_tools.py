@@ -72,13 +72,13 @@ def sdk(tool_gateway) -> openai.OpenAI:
 class Scripts:
     def __init__(self, server_loop: ServerLoop, replica: Replica) -> None:
         self.server_loop = server_loop
-        self.engine = replica.running.engine
+        self.running = replica.running
 
     def __call__(self, *texts: str) -> tuple[dict, int]:
         """Headers that make a request generate ``texts`` (one per choice), and its
         max_tokens."""
         rid = f"rest-tools-{uuid.uuid4().hex[:8]}"
-        num_tokens = self.server_loop.run(script(self.engine, rid, *texts))
+        num_tokens = self.server_loop.run(script(self.running, rid, *texts))
         return {"X-Request-Id": rid}, num_tokens + 1
 
 

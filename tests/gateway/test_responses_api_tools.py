@@ -66,7 +66,7 @@ def scripted(gateway, replica):
         """What makes the next request generate ``text`` (then EOS): its request id, and
         room for the text."""
         rid = f"resp-{uuid.uuid4().hex[:8]}"
-        num_tokens = gateway.server_loop.run(script(replica.running.engine, rid, text))
+        num_tokens = gateway.server_loop.run(script(replica.running, rid, text))
         return {"extra_headers": {"x-request-id": rid}, "max_output_tokens": num_tokens + 1}
 
     return arguments

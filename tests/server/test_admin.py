@@ -64,8 +64,8 @@ async def test_model_info_and_list_models(admin, server: RunningServer):
     info = await admin.GetModelInfo(admin_pb2.GetModelInfoRequest())
     assert info.model == name
     assert info.max_model_len == 512
-    assert info.vocab_size == len(server.engine.tokenizer)
-    assert list(info.eos_token_ids) == [server.engine.tokenizer.eos_token_id]
+    assert info.vocab_size == len(server.tokenization.tokenizer)
+    assert list(info.eos_token_ids) == [server.tokenization.tokenizer.eos_token_id]
     assert info.has_chat_template
     assert info.num_kv_blocks == 256
     assert info.default_stopping.max_tokens == 16

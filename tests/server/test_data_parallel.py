@@ -1,7 +1,8 @@
 """``--data-parallel-size 2``: two engine processes behind one server. Requests are spread over
 both and answer as one engine does; a prompt's prefix goes back to the engine that cached it;
 Abort reaches the engine holding the request; figures add up; health is SERVING with both up,
-and one engine's death stops the server (exit 1, cause logged)."""
+and one engine's death stops the server (exit 1, cause logged). The frontend loads one tokenizer
+set for both engines and tokenizes on its own workers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import grpc
@@ -27,8 +29,9 @@ from server_utils import (
 )
 
 from llmrpc.engine.client.data_parallel import DataParallelClient, cpu_shares
+from llmrpc.engine.loading import loader
 from llmrpc.engine.request import SamplingParams
-from llmrpc.server import app, options
+from llmrpc.server import app, options, servicers
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -37,6 +40,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # More than two KV blocks (16 tokens each) of prompt: its prefix is remembered.
 SHARED = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. " * 3
+TOKENIZER_LOADS: list[str] = []  # paths the server's process loaded tokenizers from, in order
 
 
 def greedy(text: str | None = None, max_tokens: int = 8, **fields):
@@ -52,17 +56,23 @@ def greedy(text: str | None = None, max_tokens: int = 8, **fields):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def dp(tiny_llama_dir: Path):
-    """``app.serve`` with two engine processes, as a task, once it serves; and its server."""
+    """``app.serve`` with two engine processes, as a task, once it serves; and its server. The
+    tokenizers loaded in this process meanwhile are in ``TOKENIZER_LOADS``."""
     servers: list[app.RunningServer] = []
-    real_build = app.build_server
+    real_build, real_load = app.build_server, loader.load_tokenizer
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(app, "build_server", lambda *a: servers.append(real_build(*a)) or servers[-1])
+        patch.setattr(
+            loader,
+            "load_tokenizer",
+            lambda path: TOKENIZER_LOADS.append(str(path)) or real_load(path),
+        )
         frontend = frontend_config("process", data_parallel_size=2)
         serving = asyncio.ensure_future(app.serve(tiny_engine_config(tiny_llama_dir), frontend))
         await wait_until(lambda: servers and servers[0].port, timeout=60, what="the bind")
-    running = servers[0]
-    async with grpc.aio.insecure_channel(running.address) as channel:
-        await wait_for_health(channel, SERVING, timeout=120)
+        running = servers[0]
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            await wait_for_health(channel, SERVING, timeout=120)
     yield serving, running
     if not serving.done():  # the last test did not end it: stop it as SIGTERM does
         os.kill(os.getpid(), signal.SIGTERM)
@@ -101,6 +111,26 @@ async def test_two_engine_processes_split_the_cores_and_health_is_serving(channe
         for pid, share in zip(pids, shares, strict=True):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert f"OMP_NUM_THREADS={share}".encode() in environ
+
+
+async def test_one_tokenizer_set_for_both_engines_and_prompts_tokenized_on_its_workers(
+    dp, generation, monkeypatch
+):
+    """The server's process loads one tokenizer for both engines (each engine process loads its
+    own to detokenize), and the servicers tokenize on the frontend's own worker threads."""
+    running = dp[1]
+    assert len(TOKENIZER_LOADS) == 1, TOKENIZER_LOADS
+    threads = []
+    real = servicers._to_engine_request
+    monkeypatch.setattr(
+        servicers,
+        "_to_engine_request",
+        lambda *args: threads.append(threading.current_thread()) or real(*args),
+    )
+    await asyncio.gather(*(generation.Generate(greedy(f"Hello {i}", 2)) for i in range(4)))
+    workers = running.tokenization.workers.threads
+    assert len(threads) == 4 and set(threads) <= workers, (threads, workers)
+    assert all(thread.name.startswith("llmrpc-tokenizer") for thread in threads)
 
 
 async def test_concurrent_requests_use_both_engines_and_match_one_engine(generation, engine):

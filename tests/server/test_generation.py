@@ -30,9 +30,9 @@ async def collect_stream(generation, request) -> list[generation_pb2.GenerateRes
 
 async def test_generate_returns_text_tokens_and_usage(generation, server):
     response = await generation.Generate(greedy_request(max_tokens=12))
-    prompt = server.engine.tokenizer.encode("The quick brown fox")
+    prompt = server.tokenization.tokenizer.encode("The quick brown fox")
     assert len(response.token_ids) == 12
-    assert response.text == server.engine.tokenizer.decode(response.token_ids)
+    assert response.text == server.tokenization.tokenizer.decode(response.token_ids)
     assert response.finish_reason == FR.FINISH_REASON_LENGTH
     assert response.WhichOneof("matched_stop") is None
     assert response.usage.prompt_tokens == len(prompt)
@@ -62,7 +62,7 @@ async def test_unset_max_tokens_means_sixteen(generation):
 
 
 async def test_token_ids_input_is_used_as_given(generation, server):
-    ids = server.engine.tokenizer.encode("The quick brown fox")
+    ids = server.tokenization.tokenizer.encode("The quick brown fox")
     by_text = await generation.Generate(greedy_request())
     by_ids = await generation.Generate(
         greedy_request(text=None, token_ids=common_pb2.TokenIds(ids=ids))
@@ -74,10 +74,10 @@ async def test_token_ids_input_is_used_as_given(generation, server):
 async def test_chat_input_is_rendered_with_the_chat_template(generation, server):
     chat = common_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="Hi there")])
     response = await generation.Generate(greedy_request(text=None, chat=chat))
-    rendered = server.engine.tokenizer.apply_chat_template(
+    rendered = server.tokenization.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False
     )
-    prompt = server.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    prompt = server.tokenization.tokenizer.encode(rendered, add_special_tokens=False)
     assert response.usage.prompt_tokens == len(prompt)
 
 

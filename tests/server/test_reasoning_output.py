@@ -45,7 +45,7 @@ def chat(**fields) -> common_pb2.Chat:
 
 async def scripted(server, output: str, **input_field) -> generation_pb2.GenerateRequest:
     rid = f"reason-{uuid.uuid4().hex[:8]}"
-    num_tokens = await script(server.engine, rid, output)
+    num_tokens = await script(server, rid, output)
     return generation_pb2.GenerateRequest(
         request_id=rid,
         **(input_field or {"chat": chat()}),

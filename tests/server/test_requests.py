@@ -151,7 +151,7 @@ async def test_stats_line_is_logged_periodically(generation, caplog):
 async def test_chat_template_flag_replaces_the_tokenizers(tokenization, server):
     chat = common_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="hi")])
     response = await tokenization.Tokenize(tokenization_pb2.TokenizeRequest(chat=chat))
-    assert server.engine.tokenizer.decode(response.token_ids) == "<<hi>>"
+    assert server.tokenization.tokenizer.decode(response.token_ids) == "<<hi>>"
 
 
 async def test_sleep_without_sleep_mode_is_failed_precondition(admin):

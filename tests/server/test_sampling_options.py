@@ -49,11 +49,11 @@ async def test_streamed_n_samples_carry_their_index_and_match_unary(generation):
 async def test_logprobs_and_prompt_logprobs_come_with_token_text(generation, server):
     output = common_pb2.OutputOptions(logprobs=3, prompt_logprobs=2)
     response = await generation.Generate(request(5, output=output))
-    prompt = server.engine.tokenizer.encode("Once upon a time")
+    prompt = server.tokenization.tokenizer.encode("Once upon a time")
     assert len(response.logprobs) == 5
     for entry, token_id in zip(response.logprobs, response.token_ids, strict=True):
         assert entry.token_id == token_id and entry.rank == 1  # greedy
-        assert entry.token == server.engine.tokenizer.decode([token_id])
+        assert entry.token == server.tokenization.tokenizer.decode([token_id])
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token_id == token_id
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)

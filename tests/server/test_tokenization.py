@@ -14,7 +14,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def test_tokenize_then_detokenize_round_trips(tokenization, server):
     text = "Hello, gRPC world! Ünïcode too."
     tokens = await tokenization.Tokenize(tokenization_pb2.TokenizeRequest(text=text))
-    assert list(tokens.token_ids) == server.engine.tokenizer.encode(text)
+    assert list(tokens.token_ids) == server.tokenization.tokenizer.encode(text)
     assert tokens.count == len(tokens.token_ids)
     assert len(tokens.token_strings) == tokens.count
     assert tokens.max_model_len == server.engine.model_info.max_model_len
@@ -27,7 +27,7 @@ async def test_tokenize_then_detokenize_round_trips(tokenization, server):
 async def test_tokenize_chat_matches_the_rendered_template(tokenization, server):
     chat = common_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="Hi")])
     tokens = await tokenization.Tokenize(tokenization_pb2.TokenizeRequest(chat=chat))
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.tokenization.tokenizer
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
     )
@@ -35,11 +35,11 @@ async def test_tokenize_chat_matches_the_rendered_template(tokenization, server)
 
 
 async def test_detokenize_keeps_special_tokens_when_asked(tokenization, server):
-    eos = server.engine.tokenizer.eos_token_id
+    eos = server.tokenization.tokenizer.eos_token_id
     request = tokenization_pb2.DetokenizeRequest(token_ids=[eos])
     assert (await tokenization.Detokenize(request)).text == ""
     request.skip_special_tokens = False
-    assert (await tokenization.Detokenize(request)).text == server.engine.tokenizer.eos_token
+    assert (await tokenization.Detokenize(request)).text == server.tokenization.tokenizer.eos_token
 
 
 async def test_detokenize_rejects_ids_outside_the_vocabulary(tokenization, server):

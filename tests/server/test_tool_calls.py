@@ -86,7 +86,7 @@ def chat_request(rid: str, max_tokens: int, choice=None, n: int = 1, **chat) -> 
 async def scripted(server, *texts: str, choice=None, n: int = 1, cut: int | None = None, **chat):
     """A request that generates ``texts`` (one per sample); ``cut``: its max_tokens."""
     rid = f"tools-{uuid.uuid4().hex[:8]}"
-    num_tokens = await script(server.engine, rid, *texts)
+    num_tokens = await script(server, rid, *texts)
     request = chat_request(rid, num_tokens, choice, n, **chat)
     if cut is not None:
         request.stopping.max_tokens = cut
@@ -276,7 +276,7 @@ def history() -> list[common_pb2.ChatMessage]:
 
 async def rendered(server, tokenization, chat: common_pb2.Chat) -> str:
     response = await tokenization.Tokenize(tokenization_pb2.TokenizeRequest(chat=chat))
-    return server.engine.tokenizer.decode(response.token_ids)
+    return server.tokenization.tokenizer.decode(response.token_ids)
 
 
 async def test_tools_and_the_call_history_reach_the_template(server, tokenization):

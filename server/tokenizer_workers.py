@@ -4,7 +4,8 @@ Tokenizing a long prompt, rendering a chat template or decoding many tokens take
 grows with the input; on the event loop it would stall every other call, health checks
 included. Hugging Face's fast tokenizers are not safe to share between threads ("Already
 borrowed"), so every thread that tokenizes owns a copy: each worker here, the event loop (for
-small, bounded work), and the engine thread (detokenization).
+small, bounded work), and the engine core (detokenization), wherever it runs. The server's
+``Tokenization`` owns the one set of workers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class TokenizerWorkers:
         # One copy per worker, made now on the calling thread: the original is never shared.
         self._copies = [copy.deepcopy(tokenizer) for _ in range(num_workers)]
         self._all = list(self._copies)
+        self._threads: list[threading.Thread] = []
         self._local = threading.local()
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -37,6 +39,7 @@ class TokenizerWorkers:
     def _claim_copy(self) -> None:
         with self._lock:
             self._local.tokenizer = self._copies.pop()
+            self._threads.append(threading.current_thread())
 
     def _call(self, work: Callable[..., _T], args) -> _T:
         return work(self._local.tokenizer, *args)
@@ -49,6 +52,12 @@ class TokenizerWorkers:
         """
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._call, work, args)
+
+    @property
+    def threads(self) -> frozenset[threading.Thread]:
+        """The worker threads started so far."""
+        with self._lock:
+            return frozenset(self._threads)
 
     def set_chat_template(self, template: str) -> None:
         """At start-up, before serving: the template every copy renders chats with."""
