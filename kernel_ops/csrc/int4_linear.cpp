@@ -1,7 +1,7 @@
 // Group-wise int4 weights times bfloat16 activations on the CPU: y = x W^T, with
 // W[n, k] = (u[n, k] - 8) * scale[n, g] + zero[n, g] for the group g = k / 32 of 32 inputs.
 //
-// Weight layout (packed by engine/quantization.py, `Int4Linear`): outputs in blocks of 16, each
+// Weight layout (packed by engine/quantization/layers.py, `Int4Linear`): outputs in blocks of 16, each
 // block's inputs in groups of 32, each group 256 bytes: 8 chunks of 32 bytes, chunk c covering
 // inputs 4c..4c+3 of the group. Byte j of a chunk holds output j / 2 of the block: its low nibble
 // the code for input 4c + j % 2, its high nibble the code for input 4c + 2 + j % 2. Scales and
