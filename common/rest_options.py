@@ -93,12 +93,17 @@ def human_readable_int(text: str) -> int:
     return int(value)
 
 
-def json_list(text: str) -> list:
-    """A JSON list (CORS origins, methods, headers)."""
+def json_of(kind: type, text: str, what: str) -> Any:
+    """``text`` as JSON that must be a ``kind`` (``what`` names it in the error)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {error}") from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"expected a JSON list, got {text!r}")
+    if not isinstance(value, kind):
+        raise argparse.ArgumentTypeError(f"expected a JSON {what}, got {text!r}")
     return value
+
+
+def json_list(text: str) -> list:
+    """A JSON list (CORS origins, methods, headers)."""
+    return json_of(list, text, "list")

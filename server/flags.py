@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmrpc.common.rest_options import RestOption, human_readable_int
+from llmrpc.common.rest_options import RestOption, human_readable_int, json_of
 
 __all__ = ["human_readable_int"]  # a value parser of the table, declared with the REST options
 
@@ -108,13 +108,7 @@ def int_or_none(text: str) -> int | None:
 
 def json_object(text: str) -> dict:
     """A JSON object; dotted flags (``--hf-overrides.rope_theta 1e6``) arrive as one too."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+    return json_of(dict, text, "object")
 
 
 def compilation_config(text: str) -> dict:
