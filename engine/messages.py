@@ -6,10 +6,10 @@ data crosses: requests, sampling parameters, outputs, figures and errors, as the
 dataclasses; never a pickled object.
 
 Frontend to core: ``AddRequest``, ``Abort``, ``Call`` (a utility: ``reset_prefix_cache``,
-``sleep``, ``wake_up``, ``call_function``), ``Shutdown``. Core to frontend: ``Ready`` (once
-loaded), ``Outputs`` (each step), ``Result`` (of a command that asked for one), ``Figures``
-(while idle), ``Log`` (a log record of the engine process), ``Fatal`` (loading failed or the
-step loop died).
+``sleep``, ``wake_up``, LoRA's, and those engine plug-ins register), ``Shutdown``. Core to frontend:
+``Ready`` (once loaded), ``Outputs`` (each step), ``Result`` (of a command that asked for one),
+``Figures`` (while idle), ``Log`` (a log record of the engine process), ``Fatal`` (loading failed or
+the step loop died).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 class Call(msgspec.Struct, tag=True, array_like=True):
     call_id: int
-    method: str  # reset_prefix_cache, sleep, wake_up, call_function
+    method: str  # a utility's name: core.process.UTILITIES, or an engine plug-in's
     args: list[Any] = []
 
 
@@ -184,4 +184,3 @@ class Startup(msgspec.Struct, array_like=True):
     from_core: str  # ZeroMQ address the frontend receives on
     config: EngineConfig
     log_level: int
-    sys_path: list[str]

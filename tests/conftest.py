@@ -8,6 +8,13 @@ import os
 
 # Hermetic tests: huggingface_hub reads this once, at import, and then never calls the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The tests' engine plug-in (tests/engine_plugin.py: call_in_core), in every engine the tests
+# start, in this process or another: this folder on the import path of the processes they start.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["LLMRPC_ENGINE_PLUGINS"] = "engine_plugin"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_TESTS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 # Without a CUDA device torch can use, Triton kernels run in its CPU interpreter; it is read when
 # a kernel is defined. Asked of torch, not of /dev/nvidia0: a device node is there in containers
 # whose driver torch cannot use, and absent where the device is reached another way.

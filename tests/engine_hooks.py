@@ -1,5 +1,5 @@
 """Functions a test runs inside the engine core, wherever it lives (a thread of the test's
-process, or the engine process), with ``engine.call_in_core(function, *args)``.
+process, or the engine process), with ``call_in_core(engine, function, *args)``.
 
 Each takes the ``EngineCore`` first; arguments and results are plain data. Whatever one changes
 lasts until undone (``pace(core, None)``, ``remove_faults``) or until the engine stops.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import engine_hooks
+from engine_plugin import call_in_core
 
 
 def slow_down(engine, seconds_per_step: float) -> None:
@@ -37,11 +38,11 @@ def in_core(engine, function, *args) -> None:
     except RuntimeError:
         on_its_loop = False
     if on_its_loop:  # sent now, ahead of any request sent after it; the result is not awaited
-        engine.call_in_core(function, *args).add_done_callback(_result)
+        call_in_core(engine, function, *args).add_done_callback(_result)
         return
 
     async def call():
-        return await engine.call_in_core(function, *args)
+        return await call_in_core(engine, function, *args)
 
     asyncio.run_coroutine_threadsafe(call(), engine._loop).result(timeout=60)
 

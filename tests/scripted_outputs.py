@@ -2,7 +2,7 @@
 requests, so a test decides the text a request generates (tool calls, reasoning...) and
 everything else (detokenization, stops, streaming, the server) runs for real.
 
-``script_outputs`` runs inside the engine core (``engine.call_in_core``, thread mode: this
+``script_outputs`` runs inside the engine core (``call_in_core``, thread mode: this
 module must be importable there). A scripted request generates its tokens one per step, then an
 EOS token. Also here: a chat template with tools in the style of Qwen2.5 and Hermes models
 (calls as ``<tool_call>`` JSON, arguments rendered with ``tojson``, so a dict reads as an
@@ -10,6 +10,8 @@ object and a string as a quoted string).
 """
 
 from __future__ import annotations
+
+from engine_plugin import call_in_core
 
 _SCRIPTS = "_test_scripts"  # the core's dict: engine request id -> token ids to generate
 
@@ -52,7 +54,7 @@ async def script(server, request_id: str, *texts: str) -> int:
         scripts = {request_id: tokens[0]}
     else:
         scripts = {f"{request_id}#{i}": ids for i, ids in enumerate(tokens)}
-    await engine.call_in_core(script_outputs, scripts)
+    await call_in_core(engine, script_outputs, scripts)
     return max(len(ids) for ids in tokens)
 
 

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.core import plugins
 from llmrpc.engine.core.process import STATS_REFRESH_S, EngineLoop
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
 from llmrpc.engine.messages import (
@@ -238,14 +239,14 @@ class EngineClient:
         """The loaded adapters: name, path, base_model_name, id ([] with LoRA off)."""
         return await self._utility("list_lora_adapters")
 
-    def call_in_core(self, function: Callable, *args) -> asyncio.Future:
-        """Run ``function(core, *args)`` where the engine core lives, between two steps, and
-        return a future of its result (sent at once: commands sent later run after it).
-
-        ``function`` must be a module-level function the engine's side can import by name;
-        only its name and ``args`` cross (plain data). For tests and diagnostics."""
-        reference = f"{function.__module__}:{function.__qualname__}"
-        return self._call(lambda call_id: Call(call_id, "call_function", [reference, *args]))
+    def call_utility(self, name: str, *args) -> asyncio.Future:
+        """Call the engine utility ``name`` (one the core has, ``core.process.UTILITIES``, or
+        one an engine plug-in registered, ``core.plugins``) between two steps where
+        the core lives; a future of its result, sent at once (commands sent later run after
+        it). ``args`` and the result cross as plain data."""
+        return self._call(
+            lambda call_id: Call(call_id, name, list(args)), slow=name in SLOW_UTILITIES
+        )
 
     async def warmup(self, prompt_token_ids: list[int] | None = None) -> None:
         """Run one short request end to end, so the first user request pays no start-up cost
@@ -260,9 +261,7 @@ class EngineClient:
     # --- messages ---------------------------------------------------------------------------
 
     async def _utility(self, method: str, *args):
-        return await self._call(
-            lambda call_id: Call(call_id, method, list(args)), slow=method in SLOW_UTILITIES
-        )
+        return await self.call_utility(method, *args)
 
     def _call(self, make_message: Callable[[int], object], slow: bool = False) -> asyncio.Future:
         """Send the command ``make_message(call_id)`` now; a future of its result. ``slow``:
@@ -401,6 +400,7 @@ class AsyncEngine(EngineClient):
         )
 
         try:
+            plugins.load()  # the engine plug-ins, before the model (core.plugins)
             self.core = EngineCore(config)
             loop = EngineLoop(self.core, self._deliver, wrap_error=lambda error: error)
             self._model_info = self.core.model_info

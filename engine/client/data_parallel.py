@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 
 from llmrpc.engine.client.dp_balance import LoadBalancer
 from llmrpc.engine.client.process import EngineProcessClient
@@ -252,9 +252,9 @@ class DataParallelClient:
         """Engine 0's list: adapters are loaded on every engine or on none."""
         return await self.engines[0].list_lora_adapters()
 
-    def call_in_core(self, function: Callable, *args) -> asyncio.Future:
-        """``EngineClient.call_in_core`` on engine 0 (``engines[i].call_in_core`` for another)."""
-        return self.engines[0].call_in_core(function, *args)
+    def call_utility(self, name: str, *args) -> asyncio.Future:
+        """``EngineClient.call_utility`` on engine 0 (``engines[i].call_utility`` for another)."""
+        return self.engines[0].call_utility(name, *args)
 
     async def _on_all(self, call) -> list:
         """``call(engine)`` on every engine at once; raises the first engine's error."""

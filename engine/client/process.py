@@ -135,7 +135,7 @@ class EngineProcessClient(EngineClient):
         # Records at INFO and above always cross (the frontend's logging filters them as its
         # own); DEBUG ones only when the frontend would show some.
         level = min(logging.INFO, logging.getLogger("llmrpc").getEffectiveLevel())
-        startup = Startup(to_core, from_core, config, level, [p for p in sys.path if p])
+        startup = Startup(to_core, from_core, config, level)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "llmrpc.engine.core.process"],
             stdin=subprocess.PIPE,

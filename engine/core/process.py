@@ -17,7 +17,6 @@ drains its calls, then tells the engine to stop.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from llmrpc.engine import messages
+from llmrpc.engine.core import plugins
 from llmrpc.engine.memory import limit_arenas, release_free_memory
 from llmrpc.engine.messages import (
     Abort,
@@ -57,21 +57,13 @@ logger = logging.getLogger(__name__)
 STATS_REFRESH_S = 1.0
 # How often an idle engine gives the allocator's free memory back to the system.
 IDLE_TRIM_INTERVAL_S = 10.0
-# Utility commands a frontend may call by name (``Call.method``).
-UTILITIES = ("reset_prefix_cache", "sleep", "wake_up", "call_function")
+# Utility commands a frontend may call by name (``Call.method``): the core's own methods, and
+# those engine plug-ins register.
+UTILITIES = ("reset_prefix_cache", "sleep", "wake_up")
 UTILITIES += ("load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 
 Receive = Callable[[float], object]  # timeout in seconds (0: do not wait) -> a message or None
 Send = Callable[[object], None]
-
-
-def resolve_function(reference: str) -> Callable:
-    """The module-level function ``"package.module:name"`` names."""
-    module_name, _, qualname = reference.partition(":")
-    target = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        target = getattr(target, part)
-    return target
 
 
 class EngineLoop:
@@ -130,7 +122,7 @@ class EngineLoop:
         if message.call_id:
             try:
                 self._send(Result(message.call_id, self.snapshot(), value))
-            except TypeError as error:  # msgpack has no form for it (call_function's result)
+            except TypeError as error:  # msgpack has no form for it (a plug-in's result)
                 error = TypeError(f"the result cannot be sent back: {error}")
                 self._send(Result(message.call_id, self.snapshot(), error=self._wrap_error(error)))
 
@@ -144,11 +136,11 @@ class EngineLoop:
                 self._send(Outputs(outputs, self.snapshot()))
             return [output.request_id for output in outputs]
         if isinstance(message, Call):
+            utility = plugins.utility(message.method)
+            if utility is not None:
+                return utility(core, *message.args)
             if message.method not in UTILITIES:
                 raise ValueError(f"no engine utility named {message.method!r}")
-            if message.method == "call_function":
-                reference, *args = message.args
-                return resolve_function(reference)(core, *args)
             return getattr(core, message.method)(*message.args)
         raise TypeError(f"not a command: {message!r}")
 
@@ -265,14 +257,13 @@ def main() -> int:
     threading.Thread(
         target=_exit_when_the_frontend_exits, args=(stdin,), name="llmrpc-parent-watch", daemon=True
     ).start()
-    # The frontend's import path, so that call_function finds what the frontend can import.
-    sys.path[:] = startup.sys_path + [p for p in sys.path if p not in startup.sys_path]
     limit_arenas()
     channel = _Channel(startup)
     root = logging.getLogger()
     root.handlers[:] = [_ForwardingHandler(channel.send)]
     root.setLevel(startup.log_level)
     try:
+        plugins.load()  # before the model: a plug-in that cannot be imported costs no load
         from llmrpc.engine.core.engine_core import (
             EngineCore,  # torch: loaded here, not in the frontend
         )

@@ -9,6 +9,7 @@ import asyncio
 import engine_hooks
 import pytest
 import pytest_asyncio
+from engine_plugin import call_in_core
 
 from llmrpc.engine.client.async_engine import AsyncEngine, EngineStateError
 from llmrpc.engine.client.process import EngineProcessClient
@@ -145,11 +146,11 @@ async def test_sleep_needs_sleep_mode(engine):
 
 
 async def test_a_function_run_in_the_core_returns_its_result_and_raises_its_error(engine):
-    assert await engine.call_in_core(engine_hooks.weights_device) == engine.device == "cpu"
+    assert await call_in_core(engine, engine_hooks.weights_device) == engine.device == "cpu"
     with pytest.raises(ValueError, match="no engine utility named 'step'"):
         await engine._utility("step")
     with pytest.raises(TypeError, match="positional argument"):
-        await engine.call_in_core(engine_hooks.weights_device, "an argument too many")
+        await call_in_core(engine, engine_hooks.weights_device, "an argument too many")
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -167,7 +168,7 @@ async def test_sleep_and_wake_up_keep_the_output(
         before = await collect(engine, "before", prompt, params)
         await engine.sleep(level)
         assert engine.is_sleeping
-        assert await engine.call_in_core(engine_hooks.sleep_state) == [0, level == 2]
+        assert await call_in_core(engine, engine_hooks.sleep_state) == [0, level == 2]
         with pytest.raises(EngineStateError):
             await collect(engine, "asleep", prompt, params)
         await engine.wake_up()

@@ -17,6 +17,7 @@ import re
 import engine_hooks
 import pytest
 import pytest_asyncio
+from engine_plugin import call_in_core
 
 from llmrpc.engine.client.async_engine import AsyncEngine, EngineDeadError
 from llmrpc.engine.client.process import EngineProcessClient
@@ -62,8 +63,8 @@ async def idle_engine(engine):
     """The module's engine; after the test, faults removed and checked idle with all its
     blocks free."""
     yield engine
-    await engine.call_in_core(engine_hooks.remove_faults)
-    await engine.call_in_core(engine_hooks.pace, None)
+    await call_in_core(engine, engine_hooks.remove_faults)
+    await call_in_core(engine, engine_hooks.pace, None)
     assert engine.is_running
     assert engine.stats.num_running == engine.stats.num_waiting == 0
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
@@ -78,7 +79,7 @@ async def run(engine, request_id: str, params: SamplingParams):
 async def run_batch(engine, ids, params):
     """The requests of ``ids`` started in one step: the engine is held while they arrive (a
     seeded request's tokens depend on the batch it starts in, in the last bits of its logits)."""
-    held = engine.call_in_core(engine_hooks.pause, 0.3)
+    held = call_in_core(engine, engine_hooks.pause, 0.3)
     results = await asyncio.gather(*(run(engine, i, params) for i in ids))
     await held
     return dict(zip(ids, results, strict=True))
@@ -88,7 +89,7 @@ async def test_cancelled_call_while_queued_for_the_engine_is_harmless(idle_engin
     """A caller that gives up while its add_request waits behind a step must not kill the
     step loop, nor leave its request behind."""
     engine = idle_engine
-    await engine.call_in_core(engine_hooks.pace, 0.2)
+    await call_in_core(engine, engine_hooks.pace, 0.2)
     busy = asyncio.create_task(run(engine, "a", GREEDY))
     await asyncio.sleep(0.3)  # the engine is inside a slow step now
     for _ in range(5):
@@ -98,7 +99,7 @@ async def test_cancelled_call_while_queued_for_the_engine_is_harmless(idle_engin
         with pytest.raises(asyncio.CancelledError):
             await late
         await asyncio.sleep(0.25)  # the engine applies the queued command, then its abort
-    await engine.call_in_core(engine_hooks.pace, None)
+    await call_in_core(engine, engine_hooks.pace, None)
     tokens, last = await busy
     assert engine.is_running and last.num_output_tokens == 12
     assert (await run(engine, "c", GREEDY))[1].finish_reason is FinishReason.LENGTH
@@ -118,10 +119,10 @@ FAULTS = {
 async def test_a_fault_in_one_request_ends_it_alone(idle_engine, where, params, caplog):
     engine = idle_engine
     clean = await run_batch(engine, ["a", "b", "c"], params)
-    await engine.call_in_core(engine_hooks.fail_requests, FAULTS[where], "bad")
+    await call_in_core(engine, engine_hooks.fail_requests, FAULTS[where], "bad")
     with caplog.at_level(logging.ERROR):
         results = await run_batch(engine, ["a", "b", "bad", "c"], params)
-    await engine.call_in_core(engine_hooks.remove_faults)
+    await call_in_core(engine, engine_hooks.remove_faults)
     _, last = results.pop("bad")
     assert last.finished and last.finish_reason is FinishReason.ERROR
     assert "injected fault for bad" in last.error
@@ -138,7 +139,7 @@ async def test_a_fault_in_one_request_ends_it_alone(idle_engine, where, params, 
 async def test_a_fault_in_prompt_logprobs_ends_that_request_alone(idle_engine):
     engine = idle_engine
     num_logits = len(PROMPT_IDS["bad"]) - 1
-    await engine.call_in_core(engine_hooks.fail_prompt_logprobs, num_logits)
+    await call_in_core(engine, engine_hooks.fail_prompt_logprobs, num_logits)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     good = asyncio.create_task(run(engine, "b", GREEDY))
     _, last = await run(engine, "bad", params)
@@ -151,7 +152,7 @@ async def test_a_failed_forward_pass_stops_the_engine(tiny_llama_dir, engine_cla
     try:
         causes = []
         engine.on_dead.append(causes.append)
-        await engine.call_in_core(engine_hooks.break_forward_pass, "the device fell over")
+        await call_in_core(engine, engine_hooks.break_forward_pass, "the device fell over")
         with pytest.raises(EngineDeadError, match="the device fell over"):
             await run(engine, "a", GREEDY)
         assert not engine.is_running

@@ -16,6 +16,7 @@ import time
 
 import engine_hooks
 import pytest
+from engine_plugin import call_in_core
 from process_state import process_ended
 
 from llmrpc.engine.client.async_engine import EngineDeadError
@@ -71,8 +72,8 @@ async def test_a_result_that_cannot_cross_is_a_type_error_and_the_engine_goes_on
     engine = await EngineProcessClient.create(engine_config(tiny_llama_dir))
     try:
         with pytest.raises(TypeError, match="the result cannot be sent back"):
-            await engine.call_in_core(engine_hooks.the_runner)
-        assert await engine.call_in_core(engine_hooks.weights_device) == "cpu"
+            await call_in_core(engine, engine_hooks.the_runner)
+        assert await call_in_core(engine, engine_hooks.weights_device) == "cpu"
         assert engine.is_running
     finally:
         await engine.shutdown()
@@ -190,3 +191,20 @@ async def test_a_death_while_loading_is_reported_as_such(tiny_llama_dir, monkeyp
     with pytest.raises(EngineDeadError, match="killed by SIGKILL while loading the model"):
         await EngineProcessClient.create(engine_config(tiny_llama_dir))
     assert started[0].poll() is not None
+
+
+async def test_an_engine_plugin_that_cannot_be_imported_stops_the_start(tiny_llama_dir):
+    env = {**os.environ, "LLMRPC_ENGINE_PLUGINS": "engine_plugin, no_such_plugin_module"}
+    with pytest.raises(Exception, match="no_such_plugin_module"):
+        engine = await EngineProcessClient.create(engine_config(tiny_llama_dir), env=env)
+        await engine.shutdown()
+
+
+async def test_a_utility_nobody_registered_is_refused_by_name(tiny_llama_dir):
+    engine = await EngineProcessClient.create(engine_config(tiny_llama_dir))
+    try:
+        with pytest.raises(ValueError, match="no engine utility named 'call_nothing'"):
+            await engine.call_utility("call_nothing")
+        assert await call_in_core(engine, engine_hooks.weights_device) == "cpu"  # the tests'
+    finally:
+        await engine.shutdown()

@@ -14,6 +14,7 @@ import grpc
 import httpx
 import pytest
 from engine_pace import num_live_requests, slow_down
+from engine_plugin import call_in_core
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_utils import (
     frontend_config,
@@ -36,7 +37,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def break_engine(engine) -> None:
-    await engine.call_in_core(engine_hooks.break_steps, "simulated device fault")
+    await call_in_core(engine, engine_hooks.break_steps, "simulated device fault")
 
 
 async def test_not_serving_while_loading_then_serving(tiny_llama_dir, engine_mode):

@@ -9,6 +9,7 @@ import engine_hooks
 import grpc
 import pytest
 import pytest_asyncio
+from engine_plugin import call_in_core
 
 from llmrpc.v1 import common_pb2, generation_pb2
 
@@ -28,9 +29,9 @@ async def faulty_detokenizer(server):
     """The engine's detokenization raises for requests whose id starts with "bad"."""
     engine = server.engine
     target = "output_processor.add_token"
-    await engine.call_in_core(engine_hooks.fail_requests, target, "bad", "unicode")
+    await call_in_core(engine, engine_hooks.fail_requests, target, "bad", "unicode")
     yield
-    await engine.call_in_core(engine_hooks.remove_faults)
+    await call_in_core(engine, engine_hooks.remove_faults)
 
 
 @pytest.mark.parametrize("streaming", [False, True])
