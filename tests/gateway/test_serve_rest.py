@@ -60,7 +60,8 @@ class Serve:
     """``llmrpc serve`` in a subprocess, its log read on a thread."""
 
     def __init__(self, *args: str) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent)}
+        path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
         command = [sys.executable, "-m", "llmrpc.cli", "serve", *args]
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
