@@ -17,12 +17,11 @@ from llmrpc.common.fanout import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     check_fanout_flags,
 )
-from llmrpc.common.rest_settings import ApiSettings, CorsSettings, HttpSettings
+from llmrpc.common.rest_settings import MIB, ApiSettings, CorsSettings, HttpSettings
 from llmrpc.common.tls_files import check_tls_flags
 from llmrpc.server.tracing_config import TracingConfig
 
 DEFAULT_GRPC_PORT = 50051
-MIB = 1024 * 1024
 # The sections of FrontendConfig that the REST flags fill: the gateway's settings classes.
 REST_SECTIONS: dict[str, type] = {
     "rest_http": HttpSettings,

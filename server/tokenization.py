@@ -51,6 +51,10 @@ class Tokenization:
 
     def set_chat_template(self, template: str) -> None:
         """``--chat-template``: at start-up, the template every copy renders chats with."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "--chat-template needs a tokenizer; this server has none (--skip-tokenizer-init)"
+            )
         self.tokenizer.chat_template = template
         self.workers.set_chat_template(template)
 
