@@ -56,7 +56,7 @@ async def test_tokenize_unknown_model_is_not_found(tokenization):
     assert failure.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_chat_template_without_a_tokenizer_is_refused_naming_the_flag():
+async def test_a_chat_template_without_a_tokenizer_is_refused_naming_the_flag():
     from llmrpc.server.tokenization import Tokenization
 
     with pytest.raises(ValueError, match="--chat-template needs a tokenizer"):
