@@ -19,7 +19,6 @@ from llmrpc.engine.runner.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphPlan,
     DecodeGraphs,
-    GraphCapture,
 )
 from llmrpc.engine.runner.device import HostStaging, kv_blocks_for_device_memory, model_device
 from llmrpc.engine.sched.scheduler import SchedulerOutput
@@ -101,7 +100,6 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.lora = None  # the engine's LoRAManager under --enable-lora
         self.parallel = None  # the engine's TensorParallel under --tensor-parallel-size > 1
-        self.graph_capture: GraphCapture | None = None  # None: torch.cuda graphs on the device
         self._staging = HostStaging(self._device)
         self.block_size = block_size
         self._kv_shape = kv_cache_shape(hf_config, num_blocks, block_size)
@@ -218,7 +216,7 @@ class ModelRunner:
         batch sizes (while no request holds a KV block); False where those steps run eager (the
         reason is logged)."""
         self.decode_graphs = None
-        capture = self.graph_capture or CudaGraphCapture(self._device)
+        capture = CudaGraphCapture(self._device)
         graphs = DecodeGraphs(
             self.model, self.kv_caches, self.block_size, plan, self.backend, capture,
             self.compiled_decode,

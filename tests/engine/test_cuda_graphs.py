@@ -1,16 +1,18 @@
 """CUDA graphs of decode steps (engine/runner/cuda_graphs.py), their plumbing on the CPU.
 
-A stand-in capture takes the place of ``torch.cuda.graph``: its replay runs the captured forward
-again on the same static buffers and writes into the same output tensor, which is what a replay
-is (same buffers, fresh values). Everything else is the engine's own: the buckets, the padding
-rows, the copies into the static buffers, the fallbacks. The tiny model runs on the torch
-backend here, whose C++ decode kernel takes short prompt chunks as decode rows, so prompt
-steps replay too; the Triton backend (interpreted) runs once, for its store kernel's padding.
+A stand-in capture (patched in for the runner's ``CudaGraphCapture``) takes the place of
+``torch.cuda.graph``: its replay runs the captured forward again on the same static buffers and
+writes into the same output tensor, which is what a replay is (same buffers, fresh values).
+Everything else is the engine's own: the buckets, the padding rows, the copies into the static
+buffers, the fallbacks. The tiny model runs on the torch backend here, whose C++ decode kernel
+takes short prompt chunks as decode rows, so prompt steps replay too; the Triton backend
+(interpreted) runs once, for its store kernel's padding.
 """
 
 from __future__ import annotations
 
 import logging
+from unittest import mock
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.request import SamplingParams
+from llmrpc.engine.runner import model_runner
 from llmrpc.engine.runner.compilation import WARM_UP_NUM_TOKENS, CompiledDecode
 from llmrpc.engine.runner.cuda_graphs import (
     DecodeGraphPlan,
@@ -84,10 +87,15 @@ def _core(model_dir, backend: str = "torch", capture: RerunCapture | None = None
         **more,
     )
     if capture is not None:
-        core.runner.graph_capture = capture
         core.graph_plan = PLAN  # as plan_decode_graphs gives on a CUDA device
-        assert core.runner.capture_decode_graphs(PLAN) or capture.fail_capture
+        with _capturing(capture):
+            assert core.runner.capture_decode_graphs(PLAN) or capture.fail_capture
     return core
+
+
+def _capturing(capture: RerunCapture):
+    """The runner's captures are the stand-in's while this context lasts."""
+    return mock.patch.object(model_runner, "CudaGraphCapture", lambda device: capture)
 
 
 # (step it arrives at, prompt length, max_tokens): the batch grows to 10 requests and shrinks,
@@ -125,7 +133,8 @@ def _spy(core) -> list[dict]:
     """Record each executed step: rows, decodes-only, longest context, real slots, replay."""
     runner, steps = core.runner, []
     prepare, execute = runner.prepare_input, runner.execute
-    capture = runner.graph_capture
+    graphs = runner.decode_graphs
+    capture = graphs._capture if graphs is not None else None
 
     def recording_prepare(output, block_ids):
         model_input = prepare(output, block_ids)
@@ -351,11 +360,12 @@ def test_sleep_drops_the_graphs_and_wake_up_captures_them_again(tiny_llama_dir):
     core = EngineCore(config)
     eager, _ = _drive(core, arrivals)
     capture = RerunCapture()
-    core.runner.graph_capture, core.graph_plan = capture, PLAN
-    core.runner.capture_decode_graphs(PLAN)
-    core.sleep(1)
-    assert core.runner.decode_graphs is None
-    core.wake_up()
+    core.graph_plan = PLAN
+    with _capturing(capture):
+        core.runner.capture_decode_graphs(PLAN)
+        core.sleep(1)
+        assert core.runner.decode_graphs is None
+        core.wake_up()
     assert core.runner.decode_graphs is not None and capture.captured == list(SIZES[::-1]) * 2
     tokens, _ = _drive(core, arrivals)
     assert tokens == eager and capture.replayed
