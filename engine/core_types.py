@@ -25,6 +25,19 @@ class ModelInfo:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     runner: str = "generate"  # or "pooling": embeddings only (engine/pooling/params.py)
     embedding_size: int = 0  # the model's hidden size: an embedding's length
+    kernels: tuple[KernelChoice, ...] = ()  # the CPU's measured linear kernels; () on a GPU
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel the engine runs, chosen by timing the candidates on this machine, for one shape
+    of linear layer and one bucket of rows per call (kernel_ops/linear_tuning.py)."""
+
+    op: str  # "linear bfloat16 576x1536" (inputs x outputs)
+    num_layers: int
+    rows: str  # "1", "2-8", ..., "1025+"
+    kernel: str
+    times_us: dict[str, float]  # each candidate timed at this bucket: microseconds per layer
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,8 @@ def compile_flags() -> list[str]:
         and torch.cpu._is_vnni_supported()
     ):
         flags += ["-mavx512bf16", "-mavx512vnni"]  # the int4 kernel's conversions, dot products
+        if torch.cpu._is_amx_tile_supported():
+            flags += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # bf16_linear's tile kernel
     return flags
 
 

@@ -1,15 +1,14 @@
-"""Linear layers on the CPU with weights packed once at load: in bfloat16, where the CPU has
-AVX512-BF16, our blocked layout and kernel (``BlockedLinear``, ``csrc/bf16_linear.cpp``, which gives
-its measurements against oneDNN; its rows serve a tied embedding, so that weight is held once);
-otherwise oneDNN's blocked layout (``PackedLinear``).
+"""Linear layers on the CPU with weights packed once at load: our blocked bfloat16 layout
+(``BlockedLinear``, ``csrc/bf16_linear.cpp``: AVX512-BF16 dot products or AMX tiles over the same
+weights; its rows serve a tied embedding, so that weight is held once), or oneDNN's packed layout
+(``PackedLinear``). Which one a layer takes, and which kernel each call runs, is measured on the
+machine (``kernel_ops/linear_tuning.py``); without a measurement, the blocked layout's dot products
+where the CPU has them, else oneDNN's.
 
-``torch.nn.functional.linear`` reads a plain row-major weight on every call; oneDNN then reorders
-it on the fly, and at small batches (decode) that doubles the time of a step's matmuls. Packing
-the weight once, with ``torch.ops.mkldnn._reorder_linear_weight``, and computing with
-``torch.ops.mkldnn._linear_pointwise`` gives the same products (bfloat16: bit for bit; float32:
-to rounding) in half the time at batch 1 (bfloat16 and float32 alike) and faster or level up to
-long prefills (measured with 1 thread on 8 SmolLM2-sized layers: bfloat16 batch 1 1.7 vs 3.6 ms,
-batch 32 5.2 vs 7.0 ms, batch 2048 level; float32 batch 1 3.1 vs 6.5 ms, batch 256 62 vs 139 ms).
+``torch.nn.functional.linear`` reads a plain row-major weight on every call, which oneDNN then
+reorders on the fly; packing the weight once, with ``torch.ops.mkldnn._reorder_linear_weight``,
+and computing with ``torch.ops.mkldnn._linear_pointwise`` gives the same products (bfloat16: bit
+for bit; float32: to rounding) without that cost.
 """
 
 from __future__ import annotations
@@ -84,6 +83,9 @@ class BlockedLinear(nn.Module):
             .contiguous()
         )
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # the kernel for each bucket of rows per call (linear_tuning.ROW_BUCKETS): 0 dot products,
+        # 1 AMX tiles; empty: dot products for every call
+        self.kernel_by_bucket: list[int] = []
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
@@ -106,7 +108,9 @@ class BlockedLinear(nn.Module):
                 f"{self.in_features}"
             )
         rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.llmrpc_cpu.bf16_linear(rows, self.weight_blocks, self.bias)
+        out = torch.ops.llmrpc_cpu.bf16_linear(
+            rows, self.weight_blocks, self.bias, self.kernel_by_bucket
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,8 @@ class BlockedLinear(nn.Module):
         return self.weight_blocks[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocked"
+        kernels = f", kernels by rows {self.kernel_by_bucket}" if self.kernel_by_bucket else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocked{kernels}"
 
 
 class RowsEmbedding(nn.Module):
@@ -130,26 +135,40 @@ class RowsEmbedding(nn.Module):
         return self.source.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` of ``model`` whose weight can be packed by a
-    ``BlockedLinear`` where it fits, else a ``PackedLinear``; the unpacked weights are dropped.
-    An embedding tied to a layer made ``BlockedLinear`` reads its rows from the blocks (the
-    weight is held once); one tied to a ``PackedLinear`` keeps the plain weight beside the
-    packed copy. Returns how many were packed."""
-    embeddings = {
-        id(child.weight): (parent, name)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Embedding
-    }
+def shape_key(linear: nn.Linear) -> str:
+    """``bfloat16 576x1536`` (inputs x outputs), `` bias`` where it has one: what a kernel's
+    measurement is kept under."""
+    dtype = str(linear.weight.dtype).removeprefix("torch.")
+    bias = " bias" if linear.bias is not None else ""
+    return f"{dtype} {linear.in_features}x{linear.out_features}{bias}"
+
+
+# A layout and its kernel ids by bucket of rows (BlockedLinear.kernel_by_bucket).
+Layout = tuple[str, list[int]]
+
+
+def pack_linear_layers(model: nn.Module, layouts: dict[str, Layout] | None = None) -> int:
+    """Replace every plain ``nn.Linear`` of ``model`` whose weight can be packed by the layout
+    ``layouts`` gives its shape (``blocked``, ``onednn``, or ``plain``: left as it is); for a
+    shape it lacks, ``BlockedLinear`` where it fits, else ``PackedLinear``. The unpacked weights
+    are dropped. An embedding tied to a layer made ``BlockedLinear`` reads its rows from the
+    blocks (the weight is held once); one tied to a ``PackedLinear`` keeps the plain weight
+    beside the packed copy. Returns how many were packed."""
+    embeddings = tied_embeddings(model)
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             weight = getattr(child, "weight", None)
             if type(child) is not nn.Linear or not can_pack(weight.dtype, weight.device):
                 continue
-            if BlockedLinear.fits(child):
+            blocked = BlockedLinear.fits(child)
+            default = ("blocked" if blocked else "onednn", [])
+            layout, kernels = (layouts or {}).get(shape_key(child), default)
+            if layout == "plain":
+                continue
+            if layout == "blocked" and blocked:
                 replacement = BlockedLinear(child)
+                replacement.kernel_by_bucket = list(kernels)
                 if id(weight) in embeddings:
                     holder, embedding_name = embeddings[id(weight)]
                     setattr(holder, embedding_name, RowsEmbedding(replacement))
@@ -158,3 +177,13 @@ def pack_linear_layers(model: nn.Module) -> int:
             setattr(parent, name, replacement)
             packed += 1
     return packed
+
+
+def tied_embeddings(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """``id(weight)`` -> (parent, name) of each plain embedding, to find the layers tied to one."""
+    return {
+        id(child.weight): (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Embedding
+    }

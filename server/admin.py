@@ -40,12 +40,20 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             stats = engine.stats
             capabilities.kv_cache_bytes = stats.kv_cache_bytes
             capabilities.device_memory_total_bytes = stats.device_memory_total_bytes
+        kernels = engine.model_info.kernels if engine is not None else ()
         return admin_pb2.GetServerInfoResponse(
             version=server_version(),
             api_version=API_VERSION,
             capabilities=capabilities,
             config=state.effective_config,
-        )
+            kernels=[
+                admin_pb2.KernelChoice(
+                    op=k.op, num_layers=k.num_layers, rows=k.rows, kernel=k.kernel,
+                    times_us=k.times_us,
+                )
+                for k in kernels
+            ],
+        )  # fmt: skip
 
     @handle_errors
     async def GetModelInfo(self, request, context):

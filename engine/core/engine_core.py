@@ -15,7 +15,7 @@ from torch import nn
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, check_cuda_graph_flags
 from llmrpc.engine.core.input_processor import InputLimits, InputProcessor
-from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.core_types import EngineStateError, EngineStats, KernelChoice, ModelInfo
 from llmrpc.engine.loading import loader
 from llmrpc.engine.loading.generation_config import sampling_defaults
 from llmrpc.engine.lora.manager import build_lora_manager, resolve_adapter
@@ -65,6 +65,7 @@ from llmrpc.engine.structured_output.step import GrammarStep
 from llmrpc.engine.timings import record_step, start_timings
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
+from llmrpc.kernels.linear_tuning import LayerChoice, bucket_name, layouts, plan_linear_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,17 @@ def check_batch_invariant(model, attention_backend: str, kv_in_model_dtype: bool
             )
 
 
+def kernel_choices(plan: dict[str, LayerChoice]) -> tuple[KernelChoice, ...]:
+    """The measured choices as GetServerInfo reports them: one per shape and bucket of rows."""
+    rows = []
+    for shape, choice in plan.items():
+        for index, kernel in enumerate(choice.kernels):
+            times = {k: t[index] for k, t in choice.times_us.items() if t[index] is not None}
+            bucket = bucket_name(index)
+            rows.append(KernelChoice(f"linear {shape}", choice.num_layers, bucket, kernel, times))
+    return tuple(rows)
+
+
 @dataclass
 class _StepPlan:
     """A step as scheduled: the batch (None: nothing to run), the requests it ended already,
@@ -228,6 +240,7 @@ class EngineCore:
         configure_engine_threads()
         triton_cache_dir()  # compiled kernels kept in the model cache folder, unless set
         self.thread_budget: ThreadBudget | None = None
+        self.linear_kernels: dict[str, LayerChoice] = {}  # shape -> measured choice (CPU)
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
         self.model_dir = loader.resolve_model_dir(model_config.model)
@@ -407,8 +420,13 @@ class EngineCore:
         if self.device.type != "cpu":
             return model.to(self.device)
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
-            packed = pack_linear_layers(model)
+            self.linear_kernels = plan_linear_kernels(
+                model, loader.cache_root() / "kernels", uniform=config.batch_invariant
+            )
+            packed = pack_linear_layers(model, layouts(self.linear_kernels))
             logger.info("%s", describe_linear_layers(model, packed, config.quantization))
+            for choice in self.linear_kernels.values():
+                logger.info("linear kernels: %s", choice.describe())
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         if self.model_config.batch_invariant:
@@ -452,6 +470,7 @@ class EngineCore:
             structured_output=self.structured_config,
             runner=self.pooling.runner,
             embedding_size=self.pooling.hidden_size,
+            kernels=kernel_choices(self.linear_kernels),
         )
 
     @property

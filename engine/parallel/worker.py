@@ -88,8 +88,11 @@ class Shard:
         if device.type == "cpu":
             from llmrpc.kernels import cpu_ops
             from llmrpc.kernels.linear import pack_linear_layers
+            from llmrpc.kernels.linear_tuning import layouts, plan_linear_kernels
 
-            pack_linear_layers(model)
+            # the same shard shapes as rank 0's: its measurements, where it has cached them
+            plan = plan_linear_kernels(model, loader.cache_root() / "kernels")
+            pack_linear_layers(model, layouts(plan))
             cpu_ops.load()  # the C++ decode attention, as rank 0 uses it
         else:
             model = model.to(device)

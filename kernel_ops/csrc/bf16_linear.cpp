@@ -15,8 +15,17 @@
 // its lm_head (weights from memory), against oneDNN's packed linear: 12.6 vs 15.8 ms at 1 row,
 // 13.2 vs 21.8 at 8, 34.6 vs 39.2 at 32, level at 64, 1.05x its time at 256.
 //
-// Registered as torch.ops.llmrpc_cpu.bf16_linear; bf16_linear_supported() says whether this
-// build has it (AVX512-BF16).
+// A second kernel reads the same layout with AMX tiles (where the CPU has AMX-BF16 and the
+// build its flags): a weight tile is 16 consecutive pair lines of a block (16 pairs x 16 outputs
+// x 2, 64 bytes a line: the layout is AMX's B-tile layout already), an input tile 16 rows x 32
+// inputs of x. Its sums run in the same order: each output's pairs in input order, in one float32
+// chain per output, so whichever kernel serves a row count, a row's output is the same.
+//
+// Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
+// for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the
+// dot-product kernel, 1 the AMX one (none given: the dot products); kernel_ops/linear_tuning.py
+// chooses them by timing both. bf16_linear_supported() says whether this build has the dot
+// products (AVX512-BF16), bf16_amx_supported() whether it has the tiles and Linux granted them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +37,11 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LLMRPC_AMX_BF16 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -117,6 +131,141 @@ void blocks_rows(const Operands& o, int64_t rows, int64_t begin, int64_t end) {
 }
 #endif
 
+#if defined(LLMRPC_AMX_BF16)
+// The tiles' shapes: 0-3 hold sums (rows of input tile m, 16 outputs of weight tile n: tile
+// 2m + n), 4-5 the input tiles m = 0, 1, 6-7 the weight tiles n = 0, 1.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int64_t rows0, int64_t rows1) {
+  TileConfig config;
+  const int64_t rows_of[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    if (rows_of[t] == 0) continue;  // unused: left unconfigured
+    config.rows[t] = static_cast<uint8_t>(rows_of[t]);
+    config.colsb[t] = 64;
+  }
+  // Not _tile_loadconfig: GCC 12 drops the stores into `config` before its builtin (it does not
+  // see the builtin read them); an asm with the config as its memory operand keeps them.
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+
+// Linux gives a process AMX's tile registers only once it asks for them.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr int kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// A sum tile's rows, plus the bias, rounded once into y.
+void store_sums(const Operands& o, const float* sums, int64_t block, int64_t row, int64_t rows) {
+  __m512 bias = _mm512_setzero_ps();
+  if (o.bias != nullptr) {
+    const __m256i bits =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o.bias + 16 * block));
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + 16 * r), bias));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.y + (row + r) * o.ldy + 16 * block),
+                        reinterpret_cast<__m256i>(out));
+  }
+}
+
+// Blocks [block, block + NT) times rows [row, row + rows0 + rows1), MT input tiles of rows0 and
+// rows1 rows (as configured).
+template <int MT, int NT>
+void amx_tile(const Operands& o, int64_t block, int64_t row, int64_t rows0, int64_t rows1) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (MT > 1) _tile_zero(2);
+  if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+  const auto* w0 = reinterpret_cast<const char*>(o.weight + block * o.block_stride);
+  const auto* w1 = w0 + 2 * o.block_stride;
+  const auto* x0 = reinterpret_cast<const char*>(o.x + row * o.ldx);
+  const auto* x1 = x0 + 32 * o.ldx;
+  const int64_t x_stride = 2 * o.ldx;
+  for (int64_t chunk = 0; chunk < o.pairs / 16; ++chunk) {  // 32 inputs a chunk
+    _tile_loadd(6, w0 + 1024 * chunk, 64);
+    if constexpr (NT > 1) _tile_loadd(7, w1 + 1024 * chunk, 64);
+    _tile_loadd(4, x0 + 64 * chunk, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT > 1) {
+      _tile_loadd(5, x1 + 64 * chunk, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[16 * 16];
+  _tile_stored(0, sums, 64);
+  store_sums(o, sums, block, row, rows0);
+  if constexpr (NT > 1) {
+    _tile_stored(1, sums, 64);
+    store_sums(o, sums, block + 1, row, rows0);
+  }
+  if constexpr (MT > 1) {
+    _tile_stored(2, sums, 64);
+    store_sums(o, sums, block, row + 16, rows1);
+  }
+  if constexpr (MT > 1 && NT > 1) {
+    _tile_stored(3, sums, 64);
+    store_sums(o, sums, block + 1, row + 16, rows1);
+  }
+}
+
+template <int MT>
+void amx_blocks(const Operands& o, int64_t row, int64_t rows0, int64_t rows1, int64_t begin,
+                int64_t end) {
+  int64_t b = begin;
+  for (; b + 2 <= end; b += 2) amx_tile<MT, 2>(o, b, row, rows0, rows1);
+  if (b < end) amx_tile<MT, 1>(o, b, row, rows0, rows1);
+}
+
+// Every row for the blocks [begin, end), kAmxBlocks blocks at a time (their weights stay in the
+// L2 cache while every row passes): 32 rows at a time, then the rest, each shape of tiles
+// configured once per group of blocks.
+void amx_blocks_rows(const Operands& o, int64_t rows, int64_t begin, int64_t end) {
+  constexpr int64_t kAmxBlocks = 8;
+  const int64_t full = rows / 32 * 32, rest = rows - full;
+  for (int64_t first = begin; first < end; first += kAmxBlocks) {
+    const int64_t last = std::min(first + kAmxBlocks, end);
+    if (full > 0) {
+      configure_tiles(16, 16);
+      for (int64_t row = 0; row < full; row += 32) amx_blocks<2>(o, row, 16, 16, first, last);
+    }
+    if (rest > 16) {
+      configure_tiles(16, rest - 16);
+      amx_blocks<2>(o, full, 16, rest - 16, first, last);
+    } else if (rest > 0) {
+      configure_tiles(rest, 0);
+      amx_blocks<1>(o, full, rest, 0, first, last);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// Upper ends of the buckets of rows per call that kernel_by_bucket indexes (the last: any more).
+constexpr int64_t kRowBucketEnds[] = {1, 8, 32, 128, 1024};
+
+int64_t row_bucket(int64_t rows) {
+  int64_t bucket = 0;
+  for (const int64_t end : kRowBucketEnds) {
+    if (rows <= end) return bucket;
+    ++bucket;
+  }
+  return bucket;
+}
+
 bool supported() {
 #if defined(__AVX512BF16__)
   return true;
@@ -125,8 +274,16 @@ bool supported() {
 #endif
 }
 
+bool amx_supported() {
+#if defined(LLMRPC_AMX_BF16)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, at::IntArrayRef kernel_by_bucket) {
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() &&
                   weight.scalar_type() == at::kBFloat16 && weight.size(2) == 16 &&
                   weight.size(3) == 2,
@@ -142,6 +299,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                     bias->scalar_type() == at::kBFloat16 && bias->size(0) == blocks * 16,
                 "bf16_linear: bias must be a contiguous bfloat16 vector of ", blocks * 16);
   }
+  TORCH_CHECK(kernel_by_bucket.empty() || kernel_by_bucket.size() == 6,
+              "bf16_linear: kernel_by_bucket takes 6 kernels, one per bucket of rows");
+  const int64_t kernel = kernel_by_bucket.empty() ? 0 : kernel_by_bucket[row_bucket(rows)];
+  TORCH_CHECK(kernel == 0 || kernel == 1, "bf16_linear: kernel ", kernel,
+              " is neither 0 (dot products) nor 1 (AMX tiles)");
+  TORCH_CHECK(kernel == 0 || (amx_supported() && pairs % 16 == 0),
+              "bf16_linear: the AMX kernel needs AMX-BF16 and inputs in multiples of 32");
   auto y = at::empty({rows, blocks * 16}, x.options());
 #if defined(__AVX512BF16__)
   const Operands o{weight.data_ptr<at::BFloat16>(),
@@ -152,6 +316,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                    pairs * 32,
                    pairs * 2,
                    blocks * 16};
+#if defined(LLMRPC_AMX_BF16)
+  if (kernel == 1) {  // threads take pairs of blocks
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      amx_blocks_rows(o, rows, 2 * begin, std::min(2 * end, blocks));
+    });
+    return y;
+  }
+#endif
   // Threads take groups of 4 blocks.
   at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = 4 * begin, last = std::min(4 * end, blocks);
@@ -168,8 +340,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
-  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, int[] kernel_by_bucket=[]) -> Tensor");
   m.def("bf16_linear_supported() -> bool", &supported);
+  m.def("bf16_amx_supported() -> bool", &amx_supported);
 }
 
 TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {

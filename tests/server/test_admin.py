@@ -57,6 +57,21 @@ async def test_server_info_has_version_capabilities_and_config(admin, server: Ru
     assert info.capabilities.device == device and device.split(":")[0] in ("cpu", "cuda")
     assert info.capabilities.kv_cache_bytes == 256 * 2 * 2 * 16 * 2 * 16 * 4
     assert (info.capabilities.device_memory_total_bytes > 0) == (device != "cpu")
+    if device != "cpu":
+        assert not info.kernels
+        return
+    # the tiny model's float32 linear shapes, each with a kernel per bucket of rows, chosen
+    # among the candidates timed here: the fastest of the layout the shape keeps
+    vocab = len(server.tokenization.tokenizer)
+    shapes = {"64x128", "64x64", "64x256", "128x64", f"64x{vocab}"}  # qkv, o, gate_up, down, head
+    assert {k.op.removeprefix("linear float32 ") for k in info.kernels} == shapes
+    for op in {k.op for k in info.kernels}:
+        rows = [k.rows for k in info.kernels if k.op == op]
+        assert rows == ["1", "2-8", "9-32", "33-128", "129-1024", "1025+"]
+    for choice in info.kernels:
+        assert choice.kernel in ("onednn", "torch") and choice.num_layers >= 1
+        if choice.times_us:
+            assert choice.kernel in choice.times_us
 
 
 async def test_model_info_and_list_models(admin, server: RunningServer):

@@ -34,7 +34,7 @@ class ServerCapabilities(_message.Message):
     def __init__(self, tls: _Optional[bool] = ..., auth_required: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., device: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ..., admin_auth_required: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "api_version", "capabilities", "config")
+    __slots__ = ("version", "api_version", "capabilities", "config", "kernels")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,11 +46,34 @@ class GetServerInfoResponse(_message.Message):
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     version: str
     api_version: str
     capabilities: ServerCapabilities
     config: _containers.ScalarMap[str, str]
-    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., capabilities: _Optional[_Union[ServerCapabilities, _Mapping]] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kernels: _containers.RepeatedCompositeFieldContainer[KernelChoice]
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., capabilities: _Optional[_Union[ServerCapabilities, _Mapping]] = ..., config: _Optional[_Mapping[str, str]] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ...) -> None: ...
+
+class KernelChoice(_message.Message):
+    __slots__ = ("op", "num_layers", "rows", "kernel", "times_us")
+    class TimesUsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    OP_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    TIMES_US_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    num_layers: int
+    rows: str
+    kernel: str
+    times_us: _containers.ScalarMap[str, float]
+    def __init__(self, op: _Optional[str] = ..., num_layers: _Optional[int] = ..., rows: _Optional[str] = ..., kernel: _Optional[str] = ..., times_us: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model",)

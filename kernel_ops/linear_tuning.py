@@ -1,0 +1,357 @@
+"""Which kernel computes each floating-point linear layer on the CPU: chosen by timing every
+candidate on this machine, per layer shape and per bucket of rows a call takes.
+
+The candidates (those the layer and the CPU allow):
+- ``blocked-avx512bf16``: our blocked layout, AVX512-BF16 dot products (``csrc/bf16_linear.cpp``);
+- ``blocked-amx``: the same layout and weights, AMX tiles (the same file);
+- ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``);
+- ``torch``: the plain weight and ``torch.nn.functional.linear``.
+
+Each is timed over the model's own layers of that shape, in order as a step reads them (up to
+``TIMED_BYTES`` of weights, so that small layers come from memory as in a step, not from a warm
+cache; past 32 rows, where a call is compute-bound, on one layer), at ``TIMED_ROWS`` rows for each
+bucket of ``ROW_BUCKETS``. A layer keeps one layout (its
+weights are held once): the layout whose best kernels lose least against the best of all over the
+buckets (the sum of log time ratios); inside the blocked layout each call then takes the kernel
+timed fastest for its bucket (``BlockedLinear.kernel_by_bucket``). A tied embedding's layer stays in
+the blocked layout wherever it fits, which serves the embedding's rows from the same weights: any
+other layout would hold that weight twice. The two blocked kernels round their float32 sums the
+same way but not bit for bit alike (AMX accumulates a pair's products its own way), so under
+``--batch-invariant`` a layer takes one kernel for every bucket.
+
+Measurements are cached in a JSON file per machine (CPU model and flags, thread count, the kernels'
+build and torch's version), under the model cache folder: a later start on the same machine reads
+them, and times only shapes it has not seen. The whole measurement is bounded by ``BUDGET_S``
+(buckets left untimed take the last timed bucket's choice, and the log says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.linear import (
+    BlockedLinear,
+    Layout,
+    PackedLinear,
+    can_pack,
+    shape_key,
+    tied_embeddings,
+)
+
+logger = logging.getLogger(__name__)
+
+# (first, last) rows of each bucket a call's row count falls in; None: no upper end. The C++
+# kernel indexes kernel_by_bucket by the same bounds (kRowBucketEnds).
+ROW_BUCKETS: tuple[tuple[int, int | None], ...] = (
+    (1, 1), (2, 8), (9, 32), (33, 128), (129, 1024), (1025, None),
+)  # fmt: skip
+TIMED_ROWS = (1, 8, 32, 128, 512, 2048)  # the rows each bucket is timed at
+TIMED_BYTES = 32 * 2**20  # weights each timed pass reads, cycling the shape's layers
+SLICE_BYTES = 64 * 2**20  # a larger layer is timed on its first outputs (time scales with them)
+MAX_FLOP = 4e9  # per timed call: larger buckets are timed at fewer rows (never under the first)
+REPEATS = 3  # timed passes per candidate and bucket (the fastest counts), after one warm-up
+BUDGET_S = 8.0
+KERNELS = ("blocked-avx512bf16", "blocked-amx", "onednn", "torch")
+LAYOUT = {"blocked-avx512bf16": "blocked", "blocked-amx": "blocked", "onednn": "onednn"}
+LAYOUT["torch"] = "plain"
+BLOCKED_KERNEL_IDS = {"blocked-avx512bf16": 0, "blocked-amx": 1}  # csrc/bf16_linear.cpp's ids
+
+
+def row_bucket(rows: int) -> int:
+    """The index in ``ROW_BUCKETS`` of a call of ``rows`` rows."""
+    for index, (_, last) in enumerate(ROW_BUCKETS):
+        if last is None or rows <= last:
+            return index
+    raise AssertionError("the last bucket has no end")
+
+
+def bucket_name(index: int) -> str:
+    first, last = ROW_BUCKETS[index]
+    return str(first) if first == last else f"{first}-{last}" if last else f"{first}+"
+
+
+def candidates(linear: nn.Linear) -> list[str]:
+    """The kernels that can compute ``linear`` here."""
+    names = []
+    if BlockedLinear.fits(linear):
+        names.append("blocked-avx512bf16")
+        if linear.in_features % 32 == 0 and torch.ops.llmrpc_cpu.bf16_amx_supported():
+            names.append("blocked-amx")
+    if can_pack(linear.weight.dtype, linear.weight.device):
+        names.append("onednn")
+    names.append("torch")
+    return names
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """What a shape's layers run: one layout, a kernel per bucket, and the times behind it."""
+
+    shape: str
+    num_layers: int
+    layout: str  # blocked, onednn or plain
+    kernels: tuple[str, ...]  # per bucket of ROW_BUCKETS
+    times_us: dict[str, list[float | None]]  # kernel -> per bucket (None: not timed)
+    measured: bool = True  # False: no measurement (the default rule chose)
+
+    def describe(self) -> str:
+        if not self.measured:
+            return f"{self.shape} ({self.num_layers} layers): {self.kernels[0]} (not measured)"
+        parts = []
+        for index, kernel in enumerate(self.kernels):
+            spent = self.times_us.get(kernel, [None] * len(ROW_BUCKETS))[index]
+            shown = f" {spent:.0f} us" if spent is not None else " (untimed)"
+            parts.append(f"{bucket_name(index)} rows {kernel}{shown}")
+        return f"{self.shape} ({self.num_layers} layers, {self.layout} layout): " + ", ".join(parts)
+
+
+def default_choice(linear: nn.Linear, num_layers: int = 1) -> LayerChoice:
+    """Without a measurement: the blocked layout's dot products where they fit, else oneDNN, else
+    the plain weight."""
+    names = candidates(linear)
+    kernel = next(k for k in ("blocked-avx512bf16", "onednn", "torch") if k in names)
+    kernels = (kernel,) * len(ROW_BUCKETS)
+    return LayerChoice(shape_key(linear), num_layers, LAYOUT[kernel], kernels, {}, False)
+
+
+def choose(
+    shape: str, num_layers: int, times: dict[str, list[float | None]], tied: bool, uniform: bool
+) -> LayerChoice:
+    """The layout and per-bucket kernels that ``times`` (microseconds per layer) favour."""
+    timed = [i for i in range(len(ROW_BUCKETS)) if any(t[i] is not None for t in times.values())]
+    best = {i: min(t[i] for t in times.values() if t[i] is not None) for i in timed}
+    by_layout: dict[str, list[str]] = {}
+    for kernel in times:
+        by_layout.setdefault(LAYOUT[kernel], []).append(kernel)
+
+    def loss(kernels: Iterable[str], index: int) -> float:
+        spent = [times[k][index] for k in kernels if times[k][index] is not None]
+        # none timed here: dropped earlier as 3x slower than the best (time_shape)
+        return math.log(min(spent) / best[index]) if spent else math.log(3)
+
+    if (tied or uniform) and "blocked" in by_layout:  # one weight; or one reduction order
+        layout = "blocked"
+    else:
+        layout = min(by_layout, key=lambda name: sum(loss(by_layout[name], i) for i in timed))
+    members = by_layout[layout]
+    if uniform:  # one kernel for every row count
+        kernel = min(members, key=lambda name: sum(loss([name], i) for i in timed))
+        return LayerChoice(shape, num_layers, layout, (kernel,) * len(ROW_BUCKETS), times)
+    kernels, previous = [], members[0]
+    for index in range(len(ROW_BUCKETS)):
+        if index in timed and any(times[k][index] is not None for k in members):
+            previous = min(
+                (k for k in members if times[k][index] is not None), key=lambda k: times[k][index]
+            )
+        kernels.append(previous)  # an untimed bucket keeps the last timed bucket's choice
+    return LayerChoice(shape, num_layers, layout, tuple(kernels), times)
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+
+def _module(linear: nn.Linear, kernel: str) -> nn.Module:
+    if LAYOUT[kernel] == "blocked":
+        module = BlockedLinear(linear)
+        module.kernel_by_bucket = [BLOCKED_KERNEL_IDS[kernel]] * len(ROW_BUCKETS)
+        return module
+    return PackedLinear(linear) if kernel == "onednn" else linear
+
+
+def _timed_slices(layers: list[nn.Linear]) -> list[nn.Linear]:
+    """The layers a pass reads: the first outputs of a layer past SLICE_BYTES, as many layers
+    (cycling) as make TIMED_BYTES."""
+    first = layers[0]
+    row_bytes = first.in_features * first.weight.element_size()
+    out = min(first.out_features, max(64, SLICE_BYTES // row_bytes // 64 * 64))
+    sliced = [_slice(layer, out) for layer in layers]
+    count = max(1, min(len(sliced), -(-TIMED_BYTES // (out * row_bytes))))
+    return sliced[:count]
+
+
+def _slice(linear: nn.Linear, out: int) -> nn.Linear:
+    if out == linear.out_features:
+        return linear
+    part = nn.Linear(linear.in_features, out, bias=linear.bias is not None)
+    part = part.to(dtype=linear.weight.dtype)
+    with torch.no_grad():
+        part.weight.copy_(linear.weight[:out])
+        if linear.bias is not None:
+            part.bias.copy_(linear.bias[:out])
+    return part
+
+
+def _pass_time(modules: list[nn.Module], x: torch.Tensor) -> float:
+    """Seconds per layer of the fastest of REPEATS passes over ``modules`` (after a warm-up)."""
+    fastest = math.inf
+    for repeat in range(REPEATS + 1):
+        started = time.perf_counter()
+        for module in modules:
+            module(x)
+        if repeat:
+            fastest = min(fastest, time.perf_counter() - started)
+    return fastest / len(modules)
+
+
+@torch.inference_mode()
+def time_shape(
+    layers: list[nn.Linear],
+    kernels: list[str],
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, list[float | None]]:
+    """Microseconds per layer of each kernel in each bucket; None where the bucket was not timed
+    (past ``deadline``, or its rows past MAX_FLOP even at the bucket's first row count)."""
+    sliced = _timed_slices(layers)
+    first = sliced[0]
+    flop_per_row = 2 * first.in_features * first.out_features
+    times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in kernels}
+    alive = list(kernels)
+    generator = torch.Generator().manual_seed(0)
+    for index, rows in enumerate(TIMED_ROWS):
+        low = ROW_BUCKETS[index][0]
+        rows = max(low, min(rows, int(MAX_FLOP // flop_per_row)))
+        if clock() > deadline or rows * flop_per_row > 4 * MAX_FLOP:
+            break
+        x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.dtype)
+        # up to 32 rows a call reads its weights from memory, as a step does; past that it is
+        # compute-bound, and one layer (warm) stands for all
+        passed = sliced if rows <= 32 else sliced[:1]
+        for kernel in alive:
+            modules = [_module(layer, kernel) for layer in passed]
+            times[kernel][index] = _pass_time(modules, x) * 1e6
+        fastest = min(times[k][index] for k in alive)
+        if rows > 32:  # compute-bound from here: a kernel 3x behind does not catch up
+            alive = [k for k in alive if times[k][index] <= 3 * fastest]
+    return times
+
+
+# --- the cache -------------------------------------------------------------------------------
+
+
+def machine_key() -> dict[str, str]:
+    """What the measurements depend on: the CPU, the thread count, the kernels' build, torch."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model.strip():
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    build = cpu_ops.build_directory().name if cpu_ops.loaded() else "no C++ kernels"
+    return {
+        "cpu": model,
+        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "threads": str(torch.get_num_threads()),
+        "build": build,
+        "torch": torch.__version__,
+    }
+
+
+def cache_file(folder: Path) -> Path:
+    key = json.dumps(machine_key(), sort_keys=True)
+    return folder / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data["shapes"] if data.get("key") == machine_key() else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write(path: Path, shapes: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps({"key": machine_key(), "shapes": shapes}, indent=1))
+        os.replace(partial, path)
+    except OSError as error:  # a read-only cache: measured again at the next start
+        logger.warning("could not save the kernel measurements in %s: %s", path, error)
+
+
+# --- the plan for a model ------------------------------------------------------------------
+
+
+def measure(
+    groups: dict[str, list[nn.Linear]],
+    tied: set[str],
+    cache_folder: Path | None,
+    uniform: bool = False,
+    forced: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, LayerChoice]:
+    """A choice for each shape in ``groups`` (shape key -> its layers, in model order): read
+    from the cache, else timed now (and cached). ``forced`` makes every layer take one kernel
+    where it can (tests)."""
+    path = cache_file(cache_folder) if cache_folder is not None else None
+    known = _read(path) if path is not None else {}
+    started = clock()
+    deadline = started + BUDGET_S
+    plan, timed, cut = {}, 0, False
+    for shape, layers in groups.items():
+        kernels = candidates(layers[0])
+        if forced is not None:
+            kernel = forced if forced in kernels else default_choice(layers[0]).kernels[0]
+            one = {kernel: [1.0] * len(ROW_BUCKETS)}
+            plan[shape] = choose(shape, len(layers), one, tied=False, uniform=True)
+            continue
+        times = known.get(shape)
+        if times is None or set(times) != set(kernels):
+            times = time_shape(layers, kernels, deadline, clock)
+            cut |= clock() > deadline
+            known[shape] = times
+            timed += 1
+        plan[shape] = choose(shape, len(layers), times, shape in tied, uniform)
+    if timed:
+        logger.info(
+            "timed the linear kernels for %d layer shape%s in %.1f s%s",
+            timed, "" if timed == 1 else "s", clock() - started,
+            f" (the rest past the {BUDGET_S:.0f} s budget take the last timed choice)" if cut
+            else "",
+        )  # fmt: skip
+        if path is not None:
+            _write(path, known)
+    return plan
+
+
+def plan_linear_kernels(
+    model: nn.Module, cache_folder: Path | None, uniform: bool = False, forced: str | None = None
+) -> dict[str, LayerChoice]:
+    """The choice for each shape of ``model``'s packable linear layers (call before packing)."""
+    groups: dict[str, list[nn.Linear]] = {}
+    tied = set()
+    embeddings = tied_embeddings(model)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is not nn.Linear or not can_pack(weight.dtype, weight.device):
+            continue
+        groups.setdefault(shape_key(module), []).append(module)
+        if id(weight) in embeddings:
+            tied.add(shape_key(module))
+    return measure(groups, tied, cache_folder, uniform, forced)
+
+
+def layouts(plan: dict[str, LayerChoice]) -> dict[str, Layout]:
+    """What ``pack_linear_layers`` takes: each shape's layout and blocked kernel ids by bucket."""
+    return {
+        shape: (choice.layout, [BLOCKED_KERNEL_IDS.get(k, 0) for k in choice.kernels])
+        for shape, choice in plan.items()
+    }

@@ -1,0 +1,225 @@
+"""Linear kernels chosen by measurement (kernel_ops/linear_tuning.py): the AMX tile kernel over the
+blocked layout, the per-bucket dispatch inside the C++ op, the choice rules, the cache, and every
+candidate forced through the same model within its tolerance."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from llmrpc.kernels import cpu_ops, linear_tuning
+from llmrpc.kernels.linear import BlockedLinear, PackedLinear, RowsEmbedding, pack_linear_layers
+from llmrpc.kernels.linear_tuning import ROW_BUCKETS, choose, row_bucket
+
+BLOCKED = cpu_ops.load() and torch.ops.llmrpc_cpu.bf16_linear_supported()
+AMX = BLOCKED and torch.ops.llmrpc_cpu.bf16_amx_supported()
+needs_amx = pytest.mark.skipif(not AMX, reason="the tile kernel needs a CPU with AMX-BF16")
+EDGES = [1, 2, 8, 9, 32, 33, 128, 129, 1024, 1025]  # each bucket's ends
+
+
+def _linear(out_features: int, in_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    return linear
+
+
+def _rows(rows: int, in_features: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 64), (208, 576)])
+def test_the_tile_kernel_gives_the_exact_products_rounded(out_features, in_features, rows):
+    """As the dot-product kernel's bound: bfloat16 rounding of the output plus float32 rounding
+    of the running sum; odd block counts and row tails of each tile shape."""
+    linear, x = _linear(out_features, in_features), _rows(rows, in_features)
+    exact = x.double() @ linear.weight.double().T + linear.bias.double()
+    magnitude = x.double().abs() @ linear.weight.double().abs().T
+    bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-23 + 1e-30
+    layer = BlockedLinear(linear)
+    layer.kernel_by_bucket = [1] * len(ROW_BUCKETS)
+    error = (layer(x).double() - exact).abs()
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
+
+
+@needs_amx
+def test_a_rows_tile_output_is_the_same_alone_and_in_any_batch():
+    layer = BlockedLinear(_linear(80, 96))
+    layer.kernel_by_bucket = [1] * len(ROW_BUCKETS)
+    x = _rows(70, 96)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(70)])
+    for rows in (2, 15, 16, 17, 32, 33, 48, 70):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@needs_amx
+def test_each_call_takes_its_buckets_kernel():
+    """The C++ op's buckets are Python's: at each bucket's ends the output is the one of the
+    kernel named for that bucket (the two kernels differ in some last bits, which shows it)."""
+    layer = BlockedLinear(_linear(4096, 576))
+    op = torch.ops.llmrpc_cpu.bf16_linear
+    by_bucket = [0, 1, 0, 1, 0, 1]
+    differed = 0
+    for rows in EDGES:
+        x = _rows(rows, 576, seed=rows)
+        chosen = by_bucket[row_bucket(rows)]
+        out = op(x, layer.weight_blocks, layer.bias, by_bucket)
+        assert torch.equal(out, op(x, layer.weight_blocks, layer.bias, [chosen] * 6)), rows
+        differed += not torch.equal(out, op(x, layer.weight_blocks, layer.bias, [1 - chosen] * 6))
+    assert differed >= 5
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+def test_the_op_refuses_a_bad_kernel_list():
+    layer = BlockedLinear(_linear(16, 64))
+    op, x = torch.ops.llmrpc_cpu.bf16_linear, _rows(3, 64)
+    with pytest.raises(RuntimeError, match="takes 6 kernels"):
+        op(x, layer.weight_blocks, layer.bias, [0, 1])
+    with pytest.raises(RuntimeError, match="neither 0"):
+        op(x, layer.weight_blocks, layer.bias, [2] * 6)
+    if AMX:  # 64 inputs pass; 48 are not a multiple of 32
+        layer = BlockedLinear(_linear(16, 48))
+        with pytest.raises(RuntimeError, match="multiples of 32"):
+            op(_rows(3, 48), layer.weight_blocks, layer.bias, [1] * 6)
+
+
+def test_row_buckets():
+    assert [row_bucket(r) for r in EDGES] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert [linear_tuning.bucket_name(i) for i in range(6)] == [
+        "1", "2-8", "9-32", "33-128", "129-1024", "1025+",
+    ]  # fmt: skip
+
+
+# --- the choice ------------------------------------------------------------------------------
+
+TIMES = {  # microseconds per layer, per bucket
+    "blocked-avx512bf16": [10.0, 20, 80, 300, None, None],
+    "blocked-amx": [11.0, 12, 14.5, 36, 125, 520],
+    "onednn": [14.0, 13, 14, 35, 120, 500],
+    "torch": [30.0, 31, 33, 60, 160, 560],
+}
+
+
+def test_a_layout_by_its_losses_and_each_bucket_its_fastest_kernel():
+    choice = choose("bfloat16 576x576", 60, TIMES, tied=False, uniform=False)
+    # blocked loses log(14.5/14) + log(36/35) + ... = 0.14 to the best, oneDNN log(14/10) + ...
+    assert choice.layout == "blocked"
+    assert choice.kernels == ("blocked-avx512bf16",) + ("blocked-amx",) * 5
+    slower = {**TIMES, "blocked-amx": [11.0, 20, 28, 80, 300, 1200]}
+    choice = choose("bfloat16 576x576", 60, slower, tied=False, uniform=False)
+    assert choice.layout == "onednn" and set(choice.kernels) == {"onednn"}
+    # a tied layer keeps the layout that serves its embedding's rows; so does batch invariance,
+    # with one kernel for every row count
+    assert choose("s", 1, slower, tied=True, uniform=False).layout == "blocked"
+    uniform = choose("s", 1, slower, tied=False, uniform=True)
+    assert uniform.layout == "blocked" and uniform.kernels == ("blocked-amx",) * 6
+
+
+def test_an_untimed_bucket_takes_the_last_timed_choice():
+    times = {"onednn": [5.0, 5, 6, None, None, None], "torch": [4.0, 6, 7, None, None, None]}
+    choice = choose("float32 64x64", 2, times, tied=False, uniform=False)
+    assert choice.layout == "onednn"  # log(5/4) lost at 1 row, log(6/5)+log(7/6) won after
+    assert choice.kernels == ("onednn",) * 6
+    assert "33-128 rows onednn (untimed)" in choice.describe()
+
+
+# --- measuring a model -----------------------------------------------------------------------
+
+
+class _Model(nn.Module):
+    """Two layer shapes (one repeated) and a head tied to the embedding."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.embed = nn.Embedding(96, 64).to(dtype)
+        self.up = nn.ModuleList(nn.Linear(64, 128).to(dtype) for _ in range(2))
+        self.down = nn.Linear(128, 64, bias=False).to(dtype)
+        self.head = nn.Linear(64, 96, bias=False).to(dtype)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        for up in self.up:
+            hidden = hidden + self.down(torch.relu(up(hidden)))
+        return self.head(hidden)
+
+
+def _reference(dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.arange(40) % 96
+    model = _Model(dtype).double()
+    with torch.no_grad():
+        return ids, model(ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel", linear_tuning.KERNELS)
+def test_every_candidate_forced_gives_the_models_output_within_its_tolerance(dtype, kernel):
+    model = _Model(dtype)
+    names = linear_tuning.candidates(model.down)
+    if kernel not in names:
+        pytest.skip(f"{kernel} cannot run {dtype} here")
+    plan = linear_tuning.plan_linear_kernels(model, None, forced=kernel)
+    assert {choice.kernels for choice in plan.values()} == {(kernel,) * 6}
+    pack_linear_layers(model, linear_tuning.layouts(plan))
+    expected_type = {"blocked": BlockedLinear, "onednn": PackedLinear, "plain": nn.Linear}
+    assert type(model.down) is expected_type[linear_tuning.LAYOUT[kernel]]
+    if kernel.startswith("blocked"):
+        assert type(model.embed) is RowsEmbedding  # the tied head's weight, held once
+    ids, exact = _reference(dtype)
+    with torch.inference_mode():
+        out = model(ids).double()
+    # bfloat16: three roundings of activations of order 1 in a residual stack; float32: sums
+    tolerance = 0.15 if dtype == torch.bfloat16 else 1e-4
+    assert (out - exact).abs().max().item() < tolerance * max(1.0, exact.abs().max().item())
+
+
+def test_a_second_start_reads_the_cache_and_another_machine_does_not(tmp_path, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="llmrpc.kernels.linear_tuning"):
+        first = linear_tuning.plan_linear_kernels(_Model(torch.float32), tmp_path)
+    assert any("timed the linear kernels for 3 layer shapes" in r.message for r in caplog.records)
+    (saved,) = tmp_path.glob("linear-*.json")
+    data = json.loads(saved.read_text())
+    assert data["key"]["threads"] == str(torch.get_num_threads())
+    assert set(data["shapes"]) == {"float32 64x128 bias", "float32 128x64", "float32 64x96"}
+
+    def no_timing(*args):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(linear_tuning, "time_shape", no_timing)
+    again = linear_tuning.plan_linear_kernels(_Model(torch.float32), tmp_path)
+    assert again == first
+    key = {**linear_tuning.machine_key(), "cpu": "another CPU"}
+    monkeypatch.setattr(linear_tuning, "machine_key", lambda: key)
+    with pytest.raises(AssertionError, match="timed again"):
+        linear_tuning.plan_linear_kernels(_Model(torch.float32), tmp_path)
+
+
+def test_the_measurement_stops_at_its_budget(caplog):
+    """Past the budget the remaining buckets go untimed and take the last timed choice."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.7 * linear_tuning.BUDGET_S  # past the budget at the second look
+        return now[0]
+
+    layers = [nn.Linear(64, 128)]
+    with caplog.at_level(logging.INFO, logger="llmrpc.kernels.linear_tuning"):
+        plan = linear_tuning.measure({"float32 64x128 bias": layers}, set(), None, clock=clock)
+    (choice,) = plan.values()
+    timed = [i for i in range(6) if choice.times_us["onednn"][i] is not None]
+    assert timed == [0]
+    assert len(set(choice.kernels)) == 1
+    assert any("past the 8 s budget" in r.message for r in caplog.records)
