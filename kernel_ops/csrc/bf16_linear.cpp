@@ -11,9 +11,9 @@
 // broadcast NB blocks. Up to 6 rows, 4 blocks x every row; 7 to 12 rows, 2 blocks x every row
 // (the weights are read once either way); past 12, 4 blocks x up to 6 rows, rows shared evenly
 // between the tiles. The weights are prefetched 16 KB ahead in the order the tiles read them,
-// which oneDNN's packed GEMV does not do. Measured with 1 thread over SmolLM2's 30 layers and
-// its lm_head (weights from memory), against oneDNN's packed linear: 12.6 vs 15.8 ms at 1 row,
-// 13.2 vs 21.8 at 8, 34.6 vs 39.2 at 32, level at 64, 1.05x its time at 256.
+// which oneDNN's packed GEMV does not do. Which kernel serves which row counts is measured on the
+// machine at start-up (kernel_ops/linear_tuning.py; docs/performance.md has figures, each with its
+// CPU; on the Intel Xeon with AMX measured there, dot products won at one row, AMX tiles past it).
 //
 // A second kernel reads the same layout with AMX tiles (where the CPU has AMX-BF16 and the
 // build its flags): a weight tile is 16 consecutive pair lines of a block (16 pairs x 16 outputs
