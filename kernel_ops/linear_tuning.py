@@ -15,9 +15,9 @@ weights are held once): the layout whose best kernels lose least against the bes
 buckets (the sum of log time ratios); inside the blocked layout each call then takes the kernel
 timed fastest for its bucket (``BlockedLinear.kernel_by_bucket``). A tied embedding's layer stays in
 the blocked layout wherever it fits, which serves the embedding's rows from the same weights: any
-other layout would hold that weight twice. The two blocked kernels round their float32 sums the
-same way but not bit for bit alike (AMX accumulates a pair's products its own way), so under
-``--batch-invariant`` a layer takes one kernel for every bucket.
+other layout would hold that weight twice. The two blocked kernels sum in the same order but
+not bit for bit alike (AMX adds a pair's two products its own way), so under ``--batch-invariant``
+a layer takes one kernel for every bucket.
 
 Measurements are cached in a JSON file per machine (CPU model and flags, thread count, the kernels'
 build and torch's version), under the model cache folder: a later start on the same machine reads

@@ -18,8 +18,10 @@
 // A second kernel reads the same layout with AMX tiles (where the CPU has AMX-BF16 and the
 // build its flags): a weight tile is 16 consecutive pair lines of a block (16 pairs x 16 outputs
 // x 2, 64 bytes a line: the layout is AMX's B-tile layout already), an input tile 16 rows x 32
-// inputs of x. Its sums run in the same order: each output's pairs in input order, in one float32
-// chain per output, so whichever kernel serves a row count, a row's output is the same.
+// inputs of x. Each output's pairs are summed in input order in one float32 chain, so a row's
+// output does not depend on the rows beside it either; but the tiles add a pair's two products
+// their own way, so the two kernels differ in some outputs' last bit (both within the rounding
+// bound the tests check). --batch-invariant therefore gives a layer one kernel for every call.
 //
 // Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
 // for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the

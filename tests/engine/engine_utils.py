@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from llmrpc.engine.config import (
     CacheConfig,
@@ -114,3 +115,15 @@ def transformers_perplexity(model, ids: list[int]) -> float:
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     return math.exp(nll.item())
+
+
+def bf16_linear_case(out_features: int, in_features: int, rows: int, bias: bool, seed: int = 0):
+    """A bfloat16 ``nn.Linear`` of normal weights (and bias) and ``rows`` normal inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    return linear, x

@@ -8,7 +8,13 @@ import math
 
 import pytest
 import torch
-from engine_utils import FIXED_TEXT, engine_perplexity, make_core, transformers_perplexity
+from engine_utils import (
+    FIXED_TEXT,
+    bf16_linear_case,
+    engine_perplexity,
+    make_core,
+    transformers_perplexity,
+)
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -26,24 +32,13 @@ SHAPES = [(16, 2), (48, 64), (80, 96), (192, 576)]
 ROWS = [1, 2, 5, 6, 7, 12, 13, 32, 37, 100]
 
 
-def _case(out_features: int, in_features: int, rows: int, bias: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    linear = nn.Linear(in_features, out_features, bias=bias).bfloat16()
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
-        if bias:
-            linear.bias.copy_(torch.randn(out_features, generator=gen))
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    return linear, x
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_products_are_the_exact_ones_rounded(out_features, in_features, rows, bias):
     """Within the bfloat16 rounding of the output (half a unit in its last place) plus float32
     rounding of the running sum: a wrong pairing, block, row or bias is off by about |x| |w|."""
-    linear, x = _case(out_features, in_features, rows, bias)
+    linear, x = bf16_linear_case(out_features, in_features, rows, bias)
     exact = x.double() @ linear.weight.double().T
     if bias:
         exact += linear.bias.double()
@@ -57,7 +52,7 @@ def test_products_are_the_exact_ones_rounded(out_features, in_features, rows, bi
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_a_rows_output_is_the_same_alone_and_in_any_batch(out_features, in_features):
-    linear, x = _case(out_features, in_features, 40, bias=True, seed=1)
+    linear, x = bf16_linear_case(out_features, in_features, 40, bias=True, seed=1)
     layer = BlockedLinear(linear)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
     for rows in range(1, 41):
@@ -65,7 +60,7 @@ def test_a_rows_output_is_the_same_alone_and_in_any_batch(out_features, in_featu
 
 
 def test_the_same_bits_on_one_thread_and_on_two():
-    linear, x = _case(4096, 576, 19, bias=True, seed=2)
+    linear, x = bf16_linear_case(4096, 576, 19, bias=True, seed=2)
     layer = BlockedLinear(linear)
     threads = torch.get_num_threads()
     try:
@@ -79,7 +74,7 @@ def test_the_same_bits_on_one_thread_and_on_two():
 
 
 def test_any_leading_shape_and_strided_input():
-    linear, x = _case(48, 64, 10, bias=True, seed=3)
+    linear, x = bf16_linear_case(48, 64, 10, bias=True, seed=3)
     layer = BlockedLinear(linear)
     batched = x.view(2, 5, 64)
     assert torch.equal(layer(batched), layer(x).view(2, 5, 48))
@@ -88,7 +83,7 @@ def test_any_leading_shape_and_strided_input():
 
 
 def test_wrong_layouts_are_refused():
-    linear, x = _case(48, 64, 3, bias=False)
+    linear, x = bf16_linear_case(48, 64, 3, bias=False)
     blocks = BlockedLinear(linear).weight_blocks
     op = torch.ops.llmrpc_cpu.bf16_linear
     with pytest.raises(ValueError, match="input has 10 features, the layer takes 64"):

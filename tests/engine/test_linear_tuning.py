@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from engine_utils import bf16_linear_case
 from torch import nn
 
 from llmrpc.kernels import cpu_ops, linear_tuning
@@ -22,13 +23,7 @@ EDGES = [1, 2, 8, 9, 32, 33, 128, 129, 1024, 1025]  # each bucket's ends
 
 
 def _linear(out_features: int, in_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
-    gen = torch.Generator().manual_seed(seed)
-    linear = nn.Linear(in_features, out_features, bias=bias).bfloat16()
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
-        if bias:
-            linear.bias.copy_(torch.randn(out_features, generator=gen))
-    return linear
+    return bf16_linear_case(out_features, in_features, 0, bias, seed)[0]
 
 
 def _rows(rows: int, in_features: int, seed: int = 1) -> torch.Tensor:
