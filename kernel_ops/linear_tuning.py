@@ -4,8 +4,11 @@ candidate on this machine, per layer shape and per bucket of rows a call takes.
 The candidates (those the layer and the CPU allow):
 - ``blocked-avx512bf16``: our blocked layout, AVX512-BF16 dot products (``csrc/bf16_linear.cpp``);
 - ``blocked-amx``: the same layout and weights, AMX tiles (the same file);
-- ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``);
-- ``torch``: the plain weight and ``torch.nn.functional.linear``.
+- ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``).
+
+Not a candidate: the plain weight with ``torch.nn.functional.linear``, which reorders the weight on
+every call (the slowest in every bucket where it was timed, docs/performance.md) and in float32 goes
+to a GEMM whose sums depend on the rows of the call, so seeded outputs would change with the batch.
 
 Each is timed over the model's own layers of that shape, in order as a step reads them (up to
 ``TIMED_BYTES`` of weights, so that small layers come from memory as in a step, not from a warm
@@ -64,9 +67,8 @@ SLICE_BYTES = 64 * 2**20  # a larger layer is timed on its first outputs (time s
 MAX_FLOP = 4e9  # per timed call: larger buckets are timed at fewer rows (never under the first)
 REPEATS = 3  # timed passes per candidate and bucket (the fastest counts), after one warm-up
 BUDGET_S = 8.0
-KERNELS = ("blocked-avx512bf16", "blocked-amx", "onednn", "torch")
+KERNELS = ("blocked-avx512bf16", "blocked-amx", "onednn")
 LAYOUT = {"blocked-avx512bf16": "blocked", "blocked-amx": "blocked", "onednn": "onednn"}
-LAYOUT["torch"] = "plain"
 BLOCKED_KERNEL_IDS = {"blocked-avx512bf16": 0, "blocked-amx": 1}  # csrc/bf16_linear.cpp's ids
 
 
@@ -92,7 +94,6 @@ def candidates(linear: nn.Linear) -> list[str]:
             names.append("blocked-amx")
     if can_pack(linear.weight.dtype, linear.weight.device):
         names.append("onednn")
-    names.append("torch")
     return names
 
 
@@ -102,7 +103,7 @@ class LayerChoice:
 
     shape: str
     num_layers: int
-    layout: str  # blocked, onednn or plain
+    layout: str  # blocked or onednn
     kernels: tuple[str, ...]  # per bucket of ROW_BUCKETS
     times_us: dict[str, list[float | None]]  # kernel -> per bucket (None: not timed)
     measured: bool = True  # False: no measurement (the default rule chose)
@@ -119,10 +120,9 @@ class LayerChoice:
 
 
 def default_choice(linear: nn.Linear, num_layers: int = 1) -> LayerChoice:
-    """Without a measurement: the blocked layout's dot products where they fit, else oneDNN, else
-    the plain weight."""
+    """Without a measurement: the blocked layout's dot products where they fit, else oneDNN."""
     names = candidates(linear)
-    kernel = next(k for k in ("blocked-avx512bf16", "onednn", "torch") if k in names)
+    kernel = next(k for k in ("blocked-avx512bf16", "onednn") if k in names)
     kernels = (kernel,) * len(ROW_BUCKETS)
     return LayerChoice(shape_key(linear), num_layers, LAYOUT[kernel], kernels, {}, False)
 
@@ -168,7 +168,7 @@ def _module(linear: nn.Linear, kernel: str) -> nn.Module:
         module = BlockedLinear(linear)
         module.kernel_by_bucket = [BLOCKED_KERNEL_IDS[kernel]] * len(ROW_BUCKETS)
         return module
-    return PackedLinear(linear) if kernel == "onednn" else linear
+    return PackedLinear(linear)
 
 
 def _timed_slices(layers: list[nn.Linear]) -> list[nn.Linear]:
