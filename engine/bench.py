@@ -344,13 +344,18 @@ def format_table(results: dict) -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        code = run(args)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
         print(f"llmrpc: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
+    # End here, without the interpreter's teardown: after an -O3 run, a compile worker's C++
+    # thread destroyed at exit while still joinable aborted the process (-6) after its results.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -391,8 +396,4 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     if args.output_json:
         args.output_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    # End here, without the interpreter's teardown: after an -O3 run, a compile worker's C++
-    # thread destroyed at exit while still joinable aborted the process (-6) after its results.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0

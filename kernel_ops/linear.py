@@ -149,8 +149,8 @@ Layout = tuple[str, list[int]]
 
 def pack_linear_layers(model: nn.Module, layouts: dict[str, Layout] | None = None) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` whose weight can be packed by the layout
-    ``layouts`` gives its shape (``blocked``, ``onednn``, or ``plain``: left as it is); for a
-    shape it lacks, ``BlockedLinear`` where it fits, else ``PackedLinear``. The unpacked weights
+    ``layouts`` gives its shape (``blocked`` where it fits, else ``onednn``); for a shape it
+    lacks, ``BlockedLinear`` where it fits, else ``PackedLinear``. The unpacked weights
     are dropped. An embedding tied to a layer made ``BlockedLinear`` reads its rows from the
     blocks (the weight is held once); one tied to a ``PackedLinear`` keeps the plain weight
     beside the packed copy. Returns how many were packed."""
@@ -164,8 +164,6 @@ def pack_linear_layers(model: nn.Module, layouts: dict[str, Layout] | None = Non
             blocked = BlockedLinear.fits(child)
             default = ("blocked" if blocked else "onednn", [])
             layout, kernels = (layouts or {}).get(shape_key(child), default)
-            if layout == "plain":
-                continue
             if layout == "blocked" and blocked:
                 replacement = BlockedLinear(child)
                 replacement.kernel_by_bucket = list(kernels)

@@ -25,8 +25,9 @@ a layer takes one kernel for every bucket.
 
 Measurements are cached in a JSON file per machine (CPU model and flags, thread count, the kernels'
 build and torch's version), under the model cache folder: a later start on the same machine reads
-them, and times only shapes it has not seen. The whole measurement is bounded by ``BUDGET_S``
-(buckets left untimed take the last timed bucket's choice, and the log says so).
+them, and times only shapes it has not seen (or whose timing the budget cut short). The whole
+measurement is bounded by ``BUDGET_S`` (buckets left untimed take the last timed bucket's choice,
+and the log says so). A shape with one candidate (float32: oneDNN's) is not timed.
 """
 
 from __future__ import annotations
@@ -107,25 +108,16 @@ class LayerChoice:
     layout: str  # blocked or onednn
     kernels: tuple[str, ...]  # per bucket of ROW_BUCKETS
     times_us: dict[str, list[float | None]]  # kernel -> per bucket (None: not timed)
-    measured: bool = True  # False: no measurement (the default rule chose)
 
     def describe(self) -> str:
-        if not self.measured:
-            return f"{self.shape} ({self.num_layers} layers): {self.kernels[0]} (not measured)"
+        if len(self.times_us) < 2:
+            return f"{self.shape} ({self.num_layers} layers): {self.kernels[0]}, the one candidate"
         parts = []
         for index, kernel in enumerate(self.kernels):
             spent = self.times_us.get(kernel, [None] * len(ROW_BUCKETS))[index]
             shown = f" {spent:.0f} us" if spent is not None else " (untimed)"
             parts.append(f"{bucket_name(index)} rows {kernel}{shown}")
         return f"{self.shape} ({self.num_layers} layers, {self.layout} layout): " + ", ".join(parts)
-
-
-def default_choice(linear: nn.Linear, num_layers: int = 1) -> LayerChoice:
-    """Without a measurement: the blocked layout's dot products where they fit, else oneDNN."""
-    names = candidates(linear)
-    kernel = next(k for k in ("blocked-avx512bf16", "onednn") if k in names)
-    kernels = (kernel,) * len(ROW_BUCKETS)
-    return LayerChoice(shape_key(linear), num_layers, LAYOUT[kernel], kernels, {}, False)
 
 
 def choose(
@@ -178,20 +170,18 @@ def _timed_slices(layers: list[nn.Linear]) -> list[nn.Linear]:
     first = layers[0]
     row_bytes = first.in_features * first.weight.element_size()
     out = min(first.out_features, max(64, SLICE_BYTES // row_bytes // 64 * 64))
-    sliced = [_slice(layer, out) for layer in layers]
-    count = max(1, min(len(sliced), -(-TIMED_BYTES // (out * row_bytes))))
-    return sliced[:count]
+    count = max(1, min(len(layers), -(-TIMED_BYTES // (out * row_bytes))))
+    return [_slice(layer, out) for layer in layers[:count]]
 
 
 def _slice(linear: nn.Linear, out: int) -> nn.Linear:
+    """The layer's first ``out`` outputs, its weights viewed (packing copies them)."""
     if out == linear.out_features:
         return linear
-    part = nn.Linear(linear.in_features, out, bias=linear.bias is not None)
-    part = part.to(dtype=linear.weight.dtype)
-    with torch.no_grad():
-        part.weight.copy_(linear.weight[:out])
-        if linear.bias is not None:
-            part.bias.copy_(linear.bias[:out])
+    part = nn.Linear(linear.in_features, out, bias=linear.bias is not None, device="meta")
+    part.weight = nn.Parameter(linear.weight.detach()[:out], requires_grad=False)
+    if linear.bias is not None:
+        part.bias = nn.Parameter(linear.bias.detach()[:out], requires_grad=False)
     return part
 
 
@@ -213,10 +203,12 @@ def time_shape(
     kernels: list[str],
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
-) -> dict[str, list[float | None]]:
-    """Microseconds per layer of each kernel in each bucket; None where the bucket was not timed
-    (past ``deadline``, or its rows past MAX_FLOP even at the bucket's first row count)."""
+) -> tuple[dict[str, list[float | None]], bool]:
+    """Microseconds per layer of each kernel in each bucket, None where the bucket was not timed
+    (past ``deadline``, or its rows past MAX_FLOP even at the bucket's first row count); and
+    whether the deadline left any bucket untimed."""
     sliced = _timed_slices(layers)
+    packed = {kernel: [_module(layer, kernel) for layer in sliced] for kernel in kernels}
     first = sliced[0]
     flop_per_row = 2 * first.in_features * first.out_features
     times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in kernels}
@@ -225,19 +217,20 @@ def time_shape(
     for index, rows in enumerate(TIMED_ROWS):
         low = ROW_BUCKETS[index][0]
         rows = max(low, min(rows, int(MAX_FLOP // flop_per_row)))
-        if clock() > deadline or rows * flop_per_row > 4 * MAX_FLOP:
+        if rows * flop_per_row > 4 * MAX_FLOP:
             break
+        if clock() > deadline:
+            return times, True
         x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.dtype)
         # up to 32 rows a call reads its weights from memory, as a step does; past that it is
         # compute-bound, and one layer (warm) stands for all
-        passed = sliced if rows <= 32 else sliced[:1]
         for kernel in alive:
-            modules = [_module(layer, kernel) for layer in passed]
+            modules = packed[kernel] if rows <= 32 else packed[kernel][:1]
             times[kernel][index] = _pass_time(modules, x) * 1e6
         fastest = min(times[k][index] for k in alive)
         if rows > 32:  # compute-bound from here: a kernel 3x behind does not catch up
             alive = [k for k in alive if times[k][index] <= 3 * fastest]
-    return times
+    return times, False
 
 
 # --- the cache -------------------------------------------------------------------------------
@@ -245,16 +238,17 @@ def time_shape(
 
 def machine_key() -> dict[str, str]:
     """What the measurements depend on: the CPU, the thread count, the kernels' build, torch."""
-    model, flags = platform.processor(), ""
+    model, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model.strip():
+            if line.startswith("model name") and not model:
                 model = line.split(":", 1)[1].strip()
             if line.startswith("flags"):
                 flags = line.split(":", 1)[1].strip()
                 break
     except OSError:
         pass
+    model = model or platform.processor()
     build = cpu_ops.build_directory().name if cpu_ops.loaded() else "no C++ kernels"
     return {
         "cpu": model,
@@ -265,24 +259,24 @@ def machine_key() -> dict[str, str]:
     }
 
 
-def cache_file(folder: Path) -> Path:
-    key = json.dumps(machine_key(), sort_keys=True)
-    return folder / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+def cache_file(folder: Path, key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return folder / f"linear-{digest}.json"
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path, key: dict[str, str]) -> dict:
     try:
         data = json.loads(path.read_text())
-        return data["shapes"] if data.get("key") == machine_key() else {}
+        return data["shapes"] if data.get("key") == key else {}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
 
-def _write(path: Path, shapes: dict) -> None:
+def _write(path: Path, key: dict[str, str], shapes: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps({"key": machine_key(), "shapes": shapes}, indent=1))
+        partial.write_text(json.dumps({"key": key, "shapes": shapes}, indent=1))
         os.replace(partial, path)
     except OSError as error:  # a read-only cache: measured again at the next start
         logger.warning("could not save the kernel measurements in %s: %s", path, error)
@@ -296,29 +290,26 @@ def measure(
     tied: set[str],
     cache_folder: Path | None,
     uniform: bool = False,
-    forced: str | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, LayerChoice]:
     """A choice for each shape in ``groups`` (shape key -> its layers, in model order): read
-    from the cache, else timed now (and cached). ``forced`` makes every layer take one kernel
-    where it can (tests)."""
-    path = cache_file(cache_folder) if cache_folder is not None else None
-    known = _read(path) if path is not None else {}
+    from the cache, else timed now (and cached once every bucket was timed)."""
+    key = machine_key()
+    path = cache_file(cache_folder, key) if cache_folder is not None else None
+    known = _read(path, key) if path is not None else {}
     started = clock()
     deadline = started + BUDGET_S
     plan, timed, cut = {}, 0, False
     for shape, layers in groups.items():
         kernels = candidates(layers[0])
-        if forced is not None:
-            kernel = forced if forced in kernels else default_choice(layers[0]).kernels[0]
-            one = {kernel: [1.0] * len(ROW_BUCKETS)}
-            plan[shape] = choose(shape, len(layers), one, tied=False, uniform=True)
-            continue
         times = known.get(shape)
-        if times is None or set(times) != set(kernels):
-            times = time_shape(layers, kernels, deadline, clock)
-            cut |= clock() > deadline
-            known[shape] = times
+        if len(kernels) == 1:  # nothing to choose between
+            times = {kernels[0]: [None] * len(ROW_BUCKETS)}
+        elif times is None or set(times) != set(kernels):
+            times, short = time_shape(layers, kernels, deadline, clock)
+            if not short:  # one the budget cut short is timed again at the next start
+                known[shape] = times
+            cut |= short
             timed += 1
         plan[shape] = choose(shape, len(layers), times, shape in tied, uniform)
     if timed:
@@ -329,12 +320,12 @@ def measure(
             else "",
         )  # fmt: skip
         if path is not None:
-            _write(path, known)
+            _write(path, key, known)
     return plan
 
 
 def plan_linear_kernels(
-    model: nn.Module, cache_folder: Path | None, uniform: bool = False, forced: str | None = None
+    model: nn.Module, cache_folder: Path | None, uniform: bool = False
 ) -> dict[str, LayerChoice]:
     """The choice for each shape of ``model``'s packable linear layers (call before packing)."""
     groups: dict[str, list[nn.Linear]] = {}
@@ -347,7 +338,7 @@ def plan_linear_kernels(
         groups.setdefault(shape_key(module), []).append(module)
         if id(weight) in embeddings:
             tied.add(shape_key(module))
-    return measure(groups, tied, cache_folder, uniform, forced)
+    return measure(groups, tied, cache_folder, uniform)
 
 
 def layouts(plan: dict[str, LayerChoice]) -> dict[str, Layout]:

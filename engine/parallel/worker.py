@@ -91,7 +91,9 @@ class Shard:
             from llmrpc.kernels.linear_tuning import layouts, plan_linear_kernels
 
             # the same shard shapes as rank 0's: its measurements, where it has cached them
-            plan = plan_linear_kernels(model, loader.cache_root() / "kernels")
+            plan = plan_linear_kernels(
+                model, loader.cache_root() / "kernels", uniform=model_config.batch_invariant
+            )
             pack_linear_layers(model, layouts(plan))
             cpu_ops.load()  # the C++ decode attention, as rank 0 uses it
         else:
