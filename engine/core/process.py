@@ -272,6 +272,9 @@ def main() -> int:
         core.use_idle_cores()  # this process's CPU time is the engine's alone
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the frontend stops it
     except BaseException as error:  # noqa: BLE001 - reported to the frontend
+        from llmrpc.engine.loading import loader
+
+        loader.remove_own_conversions()  # this process ends with os._exit: no at-exit handlers
         channel.send(Fatal(messages.error_info(error, with_traceback=True), while_loading=True))
         channel.close()
         return 1

@@ -119,6 +119,16 @@ def _remove_unfinished_conversions() -> None:
     its engine thread), remove its folder: the conversion will never finish."""
     for tmp in list(_unfinished):
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_own_conversions()
+
+
+def remove_own_conversions(cache_dir: Path | None = None) -> None:
+    """Remove the conversion folders this process's pid names. For a process stopped while it
+    loads: a signal can land between a folder's creation and the code that removes it, and the
+    engine process ends without at-exit handlers, so it calls this as it ends."""
+    folder = cache_root(cache_dir) / "converted"
+    for entry in folder.glob(f"{_TMP_PREFIX}*-{os.getpid()}@{_HOST}-*"):
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _sweep_abandoned_conversions(folder: Path) -> None:

@@ -92,3 +92,44 @@ def test_serve_stopped_while_converting_leaves_no_folder(tmp_path):
         process.wait()
     assert _leftovers(tmp_path) == []
     assert not (tmp_path / "converted" / loader.converted_dir(gguf, tmp_path).name).exists()
+
+
+# An engine plug-in (imported before the model loads) standing in for a SIGTERM that lands just
+# after the conversion's folder exists, before the code that would remove it runs.
+_STOPPED_AT_CREATION = """
+import tempfile
+from llmrpc.engine.loading import loader
+
+
+class _Stopped:
+    @staticmethod
+    def mkdtemp(*args, **kwargs):
+        tempfile.mkdtemp(*args, **kwargs)
+        raise SystemExit("stopped by SIGTERM while loading the model")
+
+
+loader.tempfile = _Stopped
+"""
+
+
+def test_an_engine_stopped_as_its_conversion_folder_appears_leaves_none(tmp_path):
+    """The engine process ends with os._exit (no at-exit handlers): it removes the folders its
+    pid names as it ends, whatever point of the conversion the signal reached."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "stopped_at_creation.py").write_text(_STOPPED_AT_CREATION)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        loader.CACHE_ENV: str(tmp_path),
+        "LLMRPC_ENGINE_PLUGINS": "stopped_at_creation",
+        "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable, "-m", "llmrpc.cli", "serve", str(loader.packaged_gguf_path()),
+        "--host", "127.0.0.1", "--grpc-port", "0", "--port", "0",
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "stopped by SIGTERM while loading the model" in result.stderr
+    assert _leftovers(tmp_path) == []
