@@ -32,10 +32,13 @@ def _rows(rows: int, in_features: int, seed: int = 1) -> torch.Tensor:
 
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 70])
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 64), (208, 576)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(16, 32), (48, 64), (208, 576), (32, 2112)]
+)
 def test_the_tile_kernel_gives_the_exact_products_rounded(out_features, in_features, rows):
     """As the dot-product kernel's bound: bfloat16 rounding of the output plus float32 rounding
-    of the running sum; odd block counts and row tails of each tile shape."""
+    of the running sum; odd block counts, row tails of each tile shape, and inputs in one pass
+    (up to 2048) or in passes whose sums are kept between them (2112: 2048 + 64)."""
     linear, x = _linear(out_features, in_features), _rows(rows, in_features)
     exact = x.double() @ linear.weight.double().T + linear.bias.double()
     magnitude = x.double().abs() @ linear.weight.double().abs().T
