@@ -6,6 +6,7 @@ which never import the engine, hands this mode to ``main`` by module name.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
+from llmrpc.engine import roofline
 from llmrpc.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -33,6 +35,7 @@ from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.request import SamplingParams, StructuredOutputSpec
+from llmrpc.engine.runner.model_runner import kv_bytes_per_block
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear
 
 _WARMUP_OUTPUT_LEN = 4
@@ -149,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Prompts per Transformers generate() call (default: all of them in one batch).",
     )
     parser.add_argument("--repeats", type=int, default=1, help="Runs per side; the best counts.")
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="Also measure this machine's read bandwidth on the engine's threads and print the "
+        "decode rate it bounds (weights read once a step, each sequence's KV cache once) beside "
+        "the engine's decode rate (from the step where every prompt has its first token).",
+    )
     parser.add_argument("--output-json", type=Path, help="Write the results here as JSON.")
 
 
@@ -172,6 +182,7 @@ class EngineSide:
         # the engine side's requests take these adapters in turn; the free side's none
         self.adapters = [m.split("=")[0] for m in args.lora_modules or ()] if core is None else []
         self.fraction = args.structured_fraction
+        self.decode_rates = []
         if core is not None:
             self.core = core
             self._num_runs = 0
@@ -205,6 +216,7 @@ class EngineSide:
             )
         )
         self._num_runs = 0
+        self.decode_rates: list[float] = []  # output tokens/s past every prompt's first, a run
 
     def hold_to(self, schema_file: Path) -> float:
         """Hold a fraction of the prompts to this schema; returns its compile time in seconds."""
@@ -228,8 +240,18 @@ class EngineSide:
                 params.lora_name = self.adapters[index % len(self.adapters)]
             self.core.add_request(f"run{self._num_runs}-{index}", prompt, params)
         num_output_tokens = 0
+        started: set[str] = set()
+        decode_from: tuple[float, int] | None = None  # when every prompt had a token, and count
         while self.core.has_unfinished_requests:
-            num_output_tokens += sum(len(output.token_ids) for output in self.core.step())
+            outputs = self.core.step()
+            num_output_tokens += sum(len(output.token_ids) for output in outputs)
+            if decode_from is None:
+                started.update(output.request_id for output in outputs if output.token_ids)
+                if len(started) == len(prompts):
+                    decode_from = (time.perf_counter(), num_output_tokens)
+        if decode_from is not None and num_output_tokens > decode_from[1]:
+            elapsed = time.perf_counter() - decode_from[0]
+            self.decode_rates.append((num_output_tokens - decode_from[1]) / elapsed)
         return num_output_tokens
 
 
@@ -341,6 +363,32 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _roofline(engine: EngineSide, args: argparse.Namespace) -> dict:
+    """Print the roofline line for this run's decode steps; its figures for the JSON."""
+    core = engine.core
+    if core.device.type != "cpu":
+        raise ValueError(
+            f"--roofline measures a CPU's read bandwidth; this engine runs on {core.device.type}"
+        )
+    bound = roofline.Roofline(
+        bandwidth=roofline.read_bandwidth(),
+        threads=torch.get_num_threads(),
+        weight_bytes=roofline.weight_bytes_per_step(core.model),
+        kv_bytes_per_token=kv_bytes_per_block(core.hf_config, 1, core.kv_cache_dtype),
+        batch=min(args.num_prompts, args.max_num_seqs),
+        context=args.input_len + args.output_len / 2,
+    )
+    measured = max(engine.decode_rates, default=0.0)
+    print(bound.line(measured))
+    return {
+        **dataclasses.asdict(bound),
+        "step_bytes": bound.step_bytes,
+        "roofline_tokens_per_second": bound.tokens_per_second,
+        "decode_tokens_per_second": measured,
+        "fraction": measured / bound.tokens_per_second,
+    }
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -394,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
         "model_dir": str(core.model_dir),
     }
     print(format_table(results))
+    if args.roofline:
+        results["roofline"] = _roofline(engine, args)
     if args.output_json:
         args.output_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0

@@ -310,6 +310,23 @@ def test_throughput_of_a_compiled_engine(tiny_llama_dir, tmp_path):
     assert config["compilation_level"] == 3 and config["compiled"]
 
 
+def test_throughput_with_the_roofline(tiny_llama_dir, tmp_path):
+    out = tmp_path / "result.json"
+    result = bench(
+        "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32", "--num-prompts", "2",
+        "--input-len", "8", "--output-len", "6", "--kv-cache-memory", "0.05", "--roofline",
+        "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "roofline: read" in result.stdout
+    figures = json.loads(out.read_text())["roofline"]
+    assert figures["batch"] == 2 and figures["context"] == 8 + 6 / 2
+    assert figures["weight_bytes"] > 0 and figures["decode_tokens_per_second"] > 0
+    assert figures["fraction"] == pytest.approx(
+        figures["decode_tokens_per_second"] / figures["roofline_tokens_per_second"]
+    )
+
+
 @pytest.mark.parametrize("value", ['{"level": 3, "backend": "x"}', "{not json", "7"])
 def test_throughput_compilation_errors_are_one_line(value):
     result = bench("throughput", "-O", value)
