@@ -15,6 +15,8 @@ import time
 import torch
 from torch import nn
 
+from llmrpc.engine.runner.weight_arena import huge_page_buffer
+
 # Large enough to come from memory on any CPU (a last-level cache is at most a few hundred MB).
 _READ_BYTES = 1 << 30
 _READ_REPEATS = 5
@@ -22,9 +24,12 @@ _READ_REPEATS = 5
 
 def read_bandwidth(num_bytes: int = _READ_BYTES, repeats: int = _READ_REPEATS) -> float:
     """Bytes per second of summing a float32 buffer of ``num_bytes`` on torch's current thread
-    count: the best of ``repeats`` reads after one untimed pass that faults the pages in."""
-    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
-    buffer.sum()
+    count, held as the engine holds its weights (``weight_arena``: on huge pages where Linux
+    has them; on 4 KiB pages the same sum read 36 GB/s, on 2 MiB pages 39, on one thread of the
+    AMD EPYC of docs/performance.md): the best of ``repeats`` reads after one that faults the
+    pages in."""
+    raw, _ = huge_page_buffer(num_bytes // 4 * 4)
+    buffer = raw.view(torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -44,10 +49,11 @@ def _own_tensors(module: nn.Module):
 
 
 def _identity(tensor: torch.Tensor):
-    """One key per storage, so a tied head and its embedding count once."""
+    """One key per tensor's memory, so a tied head and its embedding count once (and the
+    weights, which share one buffer, each count: ``weight_arena``)."""
     if tensor.is_mkldnn:  # an opaque oneDNN tensor has no storage to compare
         return ("opaque", id(tensor))
-    return ("storage", tensor.untyped_storage().data_ptr())
+    return ("memory", tensor.data_ptr(), tensor.nbytes)
 
 
 def _bytes(tensor: torch.Tensor) -> int:

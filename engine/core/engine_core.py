@@ -55,6 +55,7 @@ from llmrpc.engine.runner.threads import (
     cpu_threads,
     idle_core_budget,
 )
+from llmrpc.engine.runner.weight_arena import gather_weights
 from llmrpc.engine.sample.sampler import Sampler, token_logprobs
 from llmrpc.engine.sched.kv_cache import KVCacheManager
 from llmrpc.engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -427,6 +428,12 @@ class EngineCore:
             logger.info("%s", describe_linear_layers(model, packed, config.quantization))
             for choice in self.linear_kernels.values():
                 logger.info("linear kernels: %s", choice.describe())
+        moved, huge = gather_weights(model)
+        logger.info(
+            "weights: %.1f MB in one buffer in step order, on %s pages",
+            moved / 1e6,
+            "2 MiB" if huge else "4 KiB (no transparent huge pages here)",
+        )
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
         if self.model_config.batch_invariant:

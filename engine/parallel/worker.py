@@ -86,6 +86,7 @@ class Shard:
         )
         shard_llama(model, comm)
         if device.type == "cpu":
+            from llmrpc.engine.runner.weight_arena import gather_weights
             from llmrpc.kernels import cpu_ops
             from llmrpc.kernels.linear import pack_linear_layers
             from llmrpc.kernels.linear_tuning import layouts, plan_linear_kernels
@@ -95,6 +96,7 @@ class Shard:
                 model, loader.cache_root() / "kernels", uniform=model_config.batch_invariant
             )
             pack_linear_layers(model, layouts(plan))
+            gather_weights(model)  # as rank 0's, in one buffer in step order
             cpu_ops.load()  # the C++ decode attention, as rank 0 uses it
         else:
             model = model.to(device)
