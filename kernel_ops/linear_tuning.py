@@ -4,6 +4,8 @@ candidate on this machine, per layer shape and per bucket of rows a call takes.
 The candidates (those the layer and the CPU allow):
 - ``blocked-avx512bf16``: our blocked layout, AVX512-BF16 dot products (``csrc/bf16_linear.cpp``);
 - ``blocked-amx``: the same layout and weights, AMX tiles (the same file);
+- ``blocked-gemv``: the same layout and weights, one row per call only (the same file), timed in
+  the first bucket alone;
 - ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``).
 
 Not a candidate: the plain weight with ``torch.nn.functional.linear``, which reorders the weight on
@@ -19,9 +21,9 @@ weights are held once): the layout whose best kernels lose least against the bes
 buckets (the sum of log time ratios); inside the blocked layout each call then takes the kernel
 timed fastest for its bucket (``BlockedLinear.kernel_by_bucket``). A tied embedding's layer stays in
 the blocked layout wherever it fits, which serves the embedding's rows from the same weights: any
-other layout would hold that weight twice. The two blocked kernels sum in the same order but
-not bit for bit alike (AMX adds a pair's two products its own way), so under ``--batch-invariant``
-a layer takes one kernel for every bucket.
+other layout would hold that weight twice. The blocked kernels do not sum bit for bit alike (AMX
+adds a pair's two products its own way; the one-row kernel sums in four chains), so under
+``--batch-invariant`` a layer takes one kernel for every bucket, never the one-row kernel.
 
 Measurements are cached in a JSON file per machine (CPU model and flags, thread count, the kernels'
 build and torch's version), under the model cache folder: a later start on the same machine reads
@@ -69,9 +71,16 @@ SLICE_BYTES = 64 * 2**20  # a larger layer is timed on its first outputs (time s
 MAX_FLOP = 4e9  # per timed call: larger buckets are timed at fewer rows (never under the first)
 REPEATS = 3  # timed passes per candidate and bucket (the fastest counts), after one warm-up
 BUDGET_S = 8.0
-KERNELS = ("blocked-avx512bf16", "blocked-amx", "onednn")
-LAYOUT = {"blocked-avx512bf16": "blocked", "blocked-amx": "blocked", "onednn": "onednn"}
-BLOCKED_KERNEL_IDS = {"blocked-avx512bf16": 0, "blocked-amx": 1}  # csrc/bf16_linear.cpp's ids
+KERNELS = ("blocked-avx512bf16", "blocked-amx", "blocked-gemv", "onednn")
+LAYOUT = {
+    "blocked-avx512bf16": "blocked",
+    "blocked-amx": "blocked",
+    "blocked-gemv": "blocked",
+    "onednn": "onednn",
+}
+# csrc/bf16_linear.cpp's ids
+BLOCKED_KERNEL_IDS = {"blocked-avx512bf16": 0, "blocked-amx": 1, "blocked-gemv": 2}
+ONE_ROW_KERNELS = {"blocked-gemv"}  # serve the first bucket (one row) only
 
 
 def row_bucket(rows: int) -> int:
@@ -94,6 +103,7 @@ def candidates(linear: nn.Linear) -> list[str]:
         names.append("blocked-avx512bf16")
         if linear.in_features % 32 == 0 and torch.ops.llmrpc_cpu.bf16_amx_supported():
             names.append("blocked-amx")
+        names.append("blocked-gemv")
     if can_pack(linear.weight.dtype, linear.weight.device):
         names.append("onednn")
     return names
@@ -140,15 +150,19 @@ def choose(
     else:
         layout = min(by_layout, key=lambda name: sum(loss(by_layout[name], i) for i in timed))
     members = by_layout[layout]
-    if uniform:  # one kernel for every row count
+    if uniform:  # one kernel for every row count (so none that serves one row only)
+        members = [name for name in members if name not in ONE_ROW_KERNELS]
         kernel = min(members, key=lambda name: sum(loss([name], i) for i in timed))
         return LayerChoice(shape, num_layers, layout, (kernel,) * len(ROW_BUCKETS), times)
     kernels, previous = [], members[0]
     for index in range(len(ROW_BUCKETS)):
-        if index in timed and any(times[k][index] is not None for k in members):
+        allowed = [k for k in members if index == 0 or k not in ONE_ROW_KERNELS]
+        if index in timed and any(times[k][index] is not None for k in allowed):
             previous = min(
-                (k for k in members if times[k][index] is not None), key=lambda k: times[k][index]
+                (k for k in allowed if times[k][index] is not None), key=lambda k: times[k][index]
             )
+        elif index and previous in ONE_ROW_KERNELS:  # past one row, none timed: dot products
+            previous = "blocked-avx512bf16"
         kernels.append(previous)  # an untimed bucket keeps the last timed bucket's choice
     return LayerChoice(shape, num_layers, layout, tuple(kernels), times)
 
@@ -160,6 +174,8 @@ def _module(linear: nn.Linear, kernel: str) -> nn.Module:
     if LAYOUT[kernel] == "blocked":
         module = BlockedLinear(linear)
         module.kernel_by_bucket = [BLOCKED_KERNEL_IDS[kernel]] * len(ROW_BUCKETS)
+        if kernel in ONE_ROW_KERNELS:  # timed at one row only; the rest never reach it
+            module.kernel_by_bucket[1:] = [0] * (len(ROW_BUCKETS) - 1)
         return module
     return PackedLinear(linear)
 
@@ -224,6 +240,10 @@ def time_shape(
         x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.dtype)
         # up to 32 rows a call reads its weights from memory, as a step does; past that it is
         # compute-bound, and one layer (warm) stands for all
+        if index == 1:  # past one row
+            alive = [k for k in alive if k not in ONE_ROW_KERNELS]
+        if not alive:
+            break
         for kernel in alive:
             modules = packed[kernel] if rows <= 32 else packed[kernel][:1]
             times[kernel][index] = _pass_time(modules, x) * 1e6

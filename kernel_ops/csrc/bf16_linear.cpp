@@ -23,11 +23,18 @@
 // their own way, so the two kernels differ in some outputs' last bit (both within the rounding
 // bound the tests check). --batch-invariant therefore gives a layer one kernel for every call.
 //
+// A third kernel serves one row alone: each block's pairs as one stream in four chains (p mod 4).
+// At one row the dot-product kernel's one chain per output makes it read four blocks at once;
+// one stream read faster (AMD EPYC family 26, one thread: 37 against 33 GB/s over a SmolLM2
+// step's weights). Its sums are in another order, so its outputs differ from the others' in
+// some last bits, and --batch-invariant never takes it.
+//
 // Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
 // for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the
-// dot-product kernel, 1 the AMX one (none given: the dot products); kernel_ops/linear_tuning.py
-// chooses them by timing both. bf16_linear_supported() says whether this build has the dot
-// products (AVX512-BF16), bf16_amx_supported() whether it has the tiles and Linux granted them.
+// dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only; none given: the dot
+// products); kernel_ops/linear_tuning.py chooses them by timing each. bf16_linear_supported()
+// says whether this build has the dot products (AVX512-BF16), bf16_amx_supported() whether it has
+// the tiles and Linux granted them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -130,6 +137,50 @@ void blocks_rows(const Operands& o, int64_t rows, int64_t begin, int64_t end) {
   }
   if constexpr (NB > 1) {
     if (b < end) blocks_rows<1, R>(o, rows, b, end);
+  }
+}
+
+// One row, blocks [begin, end) one at a time (the one-row kernel): a block's pairs read as one
+// stream, summed in four float32 chains (pair p into chain p mod 4, a tail of fewer than four
+// into chain 0), the chains added (0 + 1) + (2 + 3) at the end. Every line is prefetched
+// kGemvAhead bytes ahead.
+constexpr int64_t kGemvAhead = 4096;
+
+inline __m512 dot_pair(__m512 sum, const at::BFloat16* line, int32_t pair) {
+  return _mm512_dpbf16_ps(sum, reinterpret_cast<__m512bh>(_mm512_loadu_si512(line)),
+                          reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)));
+}
+
+void gemv_blocks(const Operands& o, int64_t begin, int64_t end) {
+  constexpr int64_t ahead = kGemvAhead / sizeof(at::BFloat16);
+  for (int64_t block = begin; block < end; ++block) {
+    const at::BFloat16* weight = o.weight + block * o.block_stride;
+    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                      _mm512_setzero_ps()};
+    int64_t p = 0;
+    for (; p + 4 <= o.pairs; p += 4) {
+      const at::BFloat16* lines = weight + p * 32;
+      int32_t pairs[4];
+      std::memcpy(pairs, o.x + 2 * p, sizeof(pairs));
+      for (int c = 0; c < 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(lines + ahead + 32 * c), _MM_HINT_T0);
+        sums[c] = dot_pair(sums[c], lines + 32 * c, pairs[c]);
+      }
+    }
+    for (; p < o.pairs; ++p) {
+      int32_t pair;
+      std::memcpy(&pair, o.x + 2 * p, sizeof(pair));
+      sums[0] = dot_pair(sums[0], weight + p * 32, pair);
+    }
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
+    if (o.bias != nullptr) {
+      const __m256i bits =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o.bias + 16 * block));
+      const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
+      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(wide));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.y + 16 * block),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
   }
 }
 #endif
@@ -351,10 +402,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(kernel_by_bucket.empty() || kernel_by_bucket.size() == 6,
               "bf16_linear: kernel_by_bucket takes 6 kernels, one per bucket of rows");
   const int64_t kernel = kernel_by_bucket.empty() ? 0 : kernel_by_bucket[row_bucket(rows)];
-  TORCH_CHECK(kernel == 0 || kernel == 1, "bf16_linear: kernel ", kernel,
-              " is neither 0 (dot products) nor 1 (AMX tiles)");
-  TORCH_CHECK(kernel == 0 || (amx_supported() && pairs % 16 == 0),
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "bf16_linear: kernel ", kernel,
+              " is none of 0 (dot products), 1 (AMX tiles), 2 (one row)");
+  TORCH_CHECK(kernel != 1 || (amx_supported() && pairs % 16 == 0),
               "bf16_linear: the AMX kernel needs AMX-BF16 and inputs in multiples of 32");
+  TORCH_CHECK(kernel != 2 || rows == 1, "bf16_linear: the one-row kernel takes one row, not ",
+              rows);
   auto y = at::empty({rows, blocks * 16}, x.options());
 #if defined(__AVX512BF16__)
   const Operands o{weight.data_ptr<at::BFloat16>(),
@@ -376,7 +429,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   // Threads take groups of 4 blocks.
   at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = 4 * begin, last = std::min(4 * end, blocks);
-    if (rows > 6 && rows <= 12) {
+    if (kernel == 2) {
+      gemv_blocks(o, first, last);
+    } else if (rows > 6 && rows <= 12) {
       blocks_rows<2, 12>(o, rows, first, last);
     } else {
       blocks_rows<4, 6>(o, rows, first, last);

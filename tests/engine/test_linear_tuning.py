@@ -77,12 +77,57 @@ def test_each_call_takes_its_buckets_kernel():
 
 
 @pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "bias"),
+    [(16, 34, True), (48, 64, False), (208, 576, True), (64, 1542, True), (32, 2112, False)],
+)
+def test_the_one_row_kernel_gives_the_exact_products_rounded(out_features, in_features, bias):
+    """The dot-product kernel's bound, over pair counts with every tail past the four chains
+    (17, 32, 288, 771, 1056 pairs)."""
+    linear, x = _linear(out_features, in_features, bias), _rows(1, in_features)
+    exact = x.double() @ linear.weight.double().T
+    if bias:
+        exact += linear.bias.double()
+    magnitude = x.double().abs() @ linear.weight.double().abs().T
+    bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-23 + 1e-30
+    layer = BlockedLinear(linear)
+    layer.kernel_by_bucket = [2] + [0] * 5
+    error = (layer(x).double() - exact).abs()
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
+    layer.kernel_by_bucket = [0] * 6
+    two = _rows(2, in_features)
+    assert layer(two).shape == (2, out_features)  # past one row the list's dot products serve
+
+
+def test_the_one_row_kernel_serves_one_row_and_never_a_uniform_layer():
+    times = {**TIMES, "blocked-gemv": [7.0, None, None, None, None, None]}
+    choice = choose("bfloat16 576x576", 60, times, tied=False, uniform=False)
+    assert choice.kernels == ("blocked-gemv",) + ("blocked-amx",) * 5
+    uniform = choose("bfloat16 576x576", 60, times, tied=False, uniform=True)
+    assert "blocked-gemv" not in uniform.kernels and len(set(uniform.kernels)) == 1
+    only = choose("s", 1, {"blocked-gemv": times["blocked-gemv"]}, tied=False, uniform=False)
+    assert only.kernels == ("blocked-gemv",) + ("blocked-avx512bf16",) * 5
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+def test_the_one_row_kernel_is_timed_at_one_row_only():
+    layers = [nn.Linear(64, 128).bfloat16() for _ in range(2)]
+    kernels = ["blocked-avx512bf16", "blocked-gemv"]
+    times, short = linear_tuning.time_shape(layers, kernels, deadline=float("inf"))
+    assert not short
+    assert times["blocked-gemv"][0] > 0 and times["blocked-gemv"][1:] == [None] * 5
+    assert all(t is not None for t in times["blocked-avx512bf16"][:5])
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
 def test_the_op_refuses_a_bad_kernel_list():
     layer = BlockedLinear(_linear(16, 64))
     op, x = torch.ops.llmrpc_cpu.bf16_linear, _rows(3, 64)
     with pytest.raises(RuntimeError, match="takes 6 kernels"):
         op(x, layer.weight_blocks, layer.bias, [0, 1])
-    with pytest.raises(RuntimeError, match="neither 0"):
+    with pytest.raises(RuntimeError, match="none of 0"):
+        op(x, layer.weight_blocks, layer.bias, [3] * 6)
+    with pytest.raises(RuntimeError, match="takes one row, not 3"):
         op(x, layer.weight_blocks, layer.bias, [2] * 6)
     if AMX:  # 64 inputs pass; 48 are not a multiple of 32
         layer = BlockedLinear(_linear(16, 48))
@@ -175,7 +220,9 @@ def test_every_candidate_forced_gives_the_models_output_within_its_tolerance(
         pytest.skip(f"{kernel} cannot run {dtype} here")
     monkeypatch.setattr(linear_tuning, "candidates", lambda linear: [kernel])  # the only one
     plan = linear_tuning.plan_linear_kernels(model, None)
-    assert {choice.kernels for choice in plan.values()} == {(kernel,) * 6}
+    # the one-row kernel serves one row; calls of more take the dot products
+    rest = "blocked-avx512bf16" if kernel in linear_tuning.ONE_ROW_KERNELS else kernel
+    assert {choice.kernels for choice in plan.values()} == {(kernel,) + (rest,) * 5}
     pack_linear_layers(model, linear_tuning.layouts(plan))
     expected_type = {"blocked": BlockedLinear, "onednn": PackedLinear}
     assert type(model.down) is expected_type[linear_tuning.LAYOUT[kernel]]
@@ -227,7 +274,10 @@ def test_the_measurement_stops_at_its_budget(tmp_path, caplog):
     (choice,) = plan.values()
     for times in choice.times_us.values():
         assert times[0] is not None and times[1:] == [None] * 5
-    assert len(set(choice.kernels)) == 1
+    first, *rest = choice.kernels  # the untimed buckets take the timed one's choice
+    if first in linear_tuning.ONE_ROW_KERNELS:  # which serves one row: the dot products after
+        first = "blocked-avx512bf16"
+    assert set(rest) == {first}
     assert any("past the 8 s budget" in r.message for r in caplog.records)
     (saved,) = tmp_path.glob("linear-*.json")
     assert json.loads(saved.read_text())["shapes"] == {}
