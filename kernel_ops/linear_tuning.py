@@ -269,7 +269,8 @@ def machine_key() -> dict[str, str]:
     except OSError:
         pass
     model = model or platform.processor()
-    build = cpu_ops.build_directory().name if cpu_ops.loaded() else "no C++ kernels"
+    # load(), not loaded(): the engine plans before anything else has loaded the kernels
+    build = cpu_ops.build_directory().name if cpu_ops.load() else "no C++ kernels"
     return {
         "cpu": model,
         "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],

@@ -13,6 +13,7 @@ link names a file that exists, and a ``#fragment`` one of its headings.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -224,6 +225,21 @@ def test_shell_command_runs_as_written(readme_server, command):
         assert Path(written.group(1)).stat().st_size > 0, f"{command} wrote nothing"
     else:
         assert result.stdout.strip(), f"{command} printed nothing"
+    assert not _error_replies(result.stdout), f"{command} was answered with an error"
+
+
+def _error_replies(output: str) -> list[dict]:
+    """The JSON error objects in ``output``, whole or as SSE ``data:`` lines: curl exits 0 on
+    an HTTP error, so its exit status alone does not show that the server refused."""
+    replies = []
+    for part in (output, *re.findall(r"^data: (.*)$", output, flags=re.MULTILINE)):
+        try:
+            reply = json.loads(part)
+        except ValueError:
+            continue
+        if isinstance(reply, dict) and "error" in reply:
+            replies.append(reply)
+    return replies
 
 
 @pytest.mark.parametrize("snippet", page_examples()[1])

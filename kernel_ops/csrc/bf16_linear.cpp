@@ -406,9 +406,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
               " is none of 0 (dot products), 1 (AMX tiles), 2 (one row)");
   TORCH_CHECK(kernel != 1 || (amx_supported() && pairs % 16 == 0),
               "bf16_linear: the AMX kernel needs AMX-BF16 and inputs in multiples of 32");
+  auto y = at::empty({rows, blocks * 16}, x.options());
+  // No rows (a step that pools and takes no logits) fall in the first bucket: whichever kernel
+  // it names, there is nothing to compute.
+  if (rows == 0) return y;
   TORCH_CHECK(kernel != 2 || rows == 1, "bf16_linear: the one-row kernel takes one row, not ",
               rows);
-  auto y = at::empty({rows, blocks * 16}, x.options());
 #if defined(__AVX512BF16__)
   const Operands o{weight.data_ptr<at::BFloat16>(),
                    x.data_ptr<at::BFloat16>(),

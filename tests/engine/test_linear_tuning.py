@@ -99,6 +99,18 @@ def test_the_one_row_kernel_gives_the_exact_products_rounded(out_features, in_fe
     assert layer(two).shape == (2, out_features)  # past one row the list's dot products serve
 
 
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+@pytest.mark.parametrize("kernel", ["blocked-avx512bf16", "blocked-amx", "blocked-gemv"])
+def test_a_call_of_no_rows_gives_no_rows_whichever_kernel_its_bucket_names(kernel):
+    """A step that only pools computes logits for no row: the head is called with zero rows,
+    which fall in the first bucket (the one-row kernel's). Such a call stopped the engine."""
+    if kernel == "blocked-amx" and not AMX:
+        pytest.skip("the tile kernel needs a CPU with AMX-BF16")
+    layer = BlockedLinear(_linear(48, 64))
+    layer.kernel_by_bucket = [linear_tuning.BLOCKED_KERNEL_IDS[kernel]] * len(ROW_BUCKETS)
+    assert layer(_rows(0, 64)).shape == (0, 48)
+
+
 def test_the_one_row_kernel_serves_one_row_and_never_a_uniform_layer():
     times = {**TIMES, "blocked-gemv": [7.0, None, None, None, None, None]}
     choice = choose("bfloat16 576x576", 60, times, tied=False, uniform=False)
@@ -256,6 +268,14 @@ def test_a_second_start_reads_the_cache_and_another_machine_does_not(tmp_path, m
     monkeypatch.setattr(linear_tuning, "machine_key", lambda: key)
     with pytest.raises(AssertionError, match="timed again"):
         linear_tuning.plan_linear_kernels(_Model(torch.bfloat16), tmp_path)
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+def test_the_cache_is_keyed_by_the_kernels_build_before_anything_loaded_them(monkeypatch):
+    """The engine plans its kernels before it loads the C++ op: the key must still name the
+    build, or measurements of old kernels would be read back after the sources change."""
+    monkeypatch.setattr(cpu_ops, "_state", {})  # as in a new engine process
+    assert linear_tuning.machine_key()["build"] == cpu_ops.build_directory().name
 
 
 @pytest.mark.skipif(not BLOCKED, reason="one candidate (oneDNN) only: nothing is timed")

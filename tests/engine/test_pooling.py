@@ -14,8 +14,10 @@ from torch.nn import functional
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.core_types import EngineStateError
+from llmrpc.engine.loading.loader import CACHE_ENV
 from llmrpc.engine.pooling.params import PoolerConfig, PoolingParams, model_pooler_config
 from llmrpc.engine.request import InvalidRequestError, SamplingParams
+from llmrpc.kernels import linear_tuning
 
 MIN_COSINE = 0.9999
 
@@ -164,6 +166,26 @@ def test_mean_pooling_after_a_prefix_hit(tiny_llama_dir, decoder_case):
     )
     expected = functional.normalize(rows[-1], dim=0)  # a decoder's default: LAST, normalized
     torch.testing.assert_close(torch.tensor(outputs["last"].embedding), expected)
+
+
+def test_a_step_of_pooling_alone_runs_whatever_kernel_serves_one_row(
+    tiny_llama_dir, decoder_case, monkeypatch, tmp_path
+):
+    """A step whose requests all pool takes logits for no row, so the head is called with zero
+    rows, which fall in the one-row bucket. Where the one-row kernel served that bucket (chosen
+    by timing on some CPUs), the call failed and stopped the engine."""
+    real = linear_tuning.candidates
+    if "blocked-gemv" not in real(torch.nn.Linear(64, 64).bfloat16()):
+        pytest.skip("the one-row kernel needs AVX512-BF16")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # no measurement of another test read back
+    monkeypatch.setattr(linear_tuning, "candidates", lambda linear: ["blocked-gemv"])
+    core = make_core(tiny_llama_dir, dtype="bfloat16")
+    assert all(choice.kernels[0] == "blocked-gemv" for choice in core.linear_kernels.values())
+    prompts, _ = decoder_case
+    outputs = run_to_completion(core, {"embed": (prompts[0], pooling())})
+    assert outputs["embed"].error is None and len(outputs["embed"].embedding) == 64
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert len(run_to_completion(core, {"gen": (prompts[0], greedy)})["gen"].token_ids) == 3
 
 
 def test_an_encoder_needs_a_step_that_fits_its_context():
