@@ -24,14 +24,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from llmrpc.common.chat_template import read_chat_template
 from llmrpc.engine.client.async_engine import AsyncEngine, EngineClient
 from llmrpc.engine.client.data_parallel import DataParallelClient
 from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import EngineConfig
-from llmrpc.server import model_paths
+from llmrpc.server import model_paths, reflection
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners
 from llmrpc.server.embedding import EmbeddingServicer
@@ -60,7 +59,7 @@ from llmrpc.v1 import (
 logger = logging.getLogger(__name__)
 
 # Health and reflection answer without an API key: probes and `grpcurl list` need none.
-OPEN_SERVICES = (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
+OPEN_SERVICES = (HEALTH_SERVICE_NAME, *reflection.SERVICE_NAMES)
 
 
 class BesideService(Protocol):
@@ -277,7 +276,7 @@ def _add_services(servers, state: ServerState, health: Health) -> None:
         for add, servicer in services:
             add(servicer, server)
         health.add_to(server)
-    reflection.enable_server_reflection((*SERVICE_NAMES, *OPEN_SERVICES), servers[0])
+    reflection.add_reflection((*SERVICE_NAMES, HEALTH_SERVICE_NAME), servers[0])
 
 
 def _add_port(running: RunningServer, frontend: FrontendConfig) -> int:

@@ -106,16 +106,63 @@ async def test_health_serving_for_the_server_and_each_service(channel):
         assert response.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
+REFLECTION_SERVICES = {
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+}
+
+
 async def test_reflection_lists_every_service(channel):
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     async for response in stub.ServerReflectionInfo(iter([request])):
         names = {s.name for s in response.list_services_response.service}
         break
-    assert names == V1_SERVICES | {
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection",
-    }
+    assert names == V1_SERVICES | {"grpc.health.v1.Health"} | REFLECTION_SERVICES
+
+
+async def _ask_reflection_v1(channel, requests):
+    """The answers of ``grpc.reflection.v1`` alone, as a client that knows no v1alpha asks it
+    (v1's messages are v1alpha's field for field: the same bytes on the wire)."""
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    return [response async for response in call(iter(requests))]
+
+
+async def test_reflection_v1_answers_a_client_that_asks_v1_only(channel):
+    from google.protobuf import descriptor_pb2
+
+    listed, generation, itself, missing = await _ask_reflection_v1(
+        channel,
+        [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="llmrpc.v1.GenerationService"
+            ),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="grpc.reflection.v1.ServerReflection"
+            ),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such"),
+        ],
+    )
+    names = {s.name for s in listed.list_services_response.service}
+    assert names == V1_SERVICES | {"grpc.health.v1.Health"} | REFLECTION_SERVICES
+
+    def files(response) -> dict[str, descriptor_pb2.FileDescriptorProto]:
+        protos = response.file_descriptor_response.file_descriptor_proto
+        parsed = [descriptor_pb2.FileDescriptorProto.FromString(raw) for raw in protos]
+        return {proto.name: proto for proto in parsed}
+
+    generation_file = files(generation)["llmrpc/v1/generation.proto"]
+    assert "GenerationService" in [service.name for service in generation_file.service]
+    (reflection_file,) = files(itself).values()
+    assert reflection_file.package == "grpc.reflection.v1"
+    (method,) = reflection_file.service[0].method
+    assert method.input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 # --- load, prefix cache, sleep -----------------------------------------------------------------

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from server_utils import bound_server, grpcurl
 
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -69,6 +70,19 @@ async def test_each_key_is_served(channel, value):
 async def test_health_needs_no_key(channel):
     response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no model loaded
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+async def test_reflection_needs_no_key_in_either_version(channel, version):
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    (response,) = [reply async for reply in call(iter([request]))]
+    names = [service.name for service in response.list_services_response.service]
+    assert f"grpc.reflection.{version}.ServerReflection" in names
 
 
 async def test_grpcurl_lists_without_a_key_and_calls_with_dash_h(keyed):

@@ -127,6 +127,7 @@ def test_list_shows_every_service(grpcurl, address):
     services = run_grpcurl(grpcurl, address, "list").split()
     assert sorted(services) == [
         "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
         "llmrpc.v1.AdminService",
         "llmrpc.v1.EmbeddingService",
