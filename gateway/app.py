@@ -10,6 +10,7 @@ is read for a caller without one), the body-size limit and read timeout, load tr
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -28,6 +29,27 @@ from llmrpc.gateway.middleware import (
 from llmrpc.gateway.settings import GatewaySettings
 from llmrpc.gateway.state import GatewayState
 from llmrpc.gateway.tracing import GatewayTracing, TracingMiddleware
+
+ROUTERS = (
+    completions.router,
+    chat.router,
+    embeddings.router,
+    responses_api.router,
+    lora_routes.router,
+    routes.router,
+)
+
+
+def route_paths() -> list[str]:
+    """Every path the gateway can serve, as FastAPI writes them (``/v1/models/{model:path}``): its
+    routers', the optional routes' and FastAPI's own (docs, OpenAPI schema). Envoy's routes to the
+    gateway are made from this, so a new route cannot be missed there."""
+    app = FastAPI()  # its own routes: the docs pages and the schema
+    every = SimpleNamespace(enable_server_load_tracking=True, enable_tokenizer_info_endpoint=True)
+    routes.add_optional_routes(app, every)
+    # the routers are included without a prefix: their routes' paths are the served ones
+    included = [route.path for router in ROUTERS for route in router.routes]
+    return list(dict.fromkeys([*included, *(route.path for route in app.routes)]))
 
 
 def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
@@ -52,8 +74,7 @@ def create_app(settings: GatewaySettings, channels=None) -> FastAPI:
     app = FastAPI(title="llmrpc OpenAI-compatible gateway", lifespan=lifespan, **_docs(settings))
     app.state.gateway = gateway
     install_handlers(app)
-    routers = (completions.router, chat.router, embeddings.router, responses_api.router)
-    for router in (*routers, lora_routes.router, routes.router):
+    for router in ROUTERS:
         app.include_router(router)
     routes.add_optional_routes(app, settings.api)
     _add_middleware(app, settings, gateway, tracing)

@@ -25,30 +25,6 @@ TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 CORS = "envoy.filters.http.cors"
 _API = "type.googleapis.com/envoy."
 
-# Served by the OpenAI-compatible gateway; none collides with a native REST path (/v1/generate,
-# /v1/tokenize, /v1/admin/...). /v1/models also has /v1/models/{id} beneath it.
-OPENAI_EXACT_PATHS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/score",
-    "/v1/rerank",
-    "/score",
-    "/rerank",
-    "/v2/rerank",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/tokenize",
-    "/detokenize",
-    "/get_tokenizer_info",
-    "/health",
-    "/ping",
-    "/version",
-    "/metrics",
-    "/docs",
-    "/openapi.json",
-)
-OPENAI_PREFIX_PATHS = ("/v1/models",)
 
 # A call that never reached a replica, or that a replica refused before starting it (UNAVAILABLE:
 # stopping or not loaded; RESOURCE_EXHAUSTED: its queue is full), goes to another replica. Envoy
@@ -244,15 +220,28 @@ def openai_routes() -> list[dict]:
     # be rejected as an unknown method. (A per-route GrpcJsonTranscoder with no services would
     # do too, but Envoy requires a descriptor set in it: one more copy per route.)
     disabled = {"@type": _API + "config.route.v3.FilterConfig", "disabled": True}
-    matches = [{"path": path} for path in OPENAI_EXACT_PATHS]
-    matches += [{"path_separated_prefix": path} for path in OPENAI_PREFIX_PATHS]
     return [
         {
             "match": match,
             "route": {"cluster": GATEWAY_CLUSTER, "timeout": "0s"},
             "typed_per_filter_config": {TRANSCODER: disabled},
         }
-        for match in matches
+        for match in gateway_matches()
+    ]
+
+
+def gateway_matches() -> list[dict]:
+    """Envoy route matches for every path of the gateway's route table: a path with a parameter
+    (``/v1/models/{model:path}``) as a prefix of whole segments (``/v1/models`` and what lies
+    beneath it), the others exactly. None collides with a native REST path (/v1/generate,
+    /v1/tokenize, /v1/admin/...), which the transcoder serves."""
+    from llmrpc.gateway.app import route_paths  # FastAPI and the routes, only when asked
+
+    paths = route_paths()
+    prefixes = list(dict.fromkeys(p[: p.index("{")].rstrip("/") for p in paths if "{" in p))
+    exact = [path for path in paths if "{" not in path and path not in prefixes]
+    return [{"path": path} for path in exact] + [
+        {"path_separated_prefix": prefix} for prefix in prefixes
     ]
 
 

@@ -76,3 +76,28 @@ def test_embeddings_through_envoy(sdk, gateway, envoy):
     reply = httpx.post(f"http://{envoy.address}/v1/embed", json=native, timeout=30)
     assert reply.status_code == 200
     assert reply.json()["results"][0]["embedding"] == pytest.approx(vector, abs=1e-6)
+
+
+def _answer(method: str, url: str) -> tuple[int, str]:
+    """Status and media type of ``method`` on ``url`` with an empty JSON object for a body."""
+    body = {} if method in ("post", "put", "patch") else None
+    reply = httpx.request(method.upper(), url, json=body, timeout=30)
+    return reply.status_code, reply.headers.get("content-type", "").split(";")[0]
+
+
+def test_every_path_of_the_gateways_openapi_answers_the_same_through_envoy(gateway, envoy):
+    """Envoy's routes come from the gateway's own route table: a path missing from them would
+    reach the transcoder, which answers 404 in text/plain where the gateway answers JSON."""
+    paths = httpx.get(gateway.url + "/openapi.json", timeout=30).json()["paths"]
+    assert "/v1/responses" in paths and "/v1/responses/{response_id}" in paths
+    differ = {}
+    for template, methods in paths.items():
+        path = template.replace("{response_id}", "resp_missing").replace("{model:path}", "nope")
+        path = path.replace("{model}", "nope")
+        assert "{" not in path, f"no value for the parameter of {template}"
+        for method in methods:
+            direct = _answer(method, gateway.url + path)
+            proxied = _answer(method, f"http://{envoy.address}{path}")
+            if proxied != direct:
+                differ[f"{method.upper()} {template}"] = (direct, proxied)
+    assert not differ, f"direct and through Envoy: {differ}"
