@@ -5,8 +5,9 @@ Only chat requests are read. Under ``--reasoning-parser`` each sample's text is 
 reasoning goes to ``reasoning_text``, and only the rest (the answer) is read for calls. With
 tools and tool_choice AUTO, ``--tool-call-parser`` reads the answer: ``text`` keeps the content
 outside the calls. Under tool_choice REQUIRED or a named function the answer is JSON held to a
-schema (``tool_calling``): it becomes the calls once complete, or stays content if it does not
-parse (cut by max_tokens). Streams keep one parser state per sample index: content deltas come
+schema (``tool_calling``): it becomes the calls once complete; cut short (by max_tokens), a named
+function's call takes the arguments written so far, as vLLM's does, and REQUIRED's array stays
+content. Streams keep one parser state per sample index: content deltas come
 as the parser releases them, and each call comes once, whole, in the message where its text
 completes, with its index. Malformed calls are content, never errors.
 """
@@ -196,7 +197,10 @@ class SampleParser:
         return reasoning or "", content or ""
 
     def _read_forced(self, text: str, parsed: Parsed) -> None:
-        calls = forced_calls(text, self._plan.tools)
+        tools = self._plan.tools
+        calls = forced_calls(text, tools)
+        if calls is None and tools.mode is ToolMode.NAMED:  # cut short: what it wrote, as vLLM
+            calls = [FunctionCall(tools.function_name, text)]
         if calls is None:
             logger.info("a forced tool call's output did not parse; it is returned as content")
             parsed.content = text

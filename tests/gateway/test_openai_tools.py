@@ -310,3 +310,17 @@ def test_a_random_model_under_a_forced_choice_makes_calls_valid_against_the_sche
         assert names is None or [call.function.name] == names
         tool = next(t for t in FORCED_TOOLS if t["function"]["name"] == call.function.name)
         jsonschema.validate(arguments(call), tool["function"]["parameters"])
+
+
+def test_a_named_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(sdk):
+    """As vLLM: the arguments written so far, in tool_calls, whole and streamed."""
+    request = {"model": "", "messages": MESSAGES, "tools": FORCED_TOOLS, "tool_choice": NAMED}
+    request.update(seed=1, temperature=1.0, max_tokens=3)
+    choice = sdk.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "convert" and call.function.arguments.startswith("{")
+    chunks = list(sdk.chat.completions.create(**request, stream=True))
+    streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert "".join(c.function.arguments or "" for c in streamed) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"

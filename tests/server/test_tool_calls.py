@@ -237,6 +237,23 @@ async def test_forced_output_cut_by_max_tokens_is_content(generation):
     assert response.text.startswith("[") and not response.tool_calls
 
 
+async def test_a_named_call_cut_by_max_tokens_keeps_its_partial_arguments(generation):
+    """As vLLM: the named function's call carries the arguments written so far, whole and
+    streamed, with finish reason LENGTH (a structured-output client then sees a call, not
+    content it would silently drop)."""
+    choice = common_pb2.ToolChoice(function_name="convert")
+    response = await generation.Generate(forced_request(choice, seed=1, max_tokens=3))
+    assert response.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    (call,) = response.tool_calls
+    assert call.function.name == "convert" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{") and response.text == ""
+    messages = await read_stream(generation, forced_request(choice, seed=1, max_tokens=3))
+    assert "".join(m.text for m in messages) == ""
+    (streamed,) = [c for m in messages for c in m.tool_calls]
+    assert streamed.function.arguments == call.function.arguments
+    assert messages[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+
+
 async def test_forced_outputs_are_read_as_vllm_writes_them():
     named, required = ToolPlan(ToolMode.NAMED, "f"), ToolPlan(ToolMode.REQUIRED)
     assert forced_calls('{"x": [1, 2]}', named) == [FunctionCall("f", '{"x": [1, 2]}')]
