@@ -254,6 +254,15 @@ class ApiSettings:
         None,
         "No OpenAPI schema, Swagger UI or ReDoc on the REST gateway.",
     )
+    strict_request_fields: bool = option(
+        "--strict-request-fields",
+        False,
+        None,
+        "A REST request field this server does not know is a 400 naming it. Without this flag "
+        "it is ignored, as vLLM ignores it, with a warning in the log (once a name every 10 "
+        "minutes). Fields it knows and cannot honour are a 400 either way.",
+        ours=True,
+    )
     middleware: tuple[str, ...] = option(
         "--middleware",
         [],

@@ -3,8 +3,9 @@ middleware its settings ask for.
 
 Middleware order, outermost first: CORS (so preflights and error replies carry its headers),
 the header-count limit, request ids, tracing (``--otlp-traces-endpoint``), API keys (so no body
-is read for a caller without one), the body-size limit and read timeout, load tracking, then
-``--middleware`` ones.
+is read for a caller without one), the body-size limit and read timeout, load tracking,
+``--middleware`` ones, then the request's policy for fields it does not know
+(``--strict-request-fields``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmrpc.gateway.middleware import (
     RequestIdMiddleware,
     add_user_middleware,
 )
+from llmrpc.gateway.request_fields import UnknownFieldsMiddleware
 from llmrpc.gateway.settings import GatewaySettings
 from llmrpc.gateway.state import GatewayState
 from llmrpc.gateway.tracing import GatewayTracing, TracingMiddleware
@@ -92,6 +94,7 @@ def _add_middleware(
     app: FastAPI, settings: GatewaySettings, gateway: GatewayState, tracing: GatewayTracing | None
 ) -> None:
     api = settings.api
+    app.add_middleware(UnknownFieldsMiddleware, strict=api.strict_request_fields)
     for import_path in api.middleware:
         add_user_middleware(app, import_path)
     if api.enable_server_load_tracking:

@@ -25,6 +25,7 @@ from pydantic import TypeAdapter, ValidationError
 from llmrpc.gateway.errors import invalid, validation_failed
 from llmrpc.gateway.json_bounds import NotJson, first_problem
 from llmrpc.gateway.parser_process import OFF_PROCESS_BYTES, parse_elsewhere
+from llmrpc.gateway.request_fields import IGNORED, STRICT
 from llmrpc.gateway.state import gateway_of
 
 OFF_LOOP_BYTES = 64 * 1024  # about a millisecond of parsing; above, a thread's hop is cheaper
@@ -91,9 +92,12 @@ class JsonRequest(Request):
 
     async def _parse_elsewhere(self, body: bytes):
         max_items = await gateway_of(self).max_list_items()
-        outcome = await parse_elsewhere(body, max_items, self._model)
+        outcome = await parse_elsewhere(body, max_items, self._model, STRICT.get())
         if outcome[0] == "error":
             raise invalid(outcome[1], outcome[2])
+        ignored = IGNORED.get()
+        if ignored is not None:  # the names that process dropped, logged as this request's
+            ignored.extend(outcome[2])
         return outcome[1]
 
 

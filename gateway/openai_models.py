@@ -3,8 +3,8 @@
 Responses are built as plain dicts in ``responses``: they are written once per streamed delta,
 where a model's validation would cost more than the JSON itself. Every request field OpenAI or
 vLLM defines that the gateway knows is declared: honoured, or refused with a 400 saying why when
-set to a value that would change anything. Unknown fields are a 400 naming them, never dropped
-unread (vLLM ignores them, so a misspelt ``guided_json`` would pass unnoticed).
+set to a value that would change anything. Fields it does not know are ignored with a warning,
+as vLLM ignores them, or a 400 naming them under ``--strict-request-fields`` (``request_fields``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
-    model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
+from llmrpc.gateway.request_fields import StrictModel
 from llmrpc.gateway.structured_output import StructuredFields
 
 # The gRPC API's number types bound what a request can carry (a larger integer cannot be put in
@@ -56,48 +55,6 @@ Prompt = Annotated[
     | Annotated[list[list[UInt32]], Tag("list[list[int]]")],
     Discriminator(_prompt_form),
 ]
-
-
-MAX_UNKNOWN_REPORTED = 16  # the 400 names one; an error apiece would cost a millisecond a 100
-
-
-def _unknown_fields(model: type[BaseModel], data: Any) -> Any:
-    """A 400 naming each field the model does not declare: a parameter this server would
-    otherwise drop unread (a typo, or a feature it lacks) must not pass as if honoured. One sent
-    as null asks for nothing, as clients that write every field they know do: it is dropped."""
-    if not isinstance(data, dict):
-        return data
-    known = {name for name, info in model.model_fields.items()} | {
-        info.alias for info in model.model_fields.values() if info.alias
-    }
-    if any(name not in known and value is None for name, value in data.items()):
-        data = {name: value for name, value in data.items() if name in known or value is not None}
-    unknown = [name for name in data if name not in known]
-    if not unknown:
-        return data
-    errors = [
-        InitErrorDetails(
-            type=PydanticCustomError(
-                "extra_forbidden",
-                "unknown parameter: this server neither honours nor ignores it (check its name)",
-            ),
-            loc=(name,),
-            input=data[name],
-        )
-        for name in unknown[:MAX_UNKNOWN_REPORTED]
-    ]
-    raise ValidationError.from_exception_data(model.__name__, errors)
-
-
-class StrictModel(BaseModel):
-    """A request object whose unknown fields are a 400 naming them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unknown(cls, data: Any) -> Any:
-        return _unknown_fields(cls, data)
 
 
 def refused(reason: str, *accepted: Any) -> AfterValidator:

@@ -54,19 +54,28 @@ def _adapter(model):
     return _adapters[key]
 
 
-def parse_here(body: bytes, max_items: int | None, model=None) -> tuple:
-    """In the parser process: ``("ok", request)`` (the document validated as ``model``, when
-    given) or ``("error", param, message)``."""
+def parse_here(body: bytes, max_items: int | None, model=None, strict: bool = True) -> tuple:
+    """In the parser process: ``("ok", request, ignored)`` (the document validated as ``model``,
+    when given, under the request's policy for unknown fields, ``strict``, and the names of the
+    unknown fields it dropped) or ``("error", param, message)``."""
     from llmrpc.gateway.errors import OpenAIError
     from llmrpc.gateway.json_body import parse_and_validate
+    from llmrpc.gateway.request_fields import IGNORED, STRICT
 
+    ignored: list[str] = []
+    policy, collected = STRICT.set(strict), IGNORED.set(ignored)
     try:
         adapter = None if model is None else _adapter(model)
-        return ("ok", parse_and_validate(body, adapter, max_items))
+        return ("ok", parse_and_validate(body, adapter, max_items), ignored)
     except OpenAIError as error:
         return ("error", error.param, error.message)
+    finally:
+        STRICT.reset(policy)
+        IGNORED.reset(collected)
 
 
-async def parse_elsewhere(body: bytes, max_items: int | None, model=None) -> tuple:
+async def parse_elsewhere(
+    body: bytes, max_items: int | None, model=None, strict: bool = True
+) -> tuple:
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_pool(), parse_here, body, max_items, model)
+    return await loop.run_in_executor(_pool(), parse_here, body, max_items, model, strict)

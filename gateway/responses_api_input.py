@@ -1,7 +1,8 @@
 """The body of ``POST /v1/responses`` and its input as chat messages.
 
-Every field OpenAI defines is either honoured or refused with a 400 naming it; a field OpenAI
-does not define is a 400 too (``extra="forbid"``). The input becomes OpenAI-shaped chat messages
+Every field OpenAI defines is either honoured or refused with a 400 naming it; a field the
+gateway does not know is ignored with a warning, or a 400 under ``--strict-request-fields``
+(``request_fields``). The input becomes OpenAI-shaped chat messages
 for the gRPC API: ``instructions`` first as a system message, then the stored conversation of
 ``previous_response_id``, then the input items (developer messages are system messages: chat
 templates know no developer role). A reasoning item sent back becomes the
@@ -18,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from llmrpc.gateway.errors import invalid
 from llmrpc.gateway.openai_models import Float32, UInt32
+from llmrpc.gateway.request_fields import StrictModel
 
 # OpenAI's own bounds on metadata; at most as many tools as the gRPC API takes.
 MAX_METADATA_PAIRS = 16
@@ -42,9 +44,7 @@ class ContentPart(BaseModel):
     refusal: str | None = None
 
 
-class MessageItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
@@ -53,10 +53,8 @@ class MessageItem(BaseModel):
     phase: str | None = None
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(StrictModel):
     """A call the model made in an earlier turn (an output item sent back)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["function_call"]
     call_id: ShortStr
@@ -66,10 +64,8 @@ class FunctionCallItem(BaseModel):
     status: str | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(StrictModel):
     """The caller's result of a function call."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["function_call_output"]
     call_id: ShortStr
@@ -78,9 +74,7 @@ class FunctionCallOutputItem(BaseModel):
     status: str | None = None
 
 
-class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
     id: ShortStr | None = None
     summary: list[dict[str, Any]] = []
@@ -114,9 +108,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -124,17 +116,13 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class NamedTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedTool(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(StrictModel):
     """``text.format``: text, json_object, or json_schema (flat: name and schema beside type)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -143,15 +131,13 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the only one a model without the knob has
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class ResponsesRequest(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)
 
     input: str | list[InputItem]
     instructions: str | None = None

@@ -13,21 +13,20 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmrpc.gateway.errors import invalid
+from llmrpc.gateway.request_fields import StrictModel
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ResponseFormat(StrictModel):
     type: str
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
     structural_tag: Any = None  # vLLM's structural_tag form (also "format" in newer ones)
     format: Any = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(StrictModel):
     """vLLM's ``structured_outputs`` field: one constraint and its JSON options."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     # "json" on the wire; a field named so would shadow BaseModel.json
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")

@@ -117,6 +117,7 @@ _OURS = _group(
          "call the admin-only RPCs.",
          nargs="+", secret=True),
     _rest("--responses-store-max-bytes"),
+    _rest("--strict-request-fields"),
     ours("--log-level", "info", str, "logs.level", "Logging level.",
          choices=("debug", "info", "warning", "error", "critical")),
     ours("--log-stats-interval", 10.0, float, "logs.stats_interval_s",

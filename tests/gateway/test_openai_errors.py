@@ -48,7 +48,6 @@ def _error(reply: httpx.Response, status: int, param: str | None) -> dict:
          "response_format.type"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]},
          "tools[0].function"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "guided_jsn": {}}, "guided_jsn"),
         ("/v1/chat/completions",
          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0].type"),

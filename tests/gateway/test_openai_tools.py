@@ -229,9 +229,6 @@ def test_the_sdks_own_answer_goes_back_as_history(sdk, scripted, tool_gateway):
          "response_format"),
         ({"store": True}, "store"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"guided_jsonn": {"type": "object"}}, "guided_jsonn"),
-        ({"messages": [{"role": "user", "content": "x", "tool_call": []}]},
-         "messages[0].tool_call"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400_naming_the_parameter(tool_gateway, extra, param):

@@ -172,7 +172,6 @@ def test_every_answer_validates_as_the_sdks_types(gateway):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"frobnicate": 1}, "frobnicate"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),

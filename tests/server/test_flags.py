@@ -17,7 +17,7 @@ import pytest
 from llmrpc.common.args import OneLineErrorParser
 from llmrpc.engine.config import StructuredOutputConfig
 from llmrpc.server import options
-from llmrpc.server.flag_table import FLAGS
+from llmrpc.server.flag_table import _REST_FLAGS, FLAGS
 from llmrpc.server.flags import Flag, State, human_readable_int, json_value
 
 VLLM_FLAGS = Path(__file__).with_name("vllm_serve_flags.txt")
@@ -120,6 +120,19 @@ def test_the_comparison_catches_a_missing_flag_alias_or_wrong_default():
 def test_each_flag_is_in_the_table_once():
     names = [name for flag in FLAGS for name in flag.names]
     assert len(names) == len(set(names))
+
+
+def test_every_rest_gateway_option_is_a_serve_flag():
+    """llmrpc gateway and llmrpc serve take the same REST options (one declaration each)."""
+    names = {name for flag in FLAGS for name in flag.names}
+    assert set(_REST_FLAGS) - names == set()
+
+
+def test_strict_request_fields_reaches_the_rest_gateway():
+    _, frontend = options.build_configs(parse("--strict-request-fields"))
+    assert frontend.rest_api.strict_request_fields
+    _, frontend = options.build_configs(parse())
+    assert not frontend.rest_api.strict_request_fields
 
 
 # --- states ----------------------------------------------------------------------------------
