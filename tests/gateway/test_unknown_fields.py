@@ -105,3 +105,11 @@ def test_a_body_validated_in_the_parser_process_follows_the_same_policy(
     assert any("'cache_hint'" in line for line in _warned(caplog))
     reply = post(strict_gateway, "/v1/completions", body)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_hint"
+
+
+def test_a_request_of_many_unknown_names_logs_a_few_and_costs_little(gateway, caplog):
+    """A thousand messages with a name of their own each: at most MAX_UNKNOWN_REPORTED lines."""
+    messages = [{"role": "user", "content": "Hi", f"x{i}": 1} for i in range(1000)]
+    with caplog.at_level(logging.WARNING, logger=request_fields.logger.name):
+        post(gateway, "/tokenize", {"messages": messages})
+    assert 1 <= len(_warned(caplog)) <= request_fields.MAX_UNKNOWN_REPORTED
