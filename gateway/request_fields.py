@@ -71,9 +71,11 @@ def _unknown_fields(model: type[BaseModel], data: Any) -> Any:
 
 
 class StrictModel(BaseModel):
-    """A request object: the fields it does not declare are dropped or a 400 (see above)."""
+    """A request object: the fields it does not declare are dropped or a 400 (see above).
+    Pydantic itself ignores them (``extra="ignore"``), so the OpenAPI schema does not call them
+    invalid: by default they are not."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
