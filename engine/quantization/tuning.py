@@ -59,39 +59,30 @@ def _caller(layer: QuantizedLinear, kernel: str) -> Callable[[torch.Tensor], tor
 
 @torch.inference_mode()
 def _time(layers, kernels, deadline: float, clock=time.monotonic):
-    """Microseconds per layer of each way in each bucket, as ``linear_tuning.time_shape`` times
-    (up to 32 rows the packed weights come from memory, cycled over the shape's layers; past
-    that, and for the dense matmul, one warm layer stands for all), until one way is sure to win
-    the rest (``_settled``)."""
+    """Microseconds per layer of each way in each bucket (as ``linear_tuning.time_shape``: up
+    to 32 rows the packed weights come from memory, cycled over the shape's layers; past that
+    one warm layer stands for all; a way 3x behind past 32 rows is not timed further)."""
     first = layers[0]
     count = max(1, min(len(layers), -(-TIMED_BYTES // max(1, packed_bytes(first)))))
     flop_per_row = 2 * first.in_features * first.out_features
-    planned = []  # the rows each bucket is timed at
+    times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in kernels}
+    alive = list(kernels)
+    generator = torch.Generator().manual_seed(0)
     for index, rows in enumerate(TIMED_ROWS):
         rows = max(ROW_BUCKETS[index][0], min(rows, int(MAX_FLOP // flop_per_row)))
-        if rows * flop_per_row > 4 * MAX_FLOP:
+        if rows * flop_per_row > 4 * MAX_FLOP or len(alive) < 2:
             break
-        planned.append(rows)
-    times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in kernels}
-    generator = torch.Generator().manual_seed(0)
-    for index, rows in enumerate(planned):
         if clock() > deadline:
             return times, True
         x = torch.randn(rows, first.in_features, generator=generator).to(first.dtype)
-        for kernel in kernels:
+        for kernel in alive:
+            # dequantizing reads the packed weights once whatever the rows: one layer suffices
             timed = layers[:count] if rows <= 32 and kernel == PACKED else layers[:1]
             times[kernel][index] = _seconds([_caller(layer, kernel) for layer in timed], x) * 1e6
-        if _settled(times[PACKED][index], times[DENSE][index], rows, planned[-1]):
-            break
+        fastest = min(times[k][index] for k in alive)
+        if rows > 32:
+            alive = [k for k in alive if times[k][index] <= 3 * fastest]
     return times, False
-
-
-def _settled(packed: float, dense: float, rows: int, most_rows: int) -> bool:
-    """Whether the buckets up to ``most_rows`` rows need no timing: a packed kernel's cost grows
-    at most in proportion to the rows, and the dense matmul's never shrinks, so a packed kernel
-    that would still win at ``most_rows`` wins every bucket to there; past 32 rows (compute-bound)
-    one 3x behind the dense matmul only falls further behind as its rows grow."""
-    return packed * most_rows / rows <= dense or (rows > 32 and packed > 3 * dense)
 
 
 def _seconds(calls: list[Callable], x: torch.Tensor) -> float:

@@ -86,11 +86,3 @@ def test_an_engine_measures_its_quantized_layers_and_reports_them(tiny_llama_dir
         assert layer.dense_above == dense_above(reported[tuning.shape_key(layer)])
     shapes = {choice.shape for choice in reported.values() if choice.layout == tuning.LAYOUT}
     assert shapes == {tuning.shape_key(layer) for layer in layers}
-
-
-def test_the_timing_stops_once_a_way_is_sure_to_win_the_rest():
-    # the head: packed 1.3 ms at 1 row would still win at 129 rows against 340 ms dequantizing
-    assert tuning._settled(1.3, 340, rows=1, most_rows=129)
-    assert not tuning._settled(0.02, 2.0, rows=1, most_rows=2048)  # may cross: time on
-    assert tuning._settled(10.0, 3.0, rows=64, most_rows=2048)  # 3x behind past 32 rows
-    assert not tuning._settled(10.0, 3.0, rows=8, most_rows=2048)  # below, weights from memory
