@@ -280,9 +280,9 @@ def machine_key() -> dict[str, str]:
     }
 
 
-def cache_file(folder: Path, key: dict[str, str], name: str = "linear") -> Path:
+def cache_file(folder: Path, key: dict[str, str]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return folder / f"{name}-{digest}.json"
+    return folder / f"linear-{digest}.json"
 
 
 def _read(path: Path, key: dict[str, str]) -> dict:
@@ -306,55 +306,37 @@ def _write(path: Path, key: dict[str, str], shapes: dict) -> None:
 # --- the plan for a model ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Family:
-    """A family of layers ``measure`` times: its candidates, how it times and chooses them,
-    and its cache file's name."""
-
-    name: str
-    candidates: Callable[[nn.Module], list[str]]
-    time: Callable  # (layers, kernels, deadline, clock) -> (times, cut short)
-    choose: Callable  # (shape, num_layers, times, tied, uniform) -> LayerChoice
-
-
-def _linear_family() -> Family:
-    return Family("linear", candidates, time_shape, choose)  # as the module holds them now
-
-
 def measure(
-    groups: dict[str, list[nn.Module]],
+    groups: dict[str, list[nn.Linear]],
     tied: set[str],
     cache_folder: Path | None,
     uniform: bool = False,
     clock: Callable[[], float] = time.monotonic,
-    family: Family | None = None,
 ) -> dict[str, LayerChoice]:
     """A choice for each shape in ``groups`` (shape key -> its layers, in model order): read
-    from the cache, else timed now (and cached once every bucket was timed). ``family``: the
-    packable linear layers unless given."""
-    family = family or _linear_family()
+    from the cache, else timed now (and cached once every bucket was timed)."""
     key = machine_key()
-    path = cache_file(cache_folder, key, family.name) if cache_folder is not None else None
+    path = cache_file(cache_folder, key) if cache_folder is not None else None
     known = _read(path, key) if path is not None else {}
     started = clock()
     deadline = started + BUDGET_S
     plan, timed, cut = {}, 0, False
     for shape, layers in groups.items():
-        kernels = family.candidates(layers[0])
+        kernels = candidates(layers[0])
         times = known.get(shape)
         if len(kernels) == 1:  # nothing to choose between
             times = {kernels[0]: [None] * len(ROW_BUCKETS)}
         elif times is None or set(times) != set(kernels):
-            times, short = family.time(layers, kernels, deadline, clock)
+            times, short = time_shape(layers, kernels, deadline, clock)
             if not short:  # one the budget cut short is timed again at the next start
                 known[shape] = times
             cut |= short
             timed += 1
-        plan[shape] = family.choose(shape, len(layers), times, shape in tied, uniform)
+        plan[shape] = choose(shape, len(layers), times, shape in tied, uniform)
     if timed:
         logger.info(
-            "timed the %s kernels for %d layer shape%s in %.1f s%s",
-            family.name, timed, "" if timed == 1 else "s", clock() - started,
+            "timed the linear kernels for %d layer shape%s in %.1f s%s",
+            timed, "" if timed == 1 else "s", clock() - started,
             f" (the rest past the {BUDGET_S:.0f} s budget take the last timed choice)" if cut
             else "",
         )  # fmt: skip

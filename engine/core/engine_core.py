@@ -30,7 +30,6 @@ from llmrpc.engine.parallel.executor import start_tensor_parallel
 from llmrpc.engine.pooling.pooler import EnginePooling
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.quantization.plan import describe_linear_layers, plan_quantization
-from llmrpc.engine.quantization.tuning import plan_quantized_kernels
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -421,15 +420,14 @@ class EngineCore:
             self.parallel.shard(model)
         if self.device.type != "cpu":
             return model.to(self.device)
-        kernels_cache = loader.cache_root() / "kernels"
-        self.linear_kernels = plan_quantized_kernels(model, kernels_cache)  # sets dense_above
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
-            linear = plan_linear_kernels(model, kernels_cache, uniform=config.batch_invariant)
-            packed = pack_linear_layers(model, layouts(linear))
-            self.linear_kernels |= linear
+            self.linear_kernels = plan_linear_kernels(
+                model, loader.cache_root() / "kernels", uniform=config.batch_invariant
+            )
+            packed = pack_linear_layers(model, layouts(self.linear_kernels))
             logger.info("%s", describe_linear_layers(model, packed, config.quantization))
-        for choice in self.linear_kernels.values():
-            logger.info("linear kernels: %s", choice.describe())
+            for choice in self.linear_kernels.values():
+                logger.info("linear kernels: %s", choice.describe())
         moved, huge = gather_weights(model)
         logger.info(
             "weights: %.1f MB in one buffer in step order, on %s pages",

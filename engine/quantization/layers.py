@@ -20,9 +20,8 @@ Scales (and zeros) are held in the model's dtype, as the kernels require.
 torch's packed kernels are fast only with bfloat16 activations, and only for few rows: their
 cost grows with every row, where a dense matmul reuses each weight across rows, and in float16
 or float32 they are 10-50x slower than a dense matmul of the same dtype. So a layer uses its
-packed kernel in bfloat16 for at most ``dense_above`` rows (measured per shape at load,
-``tuning``: decode steps of small batches; our int4 kernel, which reuses each unpacked weight
-across 8 rows, up to long prefills), and
+packed kernel in bfloat16 for at most ``dense_above`` rows (decode steps of small batches; our
+int4 kernel, which reuses each unpacked weight across 8 rows, up to long prefills), and
 otherwise dequantizes its weight for that call and runs the dense matmul: a long prefill chunk,
 and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact in float32, so a
 quantized float32 model computes what the same model holding the dequantized weights computes
@@ -47,11 +46,9 @@ from torch.nn import functional as F
 from llmrpc.kernels import cpu_ops
 
 GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and Q8_0
-# Each layer's dense_above until it is measured at load (tuning.py): the rows up to which the
-# packed kernels beat dequantize-then-dense in bfloat16 as measured once (one thread, a 2-core
-# machine whose CPU was not recorded, SmolLM2-135M's layer shapes): int8 960x576 at 32 rows
-# 220 us vs 118 + 103 us, at 64 rows 439 vs 284 us; int4 at 64 rows 393 us vs 526 + 166 us, at
-# 256 rows 1543 vs 1086 us.
+# Rows up to which the packed kernels beat dequantize-then-dense in bfloat16 (one thread, this
+# machine, SmolLM2-135M's layer shapes): int8 960x576 at 32 rows 220 us vs 118 + 103 us, at 64
+# rows 439 vs 284 us; int4 at 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
 INT8_DENSE_ABOVE = 32
 INT4_DENSE_ABOVE = 128
 # Rows up to which our blocked int4 kernel beats dequantize-then-dense (one thread, 30 layers of

@@ -531,8 +531,6 @@ def test_help_and_serving_page_state_what_the_code_does():
     # the help sends the reader to docs/serving.md for when each kernel runs
     assert "docs/serving.md says when each kernel runs" in " ".join(flag.help.split())
     page = " ".join((Path(__file__).parents[2] / "docs" / "serving.md").read_text().split())
-    defaults = (
-        f"default is {BLOCKED_DENSE_ABOVE} tokens on our kernel, {INT8_DENSE_ABOVE} (int8) or "
-        f"{INT4_DENSE_ABOVE} (int4, gguf) on torch's"
-    )
-    assert defaults in page and "measured at the first start" in page
+    assert f"in bfloat16 for up to {BLOCKED_DENSE_ABOVE} tokens a layer call" in page
+    packed = f"for up to {INT8_DENSE_ABOVE} (int8) or {INT4_DENSE_ABOVE} (int4, gguf) tokens"
+    assert packed in page
