@@ -16,6 +16,7 @@ back (``parser_process``). The middleware logs them as the response starts.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import time
 from typing import Any
@@ -37,14 +38,19 @@ IGNORED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
 )
 
 
+@functools.cache
+def _known_names(model: type[BaseModel]) -> frozenset[str]:
+    """A request object's field names and aliases (once a class: a chat's messages ask each)."""
+    fields = model.model_fields
+    return frozenset(fields) | {info.alias for info in fields.values() if info.alias}
+
+
 def _unknown_fields(model: type[BaseModel], data: Any) -> Any:
     """``data`` without the fields ``model`` does not declare (noted in ``IGNORED``), or a 400
     naming them where the request is strict."""
     if not isinstance(data, dict):
         return data
-    known = set(model.model_fields) | {
-        info.alias for info in model.model_fields.values() if info.alias
-    }
+    known = _known_names(model)
     if any(name not in known and value is None for name, value in data.items()):
         data = {name: value for name, value in data.items() if name in known or value is not None}
     unknown = [name for name in data if name not in known]
@@ -85,7 +91,7 @@ class StrictModel(BaseModel):
 
 class IgnoredFieldLog:
     """Whether to log an ignored name now: each name at most every ``interval_s``; past
-    ``max_names`` names in an interval, the first new one is logged and the rest counted."""
+    ``max_names`` names in an interval, one new name is logged an interval and the rest are not."""
 
     def __init__(self, max_names: int = MAX_LOGGED_NAMES, interval_s: float = LOG_INTERVAL_S):
         self.max_names, self.interval_s = max_names, interval_s
@@ -94,7 +100,6 @@ class IgnoredFieldLog:
     def reset(self) -> None:
         self._logged: dict[str, float] = {}  # name -> when
         self._overflow_logged = float("-inf")
-        self.suppressed = 0
 
     def due(self, name: str) -> bool:
         now = time.monotonic()
@@ -109,7 +114,6 @@ class IgnoredFieldLog:
         if now - self._overflow_logged >= self.interval_s:
             self._overflow_logged = now
             return True
-        self.suppressed += 1
         return False
 
 

@@ -26,10 +26,9 @@ def _v1_file(pool: descriptor_pool.DescriptorPool) -> None:
         return
     except KeyError:
         pass
-    alpha = descriptor_pb2.FileDescriptorProto()
-    reflection_pb2.DESCRIPTOR.CopyToProto(alpha)
-    old, new = f".{alpha.package}.", ".grpc.reflection.v1."
-    v1 = descriptor_pb2.FileDescriptorProto.FromString(alpha.SerializeToString())
+    v1 = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(v1)
+    old, new = f".{v1.package}.", ".grpc.reflection.v1."
     v1.name, v1.package = _V1_FILE, "grpc.reflection.v1"
     v1.ClearField("options")  # v1alpha's language options name v1alpha's packages
     for message in v1.message_type:

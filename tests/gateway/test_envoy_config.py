@@ -11,7 +11,7 @@ from envoy_support import TestCa, envoy_config, validate
 from google.api import annotations_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool
 
-from llmrpc.gateway import envoy_cli
+from llmrpc.gateway import envoy, envoy_cli
 from llmrpc.gateway.descriptors import api_descriptor_set, api_service_names
 
 HTTP_RULE = annotations_pb2.http
@@ -104,6 +104,31 @@ def test_descriptor_set_builds_in_order_with_every_method_bound_to_http():
     assert methods["llmrpc.v1.GenerationService.Generate"].post == "/v1/generate"
     unbound = [name for name, rule in methods.items() if not rule.WhichOneof("pattern")]
     assert len(methods) >= 10 and not unbound
+
+
+def test_no_route_to_the_rest_gateway_takes_a_native_json_path():
+    """The transcoder serves the API's own HTTP bindings; a gateway route matching one of them
+    would send it to the OpenAI gateway instead."""
+    native = []
+    for file in api_descriptor_set().file:
+        for service in file.service:
+            for method in service.method:
+                rule = method.options.Extensions[HTTP_RULE]
+                for binding in (rule, *rule.additional_bindings):
+                    kind = binding.WhichOneof("pattern")
+                    if kind:
+                        native.append(getattr(binding, kind))
+    assert "/v1/generate" in native and "/v1/admin/models" in native
+
+    def taken(path: str, match: dict) -> bool:
+        prefix = match.get("path_separated_prefix")
+        return match.get("path") == path or (
+            prefix is not None and (path == prefix or path.startswith(prefix + "/"))
+        )
+
+    matches = envoy.gateway_matches()
+    assert {"path_separated_prefix": "/v1/responses"} in matches  # what the table gives
+    assert not [(p, m) for p in native for m in matches if taken(p.split(":")[0], m)]
 
 
 @pytest.mark.parametrize(
