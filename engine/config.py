@@ -11,6 +11,7 @@ from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig, check_parallel_options
 from llmrpc.engine.pooling.params import check_pooling_flags
 from llmrpc.engine.request import DEFAULT_MAX_JSON_WHITESPACE
+from llmrpc.engine.spec_decode.config import SpeculativeConfig, check_speculative_options
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -306,9 +307,17 @@ class EngineConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # --enable-lora and its settings
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # --tensor-parallel-size
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         check_parallel_options(self.parallel, self.lora.enabled, self.model.runner)
+        check_speculative_options(
+            self.speculative,
+            self.parallel.tensor_parallel_size,
+            self.lora.enabled,
+            self.model.runner,
+            self.model.batch_invariant,
+        )
         if self.model.device == "cpu":
             check_cuda_graph_flags(self.compilation, "cpu")
 

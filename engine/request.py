@@ -295,6 +295,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Draft tokens this step verifies after the last token (speculative decoding; never in
+        # all_token_ids: those the target accepts are appended as it samples them)
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

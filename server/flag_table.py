@@ -70,6 +70,18 @@ COMPILATION_HELP = (
     "capture the compiled forward. A failure raised in Python is logged once, then steps run "
     "eager; a fault on the device is not recovered from (CUDA's error is sticky)."
 )
+SPECULATIVE_HELP = (
+    "Speculative decoding, vLLM's JSON (or dotted keys: --speculative-config.method ngram): "
+    '{"method": "ngram", "num_speculative_tokens": K} proposes, after a decoding request\'s '
+    "last token, the K tokens that followed the latest earlier occurrence of its longest "
+    "suffix of prompt_lookup_min to prompt_lookup_max tokens (default 5 and 5) in its own "
+    "prompt and output, and verifies them in one step; the output keeps the model's "
+    "distribution exactly (greedy: the same tokens). A request whose drafts all fail backs off "
+    "for 1, 2, 4 ... 32 steps; disable_by_batch_size N: no drafts in a step of N or more "
+    "requests; max_model_len N: none past N tokens. Other methods (draft_model, eagle, "
+    "medusa, mtp ...) and keys stop start-up, as do --tensor-parallel-size above 1, "
+    "--enable-lora and --batch-invariant with it. Default: off."
+)
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "
     "old command lines still start"
@@ -644,7 +656,8 @@ _OBSERVABILITY = _group(
 
 _OTHER = _group(
     "other",
-    refused("--speculative-config", None, json_object, NOT_SUPPORTED),
+    works("--speculative-config", None, json_object, "speculative.config", SPECULATIVE_HELP,
+          metavar="JSON"),
     refused("--kv-transfer-config", None, json_object, KV_TRANSFER),
     refused("--kv-events-config", None, json_object, KV_TRANSFER),
     works(("--compilation-config", "-O"), {}, compilation_config, "compilation.config",

@@ -33,6 +33,7 @@ from llmrpc.engine.config import (
 )
 from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
+from llmrpc.engine.spec_decode.config import SpeculativeConfig
 from llmrpc.server import serve_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, State, json_value
@@ -57,6 +58,7 @@ _ENGINE_PARTS = {
     "structured_output": StructuredOutputConfig,
     "lora": LoRAConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
 }
 _FRONTEND_PARTS = {
     "tls": TLSConfig,

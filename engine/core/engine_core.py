@@ -59,6 +59,8 @@ from llmrpc.engine.runner.weight_arena import gather_weights
 from llmrpc.engine.sample.sampler import Sampler, token_logprobs
 from llmrpc.engine.sched.kv_cache import KVCacheManager
 from llmrpc.engine.sched.scheduler import Scheduler, SchedulerOutput
+from llmrpc.engine.spec_decode.config import check_speculative_options
+from llmrpc.engine.spec_decode.ngram import NgramProposer
 from llmrpc.engine.structured_output import grammar as structured_output
 from llmrpc.engine.structured_output.compiler import GrammarCompiler
 from llmrpc.engine.structured_output.grammar import Grammar
@@ -223,6 +225,7 @@ class _StepResult:
     pooled: object
     failed: dict[Request, str]
     timing: tuple[float, float, float]
+    draft_logits: dict  # request -> [num_drafts, vocab_size]: the rows after its drafts
 
 
 class EngineCore:
@@ -334,6 +337,17 @@ class EngineCore:
         scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.scheduler.max_loras = config.lora.max_loras if config.lora.enabled else None
+        self.proposer = None  # --speculative-config: the drafts' proposer, its counters
+        if config.speculative.enabled:
+            if self.pooling.runner == "pooling":
+                check_speculative_options(config.speculative, 1, False, "pooling", False)
+            self.proposer = self.scheduler.proposer = NgramProposer(config.speculative)
+            logger.info(
+                "speculative decoding: ngram, %d draft tokens from %d- to %d-token matches",
+                config.speculative.num_speculative_tokens,
+                config.speculative.prompt_lookup_min,
+                config.speculative.prompt_lookup_max,
+            )
         self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
@@ -641,7 +655,10 @@ class EngineCore:
             tokens = dict(zip(ids, sampled.token_ids, strict=True))
             logprobs = dict(zip(ids, sampled.logprobs, strict=True))
         timing = (forward_started, forward_s, execute_s)
-        return _StepResult(requests, tokens, logprobs, model_output.pooled, failed, timing)
+        return _StepResult(
+            requests, tokens, logprobs, model_output.pooled, failed, timing,
+            model_output.draft_logits if sampled is not None else {},
+        )  # fmt: skip
 
     def _update(self, plan: _StepPlan, result: _StepResult, started: float) -> list[RequestOutput]:
         """The step's tokens into the scheduler (finished requests free their blocks), then what
@@ -653,8 +670,15 @@ class EngineCore:
         pooled = self.pooling.finish(self.scheduler, self._output, result.pooled, failed)
         self.grammar_step.advance(result.requests, updated, failed)
         updated = [request for request in updated if request not in failed]
+        for request in updated:
+            self._add_token(request, result.logprobs[request.request_id], failed)
+        num_new = dict.fromkeys(updated, 1)
+        if result.draft_logits:
+            self._verify(result.draft_logits, updated, num_new, failed)
+        for request, _ in scheduled.scheduled:
+            request.spec_token_ids = []
         outputs = [
-            self._process_new_token(r, result.logprobs[r.request_id], failed) for r in updated
+            self._output(r, r.output_token_ids[-num_new[r] :]) for r in updated if r not in failed
         ]
         elapsed = max(time.monotonic() - started, 1e-6)
         pace = scheduled.num_scheduled_tokens / elapsed
@@ -782,7 +806,8 @@ class EngineCore:
             outputs.append(self._output(request, []))
         return outputs
 
-    def _process_new_token(self, request: Request, logprobs, failed: dict) -> RequestOutput | None:
+    def _add_token(self, request: Request, logprobs, failed: dict) -> None:
+        """The request's newest token to its output: detokenized, stop strings checked."""
         # EOS and stop tokens end the output without being rendered as text.
         render = request.finish_reason not in (FinishReason.EOS, FinishReason.STOP_TOKEN)
         try:
@@ -791,10 +816,72 @@ class EngineCore:
             failed[request] = f"detokenizing the output failed: {error!r}"
             if request.is_finished:  # it ended with this token: say why it failed instead
                 request.finish_reason = FinishReason.ERROR
-            return None
+            return
         if stop is not None:
             self.scheduler.finish_request(request, FinishReason.STOP_STRING, stop)
-        return self._output(request, [request.output_token_ids[-1]])
+
+    def _verify(self, draft_logits: dict, updated: list[Request], num_new: dict, failed) -> None:
+        """Speculative decoding's verification, one draft position at a time for the whole
+        batch. A request whose token just sampled equals its next draft accepts that draft
+        (its KV holds) and samples the row after it, with every rule of the sampler applied to
+        the request as it now stands (penalties, bad words, min_tokens, its grammar's mask,
+        stop tokens and strings ending it): each token is drawn from the target's own
+        distribution, the draft only says which row comes next. As the drafts are single
+        tokens, this is the standard rule (accept with probability min(1, p/q), else draw from
+        the normalised residual) for a proposal q that is certain, and a seeded request draws
+        the same tokens as without speculation."""
+        candidates = [request for request in updated if request in draft_logits]
+        accepted_counts = dict.fromkeys(candidates, 0)
+        position = 0
+        while candidates:
+            accepted = []
+            for request in candidates:
+                drafts = request.spec_token_ids
+                if request.is_finished or request in failed or position >= len(drafts):
+                    continue
+                if request.output_token_ids[-1] == drafts[position]:
+                    accepted_counts[request] += 1
+                    accepted.append(request)
+            candidates = self._sample_after_drafts(accepted, draft_logits, position, failed)
+            for request in candidates:
+                num_new[request] += 1
+            position += 1
+        for request, count in accepted_counts.items():
+            self.proposer.verified(request, len(request.spec_token_ids), count)
+
+    def _sample_after_drafts(
+        self, requests: list[Request], draft_logits: dict, position: int, failed: dict
+    ) -> list[Request]:
+        """The token after each request's accepted draft ``position``; returns the requests
+        that got one. A draft counts as computed only then: a request the sampler fails is in
+        ``failed``, the others recompute the draft (now their last token) next step."""
+        if not requests:
+            return []
+        with_grammar = [r for r in requests if r.grammar is not None and r.grammar.active]
+        if with_grammar:
+            self.grammar_step.masks_now(with_grammar, draft_logits[requests[0]].device, failed)
+        requests = [r for r in requests if r not in failed]
+        logits = torch.stack([draft_logits[r][position] for r in requests])
+        sampled = self._sample(logits, requests, failed)
+        if sampled is None:
+            self.grammar_step.advance(requests, [], failed)
+            return []
+        updated = []
+        for request, token_id in zip(requests, sampled.token_ids, strict=True):
+            try:
+                self.scheduler.accept_draft(request)
+                self.scheduler.append_token(request, token_id)
+            except Exception as error:  # noqa: BLE001 - this request's own fault
+                failed[request] = f"updating the request failed: {error!r}"
+                continue
+            updated.append(request)
+        self.grammar_step.advance(requests, updated, failed)
+        updated = [r for r in updated if r not in failed]
+        for request, logprobs in zip(requests, sampled.logprobs, strict=True):
+            if request in updated:
+                self._add_token(request, logprobs, failed)
+        self._generation_rate.add(len(updated))
+        return updated
 
     def _require_lora(self):
         if self.lora is None:

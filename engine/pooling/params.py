@@ -62,7 +62,10 @@ def is_encoder(architectures) -> bool:
 def check_pooling_flags(runner: str, convert: str, task: str | None, overrides: dict) -> None:
     """Refuse what the pooling runner does not do, naming the flag (``ModelConfig``)."""
     if runner == "draft":
-        raise ValueError("--runner draft needs speculative decoding, not supported by this build")
+        raise ValueError(
+            "--runner draft runs a model as another's draft in speculative decoding, which "
+            "this build does not do (its --speculative-config proposes by ngram)"
+        )
     if runner not in _RUNNERS:
         raise ValueError(f"--runner must be one of {', '.join(_RUNNERS)}, got {runner!r}")
     if convert in ("classify", "reward"):

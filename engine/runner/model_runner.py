@@ -68,6 +68,9 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampled_requests: list[Request]
     prompt_spans: list[PromptLogitsSpan]
+    # those of sampled_requests with drafts (spec_token_ids), whose draft rows follow the
+    # sampled rows in logits_indices, in this order
+    verified_requests: list[Request] = field(default_factory=list)
     lora_batch: LoRABatch | None = None  # the LoRA slot of each row; None: no adapted row
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling requests' rows
     # the longest context of a decode row, for the CUDA graphs (0: none, or no graphs)
@@ -80,6 +83,8 @@ class ModelOutput:
     sampled_requests: list[Request]
     prompt_logits: list[tuple[PromptLogitsSpan, torch.Tensor]]  # [num_positions, vocab_size]
     pooled: list[Request] = field(default_factory=list)  # pooling requests computed whole
+    # per request with drafts: [num_drafts, vocab_size], row j the logits after draft j
+    draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -259,12 +264,17 @@ class ModelRunner:
         pooled = gather(model_input.pool_spans, hidden)
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         num_sampled = len(model_input.sampled_requests)
-        prompt_logits, start = [], num_sampled
+        draft_logits, start = {}, num_sampled
+        for request in model_input.verified_requests:
+            num_drafts = len(request.spec_token_ids)
+            draft_logits[request] = logits[start : start + num_drafts]
+            start += num_drafts
+        prompt_logits = []
         for span in model_input.prompt_spans:
             prompt_logits.append((span, logits[start : start + span.num_positions]))
             start += span.num_positions
         sampled = model_input.sampled_requests
-        return ModelOutput(logits[:num_sampled], sampled, prompt_logits, pooled)
+        return ModelOutput(logits[:num_sampled], sampled, prompt_logits, pooled, draft_logits)
 
     def prepare_input(
         self, output: SchedulerOutput, block_ids: Callable[[str], list[int]]
@@ -276,6 +286,7 @@ class ModelRunner:
         decode_rows, decode_tables, decode_lens = [], [], []
         prefills, logits_indices, sampled, prompt_rows, prompt_spans = [], [], [], [], []
         pool_spans = []
+        draft_rows, verified = [], []
         triton = self.backend == "triton"
         # The C++ decode kernel takes short prompt chunks one token per row; Triton's prefill
         # kernel takes every chunk of the step in one call.
@@ -288,7 +299,9 @@ class ModelRunner:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             blocks = block_ids(request.request_id)
             row = len(input_ids)
+            drafts = request.spec_token_ids  # verified after the last token, one row each
             input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             if self.batch_invariant:
@@ -296,7 +309,8 @@ class ModelRunner:
                 # a sequence of the varlen prefill kernel (a decode is one of one row)
                 as_decode = not triton
             else:
-                as_decode = num_new == 1 or end <= rows_as_decodes_max
+                # a verify step's rows too, where the C++ decode kernel takes them
+                as_decode = num_new == 1 or end <= rows_as_decodes_max or (fits and bool(drafts))
             if as_decode:
                 # each new token attends like a decode, to the context up to itself
                 table = blocks[: -(-end // size)]
@@ -316,9 +330,13 @@ class ModelRunner:
                 prefills.append(PrefillSeq(row, row + num_new, end, block_tensor))
             if request.pooler_state is not None:
                 pool_spans.append(PoolSpan(request, row, start, end))
-            elif end == request.num_tokens:
-                logits_indices.append(row + num_new - 1)
+            elif end == request.num_tokens + len(drafts):
+                first = row + num_new - 1 - len(drafts)
+                logits_indices.append(first)
                 sampled.append(request)
+                if drafts:  # the rows after each draft, sampled once it is accepted
+                    draft_rows.extend(range(first + 1, first + 1 + len(drafts)))
+                    verified.append(request)
             span = _prompt_logits_span(request, start, end)
             if span is not None:
                 prompt_rows.extend(range(row, row + span.num_positions))
@@ -346,8 +364,9 @@ class ModelRunner:
             input_ids=stage("input_ids", input_ids),
             positions=stage("positions", positions),
             metadata=metadata,
-            logits_indices=stage("logits_indices", logits_indices + prompt_rows),
+            logits_indices=stage("logits_indices", logits_indices + draft_rows + prompt_rows),
             sampled_requests=sampled,
+            verified_requests=verified,
             prompt_spans=prompt_spans,
             lora_batch=lora_batch,
             pool_spans=pool_spans,

@@ -43,9 +43,11 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         max_loras: int | None = None,  # --max-loras under --enable-lora
+        proposer=None,  # --speculative-config: drafts for decoding requests (engine/spec_decode)
     ) -> None:
         self.config = config
         self.max_loras = max_loras
+        self.proposer = proposer
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.waiting = make_waiting_queue(config.scheduling_policy)
@@ -123,6 +125,15 @@ class Scheduler:
                 num_new = chunks.num_new_tokens(request, num_computed, budget)
             if not num_new:
                 continue
+            request.spec_token_ids = self._drafts(request, num_computed, num_new, budget)
+            if request.spec_token_ids:  # its KV slots too, or no drafts this step
+                num_drafts = len(request.spec_token_ids)
+                if self.kv_manager.allocate_slots(request, num_new + num_drafts) is not None:
+                    chunks.take(request, num_computed, num_new)
+                    output.scheduled.append((request, num_new + num_drafts))
+                    budget -= num_new + num_drafts
+                    continue
+                request.spec_token_ids = []
             while self.kv_manager.allocate_slots(request, num_new) is None:
                 victim = self._preemption_victim()
                 # The victim may be one scheduled earlier in this step (priority policy): it
@@ -141,13 +152,28 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _drafts(self, request: Request, num_computed: int, num_new: int, budget: int) -> list[int]:
+        """The proposer's drafts for a decode (none for a prompt's chunk), within what is left
+        of the step's budget, the request's max_tokens and the context window."""
+        if self.proposer is None or num_new != 1 or request.num_tokens - num_computed != 1:
+            return []
+        if request.pooler_state is not None:
+            return []
+        limit = min(budget - 1, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request, limit, len(self.running))
+
     @staticmethod
     def _unschedule(output: SchedulerOutput, request: Request, chunks: _ChunkRules) -> int:
         """Take ``request`` out of this step's schedule; returns the tokens it had."""
         for position, (scheduled, num_new) in enumerate(output.scheduled):
             if scheduled is request:
                 del output.scheduled[position]
-                chunks.untake(request, request.num_computed_tokens, num_new)
+                num_drafts = len(request.spec_token_ids)
+                request.spec_token_ids = []
+                chunks.untake(request, request.num_computed_tokens, num_new - num_drafts)
                 return num_new
         return 0
 
@@ -221,6 +247,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Return a request to the queue; it is recomputed from its tokens later."""
+        request.spec_token_ids = []
         self.kv_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -252,13 +279,24 @@ class Scheduler:
         return updated
 
     def _update_request(self, request: Request, num_scheduled: int, sampled: dict) -> bool:
-        request.num_computed_tokens += num_scheduled
+        # drafts count as computed only once accepted (accept_draft)
+        request.num_computed_tokens += num_scheduled - len(request.spec_token_ids)
         token_id = sampled.get(request.request_id)
         if token_id is None:  # a chunk of a prompt that is not finished yet
             return False
+        self.append_token(request, token_id)
+        return True
+
+    def append_token(self, request: Request, token_id: int) -> None:
+        """A sampled token joins the request's output; token-level stops apply."""
         request.append_output_token(token_id)
         self._check_token_stop(request, token_id)
-        return True
+
+    @staticmethod
+    def accept_draft(request: Request) -> None:
+        """The draft after the request's computed tokens was what the target sampled: the KV
+        the verify step wrote for it holds, so it counts as computed."""
+        request.num_computed_tokens += 1
 
     def _check_token_stop(self, request: Request, token_id: int) -> None:
         params = request.params
@@ -289,6 +327,8 @@ class Scheduler:
         request.stop_reason = stop_reason
         self.kv_manager.free(request)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
 
 
 class _ChunkRules:

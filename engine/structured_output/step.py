@@ -90,6 +90,17 @@ class GrammarStep:
         for row, request in enumerate(pending.requests):
             request.grammar_mask = masks[row]
 
+    def masks_now(self, requests: list[Request], device: torch.device, failed: dict) -> None:
+        """The masks of ``requests`` computed here and now (the row after an accepted draft:
+        its grammar has just taken the draft)."""
+        bitmask = allocate_bitmask(len(requests), self.vocab_size)
+        errors: dict[Request, str | InvalidRequestError] = {}
+        _fill(requests, bitmask, errors)
+        failed.update(errors)
+        masks = bitmask_to_bool(bitmask.to(device), self.vocab_size)
+        for row, request in enumerate(requests):
+            request.grammar_mask = masks[row]
+
     def advance(self, sampled: list[Request], updated: list[Request], failed: dict) -> None:
         """Feed each constrained request's new token to its matcher; a token the grammar
         refuses fails its request (``failed``)."""

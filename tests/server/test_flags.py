@@ -443,3 +443,42 @@ def test_guided_decoding_flags_reach_the_engine_and_a_missing_backend_says_so():
     assert engine.structured_output == StructuredOutputConfig("guidance", True, True, True)
     with pytest.raises(ValueError, match="outlines and lm-format-enforcer are not in this build"):
         options.build_configs(parse("--guided-decoding-backend", "outlines"))
+
+
+def test_speculative_config_reaches_the_engine_as_json_or_dotted_keys():
+    whole = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    dotted = parse(
+        "--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens=3"
+    )
+    for values in (whole, dotted):
+        speculative = options.build_configs(values)[0].speculative
+        assert (speculative.method, speculative.num_speculative_tokens) == ("ngram", 3)
+        assert (speculative.prompt_lookup_min, speculative.prompt_lookup_max) == (5, 5)
+    assert not options.build_configs(parse())[0].speculative.enabled
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
+            "--speculative-config: method 'eagle3' needs EAGLE-3 draft heads, which this build "
+            "does not have; it speculates with ngram (prompt lookup over each request's own "
+            "tokens)",
+        ),
+        (
+            ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens",
+             "3", "--speculative-config.draft_tensor_parallel_size", "1"],
+            "--speculative-config: 'draft_tensor_parallel_size' is not used by method ngram; it "
+            "takes disable_by_batch_size, max_model_len, method, model, num_speculative_tokens, "
+            "prompt_lookup_max, prompt_lookup_min",
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+             "--tensor-parallel-size", "2"],
+            "--speculative-config is refused with --tensor-parallel-size 2 in this build",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_speculative_config_is_one_line_naming_what_is_wrong(capsys, argv, message):
+    assert serve_error(capsys, *argv) == message

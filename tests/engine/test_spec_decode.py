@@ -1,0 +1,268 @@
+"""Speculative decoding (``--speculative-config``, ngram) on the engine: the same greedy tokens
+as without it, the same distribution when sampling, every rule of the sampler inside an
+accepted run, and the KV cache rolled back where drafts fail.
+
+The random-weight tiny model falls into loops of its own output, which prompt lookup predicts:
+each test checks that drafts were accepted (and rejected), so it exercises both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import jsonschema
+import pytest
+from engine_utils import make_core, run_to_completion
+from scipy.stats import chi2_contingency
+
+from llmrpc.engine.config import EngineConfig
+from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
+from llmrpc.engine.spec_decode.config import SpeculativeConfig
+from llmrpc.engine.spec_decode.ngram import NgramProposer, lookup
+from llmrpc.engine.structured_output import grammar as structured_output
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+
+
+class _WrongAtTimes(NgramProposer):
+    """Prompt lookup, with one draft of every other proposal made wrong, at a random position:
+    the tiny model's greedy loops are predicted so well that rejections would be rare."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.rng = random.Random(5)
+
+    def propose(self, request, max_drafts: int, batch_size: int) -> list[int]:
+        drafts = super().propose(request, max_drafts, batch_size)
+        if drafts and self.rng.random() < 0.5:
+            position = self.rng.randrange(len(drafts))
+            drafts[position] = 10 + (drafts[position] + 1) % 4000
+        return drafts
+
+
+def _with_spec(core, config: dict | None, proposer=NgramProposer):
+    """``core`` speculating with ``config`` (None: not speculating), counters from zero."""
+    if config is None:
+        core.proposer = core.scheduler.proposer = None
+    else:
+        core.proposer = core.scheduler.proposer = proposer(SpeculativeConfig(config))
+    return core
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir):
+    """Chunked prefill in steps of 48 tokens, a KV cache small enough that 24 requests
+    preempt each other."""
+    return make_core(tiny_llama_dir, num_blocks=32, max_num_batched_tokens=48)
+
+
+def _mixed_requests(core, stops: dict | None = None) -> dict:
+    """Prompts that share a prefix, long ones chunked, n > 1, logprobs; ``stops``: request id
+    -> stop string."""
+    shared = core.tokenizer.encode("A shared beginning that every request repeats. " * 8)
+    rng = random.Random(3)
+    requests = {}
+    for i in range(32):
+        vocab = 4000 if i % 3 else 40  # tokens that repeat: lookups that propose wrong drafts
+        tail = [rng.randrange(10, 10 + vocab) for _ in range(rng.randrange(3, 60))]
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(30, 60), ignore_eos=True)
+        params.stop = [(stops or {}).get(f"r{i}")] if f"r{i}" in (stops or {}) else []
+        params.n = 2 if i % 9 == 4 else 1
+        if i % 7 == 0:
+            params.logprobs = 2
+        requests[f"r{i}"] = ((shared if i % 2 else []) + tail, params)
+    return requests
+
+
+def _stops_inside(core, outputs: dict) -> dict:
+    """For every third request, a stop string its output (without one) has in the middle."""
+    stops = {}
+    for rid, output in sorted(outputs.items())[::3]:
+        text = core.tokenizer.decode(output.token_ids[:20])
+        if len(text.strip()) > 8:
+            stops[rid] = text.strip()[-4:]
+    return stops
+
+
+def _tokens(outputs: dict) -> dict:
+    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in outputs.items()}
+
+
+@pytest.mark.parametrize("proposer", [NgramProposer, _WrongAtTimes])
+def test_greedy_tokens_are_those_without_speculation(core, proposer):
+    stops = _stops_inside(core, run_to_completion(_with_spec(core, None), _mixed_requests(core)))
+    assert len(stops) >= 5
+    plain = run_to_completion(core, _mixed_requests(core, stops))
+    assert sum(o.finish_reason is FinishReason.STOP_STRING for o in plain.values()) >= 5
+    core.reset_prefix_cache()
+    spec = run_to_completion(_with_spec(core, NGRAM, proposer), _mixed_requests(core, stops))
+    stats = core.proposer.stats
+    assert stats.num_accepted_tokens > 50, "no run of accepted drafts to check"
+    if proposer is _WrongAtTimes:  # rejected at every position
+        rejected = [stats.num_drafts - stats.accepted_per_pos[0]] + [
+            stats.accepted_per_pos[i] - stats.accepted_per_pos[i + 1] for i in range(3)
+        ]
+        assert min(rejected) > 10, rejected
+    assert _tokens(spec) == _tokens(plain)
+    for rid, output in spec.items():  # logprobs of every token, accepted runs included
+        if output.logprobs is not None:
+            assert [lp.token_id for lp in output.logprobs] == output.token_ids
+            assert output.logprobs == plain[rid].logprobs
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks  # every block back
+    _with_spec(core, None)
+
+
+def test_preemption_prefix_hits_and_chunks_happened(core):
+    """What the test above promises to mix: preemptions, prefix hits, chunked prompts."""
+    preempted, scheduled = [], []
+    original = core.scheduler.schedule
+
+    def spying():
+        output = original()
+        preempted.extend(output.preempted)
+        # (tokens, tokens the request had left): fewer is a prompt's chunk, more a verify
+        scheduled.extend((n, r.num_tokens - r.num_computed_tokens) for r, n in output.scheduled)
+        return output
+
+    core.scheduler.schedule = spying
+    try:
+        core.reset_prefix_cache()
+        outputs = run_to_completion(_with_spec(core, NGRAM), _mixed_requests(core))
+    finally:
+        core.scheduler.schedule = original
+        _with_spec(core, None)
+    assert preempted
+    assert any(n < left for n, left in scheduled)  # a prompt's chunk
+    assert any(left == 1 < n <= 5 for n, left in scheduled)  # a verify: last token and drafts
+    assert any(o.num_cached_tokens for o in outputs.values())
+
+
+def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(core):
+    prompt = core.tokenizer.encode("one two three one two three one two")
+    requests = {
+        f"s{seed}": (prompt, SamplingParams(temperature=0.8, top_k=5, seed=seed, max_tokens=30))
+        for seed in range(8)
+    }
+    plain = run_to_completion(_with_spec(core, None), requests)
+    spec = run_to_completion(_with_spec(core, NGRAM), requests)
+    assert core.proposer.stats.num_accepted_tokens > 0
+    assert _tokens(spec) == _tokens(plain)
+    _with_spec(core, None)
+
+
+def test_sampled_distribution_is_the_targets(core):
+    """A chi-square test of homogeneity (significance 0.001) between the first four tokens of
+    600 draws without speculation and 600 with it, other seeds: top_k 3 keeps 81 outcomes."""
+    prompt = core.tokenizer.encode("a b a b a b a b")
+    draws = 600
+
+    def outcomes(seeds) -> list[tuple]:
+        params = [SamplingParams(temperature=1.5, top_k=3, seed=s, max_tokens=4) for s in seeds]
+        outputs = run_to_completion(core, {f"d{i}": (prompt, p) for i, p in enumerate(params)})
+        return [tuple(outputs[f"d{i}"].token_ids) for i in range(len(params))]
+
+    plain = outcomes(_with_spec(core, None) and range(draws))
+    spec = outcomes(_with_spec(core, NGRAM) and range(draws, 2 * draws))
+    stats = core.proposer.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    cells = sorted(set(plain) | set(spec))
+    table = [[plain.count(c) for c in cells], [spec.count(c) for c in cells]]
+    assert chi2_contingency(table).pvalue > 0.001
+    _with_spec(core, None)
+
+
+def test_penalties_bias_and_min_tokens_hold_inside_accepted_runs(core):
+    """Rules that depend on the output so far: a run of accepted drafts sees each earlier one."""
+    prompt = core.tokenizer.encode("x y z x y z x y z x y z")
+    eos = next(iter(core.eos_token_ids))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=1.0),
+        SamplingParams(temperature=0.0, max_tokens=40, logit_bias={eos: 30.0}, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=40, bad_words=["x y"]),
+    ]
+    requests = {f"p{i}": (prompt, p) for i, p in enumerate(params)}
+    plain = run_to_completion(_with_spec(core, None), requests)
+    spec = run_to_completion(_with_spec(core, NGRAM, _WrongAtTimes), requests)
+    assert core.proposer.stats.num_accepted_tokens > 0
+    assert _tokens(spec) == _tokens(plain)
+    assert spec["p2"].finish_reason is FinishReason.EOS
+    assert len(spec["p2"].token_ids) == 13  # min_tokens, then the biased EOS
+    _with_spec(core, None)
+
+
+def test_structured_output_validates_under_speculation(core):
+    schema = {"type": "array", "items": {"enum": ["ab", "ab ab"]}, "minItems": 2, "maxItems": 6}
+    spec = structured_output.check(
+        StructuredOutputSpec("json_schema", json.dumps(schema), any_whitespace=False), "xgrammar"
+    )
+    prompt = core.tokenizer.encode('["ab", "ab", "ab", "ab ab", "ab", "ab"]')
+    params = [SamplingParams(seed=s, max_tokens=80, structured_output=spec) for s in range(12)]
+    requests = {f"j{i}": (prompt, p) for i, p in enumerate(params)}
+    outputs = run_to_completion(_with_spec(core, NGRAM), requests)
+    assert core.proposer.stats.num_accepted_tokens > 0
+    for output in outputs.values():
+        assert output.finish_reason is FinishReason.EOS, output.text
+        jsonschema.validate(json.loads(output.text), schema)
+    _with_spec(core, None)
+
+
+def test_lookup_takes_the_latest_of_the_longest_match():
+    import numpy as np
+
+    tokens = np.array([1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3])
+    assert lookup(tokens, 1, 3, 2) == [9, 5]  # "1 2 3" once before: what followed it
+    assert lookup(tokens, 1, 2, 3) == [7, 8, 1]  # "2 3": the latest occurrence wins
+    assert lookup(tokens, 1, 2, 6) == [9, 5, 2, 3, 7, 8]  # the latest with 6 after: the first
+    assert lookup(tokens, 4, 4, 2) == []  # no 4-token match
+    loop = np.array([4, 4, 4, 4, 4, 4])
+    assert lookup(loop, 1, 2, 3) == [4, 4, 4]  # not the latest "4 4", followed by one token
+    assert lookup(loop, 1, 2, 8) == [4, 4, 4, 4]  # none has 8 after: the earliest, to the end
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' needs EAGLE"),
+        ({"model": "some/draft", "num_speculative_tokens": 3}, "'draft_model' needs a draft"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "quantization": "fp8"}, "'quantization'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "must not exceed",
+        ),  # fmt: skip
+        ({"method": "lookahead", "num_speculative_tokens": 2}, "unknown method 'lookahead'"),
+    ],
+)
+def test_config_refusals_name_what_is_wrong(config, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(config)
+
+
+def test_config_defaults_as_vllm():
+    config = SpeculativeConfig({"model": "[ngram]", "num_speculative_tokens": 3})
+    assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 5, 5)
+    config = SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 4})  # fmt: skip
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+
+
+def test_combinations_this_build_refuses():
+    from llmrpc.engine.lora.types import LoRAConfig
+
+    speculative = SpeculativeConfig(NGRAM)
+    with pytest.raises(ValueError, match="refused with --enable-lora"):
+        EngineConfig(speculative=speculative, lora=LoRAConfig(enabled=True))
+    engine = EngineConfig(speculative=speculative)
+    model = dataclasses.replace(engine.model, batch_invariant=True)
+    with pytest.raises(ValueError, match="refused with --batch-invariant"):
+        EngineConfig(speculative=speculative, model=model)
