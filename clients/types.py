@@ -191,6 +191,35 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class SpecDecode:
+    """Speculative decoding's counters since start (``GetLoadResponse.spec_decode``)."""
+
+    num_drafts: int  # proposals verified
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # accepted at each draft position
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step gave, on average: the accepted drafts and the model's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def __sub__(self, earlier: SpecDecode) -> SpecDecode:
+        """The counts since ``earlier``, a reading of the same server."""
+        before = earlier.accepted_per_pos + (0,) * len(self.accepted_per_pos)
+        return SpecDecode(
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            tuple(a - b for a, b in zip(self.accepted_per_pos, before, strict=False)),
+        )
+
+
+@dataclass(frozen=True)
 class Load:
     """What the engine is doing now (``AdminService.GetLoad``)."""
 
@@ -210,6 +239,7 @@ class Load:
     # meanwhile); None from a server that does not say.
     figures_age_s: float | None = None
     engine_stalled: bool | None = None
+    spec_decode: SpecDecode | None = None  # a server with --speculative-config
 
 
 def _matched_stop(response: generation_pb2.GenerateResponse) -> str | int | None:
@@ -380,4 +410,16 @@ def load_from_proto(response: admin_pb2.GetLoadResponse) -> Load:
         if response.HasField("figures_age_seconds")
         else None,
         engine_stalled=response.engine_stalled if response.HasField("engine_stalled") else None,
+        spec_decode=_spec_decode(response.spec_decode)
+        if response.HasField("spec_decode")
+        else None,
+    )
+
+
+def _spec_decode(counts: admin_pb2.SpecDecodeCounts) -> SpecDecode:
+    return SpecDecode(
+        int(counts.num_drafts),
+        int(counts.num_draft_tokens),
+        int(counts.num_accepted_tokens),
+        tuple(int(n) for n in counts.num_accepted_tokens_per_pos),
     )

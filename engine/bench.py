@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmrpc.common.args import OneLineErrorParser
+from llmrpc.common.sharegpt import first_human_turns
 from llmrpc.engine import roofline
 from llmrpc.engine.config import (
     ATTENTION_BACKENDS,
@@ -36,6 +37,7 @@ from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.request import SamplingParams, StructuredOutputSpec
 from llmrpc.engine.runner.model_runner import kv_bytes_per_block
+from llmrpc.engine.spec_decode.config import SpeculativeConfig
 from llmrpc.kernels.linear import BlockedLinear, PackedLinear
 
 _WARMUP_OUTPUT_LEN = 4
@@ -59,6 +61,14 @@ printed too.
 With --lora-modules NAME=PATH... every prompt uses one of those LoRA adapters, in turn (with 4
 adapters and 32 prompts, one batch mixes 4 adapters, 8 prompts each), and --baseline free runs
 the same prompts on the same engine with no adapter: the ratio is the cost of multi-LoRA.
+
+With --speculative-config JSON the engine speculates as `llmrpc serve` would, the table says
+how many drafts it verified, the share accepted and the mean tokens a verify step gave, and
+--baseline free runs the same prompts on the same engine without speculation: the ratio is
+its speed-up. --dataset FILE (ShareGPT format) takes the first human turns of that file instead
+of random prompts, through the model's chat template, greedy, each ending at EOS or
+--output-len tokens: text whose answer repeats it (an edit, a summary) is where speculation
+pays.
 
 Each side first runs the same batch shape untimed, on other prompts and a few output tokens:
 PyTorch's CPU kernels pay a large one-time cost for each new shape, which is not throughput.
@@ -151,6 +161,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="Prompts per Transformers generate() call (default: all of them in one batch).",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative,
+        default=SpeculativeConfig(),
+        metavar="JSON",
+        help="As in `llmrpc serve` (default: none).",
+    )
+    parser.add_argument(
+        "--dataset",
+        type=Path,
+        help="A ShareGPT-format JSON file: its first human turns, through the chat template, "
+        "instead of random prompts (EOS then ends an output).",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="Runs per side; the best counts.")
     parser.add_argument(
         "--roofline",
@@ -168,6 +191,13 @@ def _compilation(text: str) -> CompilationConfig:
         return CompilationConfig(
             {"level": int(text)} if text.strip().isdigit() else json.loads(text)
         )
+    except ValueError as error:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig(json.loads(text))
     except ValueError as error:  # json.JSONDecodeError is one
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -213,6 +243,7 @@ class EngineSide:
                     lora_modules=tuple(args.lora_modules or ()),
                 ),
                 parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+                speculative=args.speculative_config,
             )
         )
         self._num_runs = 0
@@ -227,13 +258,23 @@ class EngineSide:
         self.structured, _ = self.core.grammar_compiler.submit(spec, backend).result()
         return time.perf_counter() - start
 
-    def run(self, prompts: list[list[int]], output_len: int) -> int:
+    def run(self, prompts: list[list[int]], output_len: int, ignore_eos: bool = True) -> int:
         """Queue every prompt, step until all finish; the number of output tokens."""
         self.core.reset_prefix_cache()
+        # the free side of --speculative-config: the same engine, no proposals
+        proposer = self.core.scheduler.proposer
+        if self.name == "free":
+            self.core.scheduler.proposer = None
+        try:
+            return self._run(prompts, output_len, ignore_eos)
+        finally:
+            self.core.scheduler.proposer = proposer
+
+    def _run(self, prompts: list[list[int]], output_len: int, ignore_eos: bool) -> int:
         self._num_runs += 1
         held = 0
         for index, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
             if self.structured is not None and held < self.fraction * (index + 1):
                 params.structured_output, held = self.structured, held + 1
             if self.adapters:
@@ -266,7 +307,9 @@ class TransformersSide:
         self.device = device
         self.batch_size = batch_size
 
-    def run(self, prompts: list[list[int]], output_len: int) -> int:
+    def run(self, prompts: list[list[int]], output_len: int, ignore_eos: bool = True) -> int:
+        if not ignore_eos:
+            raise ValueError("--baseline transformers runs random prompts only, not --dataset")
         size = self.batch_size or len(prompts)
         num_tokens = sum(
             self._generate(prompts[i : i + size], output_len) for i in range(0, len(prompts), size)
@@ -301,6 +344,32 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     ]
 
 
+def dataset_prompts(tokenizer, path: Path, num_prompts: int, seed: int) -> list[list[int]]:
+    """The first human turns of a ShareGPT file, each the user's message in the chat template."""
+    turns = first_human_turns(path, num_prompts, seed)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": turn}], tokenize=False, add_generation_prompt=True
+        )
+        for turn in turns
+    ]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def _acceptance(before, after) -> dict:
+    """The speculative counters of the measured runs (``after`` less ``before``)."""
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+    }
+
+
 def _linear(module) -> bool:
     """A linear layer as the engine computes it: plain, packed (ours or oneDNN's), or quantized."""
     return isinstance(module, (torch.nn.Linear, BlockedLinear, PackedLinear, QuantizedLinear))
@@ -317,15 +386,18 @@ def _figures(num_requests: int, input_tokens: int, output_tokens: int, elapsed: 
     }
 
 
-def measure(sides: list, prompts, warmup_prompts, output_len: int, repeats: int) -> dict:
-    """Each side's figures from its fastest of ``repeats`` runs, the sides taking turns."""
+def warm_up(sides: list, warmup_prompts) -> None:
     for side in sides:
         side.run(warmup_prompts, _WARMUP_OUTPUT_LEN)
+
+
+def measure(sides: list, prompts, output_len: int, repeats: int, ignore_eos: bool = True) -> dict:
+    """Each side's figures from its fastest of ``repeats`` runs, the sides taking turns."""
     best: dict[str, tuple[float, int]] = {}
     for _ in range(repeats):
         for side in sides:
             start = time.perf_counter()
-            num_output_tokens = side.run(prompts, output_len)
+            num_output_tokens = side.run(prompts, output_len, ignore_eos)
             elapsed = time.perf_counter() - start
             if side.name not in best or elapsed < best[side.name][0]:
                 best[side.name] = (elapsed, num_output_tokens)
@@ -360,6 +432,14 @@ def format_table(results: dict) -> str:
         lines.append(f"engine / {baseline} output throughput: {results['ratio']:.2f}x")
     if "schema_compile_ms" in results:
         lines.append(f"JSON schema compile: {results['schema_compile_ms']:.1f} ms")
+    spec = results.get("speculative")
+    if spec is not None:
+        lines.append(
+            f"speculative decoding (engine): {spec['num_drafts']} proposals, "
+            f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens accepted "
+            f"({spec['acceptance_rate']:.1%}), {spec['mean_accepted_length']:.2f} tokens a "
+            "verify step"
+        )
     return "\n".join(lines)
 
 
@@ -407,8 +487,11 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.baseline == "free" and args.json_schema is None and not args.lora_modules:
-        raise ValueError("--baseline free compares against --json-schema or --lora-modules")
+    speculates = args.speculative_config.enabled
+    if args.baseline == "free" and not (args.json_schema or args.lora_modules or speculates):
+        raise ValueError(
+            "--baseline free compares against --json-schema, --lora-modules or --speculative-config"
+        )
     engine = EngineSide(args)
     core = engine.core
     sides = [engine]
@@ -424,7 +507,14 @@ def run(args: argparse.Namespace) -> int:
         random_prompts(args.num_prompts, args.input_len, vocab_size, seed)
         for seed in (args.seed, args.seed + 1)
     )
-    results = measure(sides, prompts, warmup_prompts, args.output_len, args.repeats)
+    if args.dataset is not None:
+        prompts = dataset_prompts(core.tokenizer, args.dataset, args.num_prompts, args.seed)
+    warm_up(sides, warmup_prompts)
+    spec_before = dataclasses.replace(core.proposer.stats) if speculates else None
+    ignore_eos = args.dataset is None
+    results = measure(sides, prompts, args.output_len, args.repeats, ignore_eos)
+    if speculates:
+        results["speculative"] = _acceptance(spec_before, core.proposer.stats)
     baseline = sides[1].name if len(sides) > 1 else None
     if baseline is not None:
         ratio = results["engine"]["output_throughput"] / results[baseline]["output_throughput"]

@@ -41,6 +41,27 @@ class KernelChoice:
 
 
 @dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's counters since start (``engine/spec_decode/ngram.py``)."""
+
+    num_drafts: int  # proposals verified
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # accepted at each draft position
+
+    def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        longest = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        ours = self.accepted_per_pos + (0,) * (longest - len(self.accepted_per_pos))
+        theirs = other.accepted_per_pos + (0,) * (longest - len(other.accepted_per_pos))
+        return SpecDecodeCounts(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            tuple(a + b for a, b in zip(ours, theirs, strict=True)),
+        )
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -54,6 +75,7 @@ class EngineStats:
     device_memory_used_bytes: int = 0  # on CUDA, by every process; 0 on the CPU
     device_memory_total_bytes: int = 0
     device_utilization: float | None = None  # on CUDA where NVML reads it, in [0, 1]
+    spec_decode: SpecDecodeCounts | None = None  # with --speculative-config
 
     @property
     def kv_cache_usage(self) -> float:

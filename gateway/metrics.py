@@ -18,8 +18,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from llmrpc.clients import Load
+from llmrpc.clients.types import SpecDecode
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -85,6 +87,8 @@ class GatewayMetrics:
             "Share of time a CUDA kernel ran, mean of the replicas reporting it (NVML).",
             labels, registry=r,
         )  # fmt: skip
+        self.spec_decode = _SpecDecodeCounters(self)
+        r.register(self.spec_decode)
 
     def _histogram(self, name: str, documentation: str, buckets=_LATENCY_BUCKETS) -> Histogram:
         return Histogram(
@@ -108,9 +112,54 @@ class GatewayMetrics:
         reported = [u for u in reported if u is not None]
         if reported:
             self.device_utilization.labels(name).set(sum(reported) / len(reported))
+        self.spec_decode.set([load.spec_decode for load in loads if load.spec_decode])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's ``vllm:spec_decode_*`` counters: the replicas' own totals since their start
+    (GetLoad), added up, exposed only where some replica speculates."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.counts: list[SpecDecode] = []
+
+    def set(self, counts: list[SpecDecode]) -> None:
+        self.counts = counts
+
+    def describe(self):
+        return []  # collected at scrape time only: the names depend on what replicas report
+
+    def collect(self):
+        if not self.counts:
+            return
+        labels = [self.metrics.model_name]
+        for suffix, field, documentation in (
+            ("num_drafts", "num_drafts", "Proposals verified."),
+            ("num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
+            ("num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+        ):
+            family = CounterMetricFamily(
+                f"vllm:spec_decode_{suffix}", documentation, labels=["model_name"]
+            )
+            family.add_metric(labels, sum(getattr(c, field) for c in self.counts))
+            yield family
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            labels=["model_name", "position"],
+        )
+        longest = max(len(c.accepted_per_pos) for c in self.counts)
+        for position in range(longest):
+            total = sum(
+                c.accepted_per_pos[position]
+                for c in self.counts
+                if position < len(c.accepted_per_pos)
+            )
+            per_position.add_metric([*labels, str(position)], total)
+        yield per_position
 
 
 class RequestTimer:

@@ -484,4 +484,16 @@ def load_response(
         device_memory_used_bytes=stats.device_memory_used_bytes,
         device_memory_total_bytes=stats.device_memory_total_bytes,
         device_utilization=stats.device_utilization,
+        spec_decode=_spec_decode_counts(stats.spec_decode),
+    )
+
+
+def _spec_decode_counts(counts) -> admin_pb2.SpecDecodeCounts | None:
+    if counts is None:
+        return None
+    return admin_pb2.SpecDecodeCounts(
+        num_drafts=counts.num_drafts,
+        num_draft_tokens=counts.num_draft_tokens,
+        num_accepted_tokens=counts.num_accepted_tokens,
+        num_accepted_tokens_per_pos=counts.accepted_per_pos,
     )

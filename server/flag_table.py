@@ -73,14 +73,15 @@ COMPILATION_HELP = (
 SPECULATIVE_HELP = (
     "Speculative decoding, vLLM's JSON (or dotted keys: --speculative-config.method ngram): "
     '{"method": "ngram", "num_speculative_tokens": K} proposes, after a decoding request\'s '
-    "last token, the K tokens that followed the latest earlier occurrence of its longest "
-    "suffix of prompt_lookup_min to prompt_lookup_max tokens (default 5 and 5) in its own "
-    "prompt and output, and verifies them in one step; the output keeps the model's "
-    "distribution exactly (greedy: the same tokens). A request whose drafts all fail backs off "
-    "for 1, 2, 4 ... 32 steps; disable_by_batch_size N: no drafts in a step of N or more "
-    "requests; max_model_len N: none past N tokens. Other methods (draft_model, eagle, "
-    "medusa, mtp ...) and keys stop start-up, as do --tensor-parallel-size above 1, "
-    "--enable-lora and --batch-invariant with it. Default: off."
+    "last token, up to K tokens that followed an earlier occurrence of its longest suffix of "
+    "prompt_lookup_min to prompt_lookup_max tokens (default 5 and 5) in its own prompt and "
+    "output, and verifies them in one step; the output keeps the model's distribution "
+    "exactly (greedy in float32: the same tokens). Drafts are cut to those whose chance of "
+    "acceptance pays for their rows at the batch's measured step cost, and a request whose "
+    "drafts all fail backs off for 1, 2, 4 ... 32 steps; disable_by_batch_size N: no drafts in "
+    "a step of N or more requests; max_model_len N: none past N tokens. Other methods "
+    "(draft_model, eagle, medusa, mtp ...) and keys stop start-up, as do "
+    "--tensor-parallel-size above 1, --enable-lora and --batch-invariant with it. Default: off."
 )
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "

@@ -116,8 +116,18 @@ def stats_line(stats) -> str:
         f"prefix cache hit rate {stats.prefix_cache_hit_rate:.1%}, "
         f"prompt {stats.prompt_throughput:.1f} tokens/s, "
         f"generation {stats.generation_throughput:.1f} tokens/s"
+        + _speculation(stats.spec_decode)
         + (", asleep" if stats.is_sleeping else "")
     )
+
+
+def _speculation(counts) -> str:
+    """Speculative decoding since start: the share of drafts accepted, the tokens a step gave."""
+    if counts is None or not counts.num_draft_tokens:
+        return ""
+    rate = counts.num_accepted_tokens / counts.num_draft_tokens
+    length = 1 + counts.num_accepted_tokens / counts.num_drafts
+    return f", drafts accepted {rate:.1%} (mean accepted length {length:.2f})"
 
 
 def _idle(stats) -> bool:

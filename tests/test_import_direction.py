@@ -28,6 +28,7 @@ FORBIDDEN = {
     "engine/client": ("torch",),
     "engine/sched": ("torch", "llmrpc.engine.runner", "llmrpc.engine.core", "llmrpc.kernels"),
     "engine/output": ("llmrpc.engine.runner", "llmrpc.kernels"),
+    "engine/spec_decode": ("torch", "llmrpc.engine.runner", "llmrpc.engine.core", "llmrpc.kernels"),
 }
 
 

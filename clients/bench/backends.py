@@ -14,6 +14,9 @@ Timing is taken when a response carrying new tokens arrives: time to first token
 from sending to the first one, inter-token latencies (ITL) are the gaps between later ones. A
 message that carries several tokens (a server merging deltas for a slow reader) counts as one
 gap, as in vLLM's benchmark.
+
+A server that speculates tells its counters (GetLoad's ``spec_decode``, or ``/metrics``'
+``vllm:spec_decode_*``): read before and after a run, they give the run's acceptance.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmrpc.clients.async_client import AsyncClient
 from llmrpc.clients.bench.datasets import BenchRequest
 from llmrpc.clients.errors import LlmrpcError
+from llmrpc.clients.types import SpecDecode
 
 
 @dataclass
@@ -97,6 +102,11 @@ class GrpcBackend:
             return result
         return timer.finish()
 
+    async def spec_counts(self) -> SpecDecode | None:
+        """The server's speculative decoding counters (GetLoad); None where it does not
+        speculate."""
+        return (await self.client.load()).spec_decode
+
     async def close(self) -> None:
         await self.client.close()
 
@@ -150,6 +160,14 @@ class OpenAIBackend:
             if isinstance(card, dict) and card.get("id") == self.model:
                 return vocab_size_of_folder(card.get("root")) or vocab_size_of_folder(card["id"])
         return None
+
+    async def spec_counts(self) -> SpecDecode | None:
+        """The server's ``vllm:spec_decode_*`` counters from its ``/metrics`` (vLLM's and our
+        gateway's); None where it exposes none."""
+        async with self.http.get(f"{self.server_url}/metrics") as response:
+            if response.status != 200:
+                return None
+            return spec_counts_of_metrics(await response.text())
 
     async def _get_json(self, url: str):
         """The JSON a GET answers, or None for an error status or a body that is not JSON."""
@@ -217,6 +235,34 @@ async def _events(reply: aiohttp.ClientResponse):
         if payload == b"[DONE]":
             return
         yield json.loads(payload)
+
+
+def spec_counts_of_metrics(text: str) -> SpecDecode | None:
+    """``vllm:spec_decode_*`` counters in a Prometheus exposition, summed over their labels
+    (models, engines); None without them."""
+    totals: dict[str, float] = {}
+    per_position: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("vllm:spec_decode_")
+        if name == family.name:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if name == "num_accepted_tokens_per_pos":
+                position = int(sample.labels.get("position", 0))
+                per_position[position] = per_position.get(position, 0.0) + sample.value
+            else:
+                totals[name] = totals.get(name, 0.0) + sample.value
+    if "num_drafts" not in totals:
+        return None
+    positions = range(max(per_position, default=-1) + 1)
+    return SpecDecode(
+        int(totals["num_drafts"]),
+        int(totals.get("num_draft_tokens", 0)),
+        int(totals.get("num_accepted_tokens", 0)),
+        tuple(int(per_position.get(p, 0)) for p in positions),
+    )
 
 
 def vocab_size_of_folder(folder) -> int | None:

@@ -7,10 +7,11 @@ Random prompts are token ids, sent as ids (never retokenized), so every prompt i
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from llmrpc.common.sharegpt import first_human_turns
 
 # Token ids below this are left out of random prompts: tokenizers put their special tokens
 # (BOS, EOS, padding, chat markers) at the start of the vocabulary, and a prompt full of them
@@ -55,22 +56,7 @@ def random_requests(
 def sharegpt_requests(
     path: str | Path, num_prompts: int, output_len: int, seed: int
 ) -> list[BenchRequest]:
-    """First human turns of a ShareGPT-format JSON file, sampled with ``seed``, as text.
-
-    The file is a list of ``{"conversations": [{"from": "human", "value": ...}, ...]}``.
-    Conversations whose first turn is not a non-empty human turn are skipped.
-    """
-    conversations = json.loads(Path(path).read_text(encoding="utf-8"))
-    prompts = [
-        turns[0]["value"]
-        for entry in conversations
-        if (turns := entry.get("conversations"))
-        and turns[0].get("from") == "human"
-        and turns[0].get("value", "").strip()
-    ]
-    if len(prompts) < num_prompts:
-        raise ValueError(
-            f"{path}: {len(prompts)} usable conversations, fewer than --num-prompts {num_prompts}"
-        )
-    chosen = random.Random(seed).sample(prompts, num_prompts)
+    """First human turns of a ShareGPT-format JSON file, sampled with ``seed``, as text
+    (``common.sharegpt``)."""
+    chosen = first_human_turns(path, num_prompts, seed)
     return [BenchRequest(prompt, output_len) for prompt in chosen]

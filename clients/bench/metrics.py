@@ -64,6 +64,18 @@ def summarize(results: list[RequestResult], duration_s: float, config: dict) -> 
     }
 
 
+def acceptance(counts) -> dict:
+    """A run's speculative decoding counts (``SpecDecode``), JSON-ready."""
+    return {
+        "num_drafts": counts.num_drafts,
+        "num_draft_tokens": counts.num_draft_tokens,
+        "num_accepted_tokens": counts.num_accepted_tokens,
+        "accepted_per_pos": list(counts.accepted_per_pos),
+        "acceptance_rate": counts.acceptance_rate,
+        "mean_accepted_length": counts.mean_accepted_length,
+    }
+
+
 def format_table(summary: dict) -> str:
     """The summary as an aligned two-column table, for the terminal."""
     config = summary["config"]
@@ -83,6 +95,10 @@ def format_table(summary: dict) -> str:
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
         stats = summary[f"{name}_ms"]
         rows.append((f"{title} (ms) mean / p50 / p90 / p99", _quartet(stats)))
+    spec = summary.get("speculative")
+    if spec is not None:
+        rows.append(("Draft acceptance rate", f"{spec['acceptance_rate']:.1%}"))
+        rows.append(("Mean accepted length", f"{spec['mean_accepted_length']:.2f}"))
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     rule = "=" * max(len(line) for line in lines)
@@ -127,7 +143,10 @@ def format_comparison(summary: dict) -> str:
 
 
 def _brief(run: dict) -> str:
+    spec = run.get("speculative")
+    accepted = f", drafts accepted {spec['acceptance_rate']:.0%}" if spec is not None else ""
     return (
         f"{run['config']['backend']} {run['output_throughput']:.1f} tok/s, "
         f"TTFT p50 {run['ttft_ms']['p50']:.0f} ms, TPOT p50 {run['tpot_ms']['p50']:.1f} ms"
+        f"{accepted}"
     )

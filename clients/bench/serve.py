@@ -229,9 +229,14 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestResult]
 async def _run(args, backend, model: str, vocab_source, seed: int):
     """One measured run: ``--num-prompts`` requests drawn with ``seed``; summary and results."""
     requests = await load_requests(args, vocab_source, seed)
+    before = await backend.spec_counts()
     results, duration = await drive(backend, requests, args)
+    after = await backend.spec_counts()
     config = {**run_config(args, model), "seed": seed}
-    return metrics.summarize(results, duration, config), results
+    summary = metrics.summarize(results, duration, config)
+    if before is not None and after is not None:  # a server that speculates: this run's share
+        summary["speculative"] = metrics.acceptance(after - before)
+    return summary, results
 
 
 async def compare(args: argparse.Namespace) -> dict:

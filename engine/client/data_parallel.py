@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import operator
 import os
 from collections.abc import AsyncIterator, Iterable
 
@@ -321,10 +323,12 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         )
     }
     utilizations = [s.device_utilization for s in stats if s.device_utilization is not None]
+    spec = [s.spec_decode for s in stats if s.spec_decode is not None]
     return dataclasses.replace(
         stats[0],
         **total,
         prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / len(stats),
         is_sleeping=all(s.is_sleeping for s in stats),
         device_utilization=sum(utilizations) / len(utilizations) if utilizations else None,
+        spec_decode=functools.reduce(operator.add, spec) if spec else None,
     )

@@ -509,6 +509,7 @@ class EngineCore:
             prompt_throughput=self._prompt_rate.rate(),
             is_sleeping=self.sleep_level > 0,
             kv_cache_bytes=self.runner.kv_cache_bytes,
+            spec_decode=self.proposer.stats.counts() if self.proposer is not None else None,
             **self.device_monitor.figures(),
         )
 
@@ -648,6 +649,8 @@ class EngineCore:
         if sampled is None:  # sampling failed as a batch: the innocent requests redo this step
             redo = set(requests)
             scheduled.scheduled = [(r, n) for r, n in scheduled.scheduled if r not in redo]
+            for request in redo:
+                request.spec_token_ids = []  # their step is redone, drafts proposed anew
             tokens, logprobs = {}, {}
         else:
             self._generation_rate.add(len(requests))
@@ -681,6 +684,8 @@ class EngineCore:
             self._output(r, r.output_token_ids[-num_new[r] :]) for r in updated if r not in failed
         ]
         elapsed = max(time.monotonic() - started, 1e-6)
+        if self.proposer is not None:  # what a row costs the whole step, for how many drafts pay
+            self.proposer.cost.add(scheduled.num_scheduled_tokens, elapsed)
         pace = scheduled.num_scheduled_tokens / elapsed
         self._peak_tokens_per_second = max(self._peak_tokens_per_second, pace)
         outputs = [output for output in outputs if output is not None]
@@ -861,6 +866,8 @@ class EngineCore:
         if with_grammar:
             self.grammar_step.masks_now(with_grammar, draft_logits[requests[0]].device, failed)
         requests = [r for r in requests if r not in failed]
+        if not requests:
+            return []
         logits = torch.stack([draft_logits[r][position] for r in requests])
         sampled = self._sample(logits, requests, failed)
         if sampled is None:

@@ -8,6 +8,15 @@ single token, not a distribution, so verification (``engine/core/engine_core.py`
 target's distribution exactly by drawing each position from it and accepting while the draw
 equals the draft.
 
+How many drafts: a draft row costs the step what one more row of the batch costs, and pays
+only if it is accepted, when it saves the request a step's share per token. Steps are timed
+(``StepCost``: step time against rows, fitted as ``t0 + c * rows`` over recent steps), and
+each request keeps an estimate ``p`` of the chance that its next draft is accepted; the i-th
+draft is proposed while ``p ** i`` (the chance it is reached and taken) is at least the cost
+of its row over what an accepted token is worth, ``c / (t0 / batch + c)``. At one stream the
+weights' read dominates and nearly every draft pays; in a large batch whose rows cost compute,
+only requests whose drafts are mostly accepted propose.
+
 Back-off: a proposal of which no draft was accepted costs a verify step of several rows for one
 token. After one, the request proposes nothing for its next 1 step, after two in a row for 2,
 then 4, ... up to ``MAX_SKIP`` steps; an accepted draft ends the run of misses.
@@ -19,9 +28,41 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llmrpc.engine.core_types import SpecDecodeCounts
 from llmrpc.engine.spec_decode.config import SpeculativeConfig
 
 MAX_SKIP = 32  # steps a request that keeps missing waits at most before it proposes again
+_DECAY = 0.8  # weight of a request's earlier proposals in its acceptance estimate, per proposal
+_COST_WINDOW = 64  # steps the cost fit looks back over
+
+
+class StepCost:
+    """Recent steps' seconds (scheduling to outputs) against their rows, fitted by least squares as
+    ``t0 + c * rows``; ``row_share(batch)``: what one more row costs relative to the time a
+    step spends per request, ``c / (t0 / batch + c)`` (0 until the fit has varied rows)."""
+
+    def __init__(self) -> None:
+        self._rows: list[int] = []
+        self._seconds: list[float] = []
+        self._fit: tuple[float, float] | None = None  # (t0, c)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self._rows.append(rows)
+        self._seconds.append(seconds)
+        if len(self._rows) > _COST_WINDOW:
+            del self._rows[0], self._seconds[0]
+        rows_ = np.array(self._rows, dtype=np.float64)
+        if len(rows_) < 8 or rows_.std() < 1:
+            return
+        slope, intercept = np.polyfit(rows_, np.array(self._seconds), 1)
+        if slope > 0 and intercept > 0:
+            self._fit = (float(intercept), float(slope))
+
+    def row_share(self, batch: int) -> float:
+        if self._fit is None:
+            return 0.0
+        t0, c = self._fit
+        return c / (t0 / max(batch, 1) + c)
 
 
 @dataclass
@@ -41,27 +82,35 @@ class SpecStats:
         for position in range(num_accepted):
             self.accepted_per_pos[position] += 1
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verify step gave per proposal: the accepted drafts and the target's own."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+    def counts(self) -> SpecDecodeCounts:
+        return SpecDecodeCounts(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            tuple(self.accepted_per_pos),
+        )
 
 
 class _History:
     """A request's tokens as a growing numpy array (appended to, never rebuilt), and its
     back-off: ``misses`` proposals in a row with nothing accepted, ``skip`` steps left to wait."""
 
-    __slots__ = ("tokens", "length", "misses", "skip")
+    __slots__ = ("tokens", "length", "misses", "skip", "accepted", "rejected")
 
     def __init__(self) -> None:
         self.tokens = np.empty(256, dtype=np.int64)
         self.length = 0
         self.misses = 0
         self.skip = 0
+        # decayed counts of drafts accepted and of proposals cut short by a rejection
+        self.accepted = 0.0
+        self.rejected = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The chance the next draft is accepted: a proposal's accepted run is geometric, so
+        accepted / (accepted + rejections), starting from 1 (two accepted, no rejection)."""
+        return (self.accepted + 2) / (self.accepted + self.rejected + 2)
 
     def sync(self, token_ids: list[int]) -> np.ndarray:
         new = len(token_ids) - self.length
@@ -112,6 +161,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.cost = StepCost()  # the engine adds each step's rows and seconds
         self._histories: dict[str, _History] = {}
 
     def propose(self, request, max_drafts: int, batch_size: int) -> list[int]:
@@ -132,6 +182,11 @@ class NgramProposer:
         if history.skip:
             history.skip -= 1
             return []
+        share, p = self.cost.row_share(batch_size), history.acceptance
+        while k and p**k < share:
+            k -= 1
+        if not k:
+            return []
         tokens = history.sync(request.all_token_ids)
         return lookup(tokens, config.prompt_lookup_min, config.prompt_lookup_max, k)
 
@@ -141,6 +196,8 @@ class NgramProposer:
         history = self._histories.get(request.request_id)
         if history is None:
             return
+        history.accepted = _DECAY * history.accepted + num_accepted
+        history.rejected = _DECAY * history.rejected + (num_accepted < num_drafts)
         if num_accepted:
             history.misses = 0
         else:

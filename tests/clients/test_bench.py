@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from llmrpc.clients import Client
 from llmrpc.clients.bench import metrics
 from llmrpc.clients.bench.backends import RequestResult
 from llmrpc.clients.cli import common
+from llmrpc.engine.spec_decode.config import SpeculativeConfig
 
 LLMRPC = str(Path(sys.executable).parent / "llmrpc")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -382,3 +384,86 @@ def test_random_prompts_share_exactly_the_prefix():
     suffixes = {tuple(r.prompt[20:]) for r in requests}
     assert len(prefixes) == 1 and len(suffixes) == 4
     assert all(len(r.prompt) == 30 for r in requests)
+
+
+@pytest.fixture(scope="module")
+def speculating_server(tiny_llama_dir):
+    """The tiny model with prompt-lookup speculation (its greedy loops are easy to predict)."""
+    config = tiny_engine_config(tiny_llama_dir)
+    speculative = SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
+    server = ServerThread(replace(config, speculative=speculative), host="127.0.0.1", port=0)
+    yield server
+    server.stop()
+
+
+def _assert_acceptance(spec: dict) -> None:
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    assert spec["mean_accepted_length"] == 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+    per_position = spec["accepted_per_pos"]
+    assert per_position[0] > 0 and per_position == sorted(per_position, reverse=True)
+    assert sum(spec["accepted_per_pos"]) == spec["num_accepted_tokens"]
+
+
+def test_serve_reports_a_speculating_servers_acceptance_over_grpc_and_a_gateway(
+    speculating_server, unused_tcp_port, tmp_path
+):
+    out, load = tmp_path / "result.json", ["--num-prompts", "4", "--output-len", "24"]
+    result = bench("serve", "--url", speculating_server.address, *load, "--output-json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "Draft acceptance rate" in result.stdout and "Mean accepted length" in result.stdout
+    summary = json.loads(out.read_text())
+    assert_consistent(summary, num_prompts=4, output_len=24)
+    _assert_acceptance(summary["speculative"])
+    with Client(speculating_server.address) as client:
+        counts = client.load().spec_decode  # since start: the first test request's too
+    assert counts.num_drafts >= summary["speculative"]["num_drafts"]
+    with running_gateway(speculating_server.address, unused_tcp_port) as url:
+        result = bench(
+            "serve", "--backend", "openai", "--url", url, "--vocab-size", "49152", *load,
+            "--output-json", str(out),
+        )  # fmt: skip
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            exposition = response.read().decode()
+    assert result.returncode == 0, result.stderr
+    _assert_acceptance(json.loads(out.read_text())["speculative"])
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert re.search(
+            rf'^vllm:spec_decode_{name}_total{{model_name="[^"]+"}} [1-9]', exposition, re.M
+        )
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=" in exposition
+
+
+def test_serve_reports_no_acceptance_for_a_server_that_does_not_speculate(server, tmp_path):
+    out = tmp_path / "result.json"
+    result = bench("serve", "--url", server.address, "--num-prompts", "2", "--output-len", "4",
+                   "--output-json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "speculative" not in json.loads(out.read_text())
+    assert "Draft acceptance" not in result.stdout
+
+
+def test_throughput_with_speculation_against_none_on_a_dataset(tiny_llama_dir, tmp_path):
+    out, dataset = tmp_path / "result.json", tmp_path / "prompts.json"
+    turns = ["Repeat: one two three one two three one two three", "Say a b a b a b a b"]
+    dataset.write_text(
+        json.dumps([{"conversations": [{"from": "human", "value": t}]} for t in turns])
+    )
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    result = bench(
+        "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32", "--num-prompts", "2",
+        "--output-len", "40", "--kv-cache-memory", "0.05", "--dataset", str(dataset),
+        "--speculative-config", spec, "--baseline", "free", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "engine / free output throughput:" in result.stdout
+    assert "draft tokens accepted" in result.stdout
+    results = json.loads(out.read_text())
+    assert results["engine"]["output_tokens"] == results["free"]["output_tokens"] > 2
+    spec = results["speculative"]
+    assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    bad = bench("throughput", "--speculative-config", '{"method": "medusa"}')
+    assert (
+        bad.returncode == common.EXIT_USAGE and "method 'medusa' needs Medusa heads" in bad.stderr
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import types
 
 import jsonschema
 import pytest
@@ -20,7 +21,7 @@ from scipy.stats import chi2_contingency
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
 from llmrpc.engine.spec_decode.config import SpeculativeConfig
-from llmrpc.engine.spec_decode.ngram import NgramProposer, lookup
+from llmrpc.engine.spec_decode.ngram import NgramProposer, StepCost, lookup
 from llmrpc.engine.structured_output import grammar as structured_output
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -43,12 +44,21 @@ class _WrongAtTimes(NgramProposer):
         return drafts
 
 
+class _RowsFree(StepCost):
+    """Rows that cost nothing: every draft is proposed, whatever this machine's step times
+    (the tests of verification must not depend on them; the cost rule has its own test)."""
+
+    def row_share(self, batch: int) -> float:
+        return 0.0
+
+
 def _with_spec(core, config: dict | None, proposer=NgramProposer):
     """``core`` speculating with ``config`` (None: not speculating), counters from zero."""
     if config is None:
         core.proposer = core.scheduler.proposer = None
     else:
         core.proposer = core.scheduler.proposer = proposer(SpeculativeConfig(config))
+        core.proposer.cost = _RowsFree()
     return core
 
 
@@ -73,6 +83,8 @@ def _mixed_requests(core, stops: dict | None = None) -> dict:
         params.n = 2 if i % 9 == 4 else 1
         if i % 7 == 0:
             params.logprobs = 2
+        if i % 11 == 5:
+            params.prompt_logprobs = 1
         requests[f"r{i}"] = ((shared if i % 2 else []) + tail, params)
     return requests
 
@@ -113,6 +125,18 @@ def test_greedy_tokens_are_those_without_speculation(core, proposer):
             assert output.logprobs == plain[rid].logprobs
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks  # every block back
     _with_spec(core, None)
+
+
+def test_greedy_tokens_on_the_triton_backend(tiny_llama_dir):
+    """Interpreted Triton: verify rows go through its varlen prefill kernel as a chunk."""
+    core = make_core(tiny_llama_dir, num_blocks=32, max_num_batched_tokens=48,
+                     attention_backend="triton")  # fmt: skip
+    requests = dict(list(_mixed_requests(core).items())[:10])
+    plain = run_to_completion(core, requests)
+    spec = run_to_completion(_with_spec(core, NGRAM, _WrongAtTimes), requests)
+    stats = core.proposer.stats
+    assert stats.num_accepted_tokens > 20 and stats.num_drafts > stats.accepted_per_pos[0]
+    assert _tokens(spec) == _tokens(plain)
 
 
 def test_preemption_prefix_hits_and_chunks_happened(core):
@@ -194,6 +218,33 @@ def test_penalties_bias_and_min_tokens_hold_inside_accepted_runs(core):
     _with_spec(core, None)
 
 
+def test_a_fault_inside_an_accepted_run_ends_that_request_alone(core, monkeypatch):
+    """The sampler fails for one request at its 5th token, which comes after accepted drafts:
+    it ends with an error, the rest of its batch carries on with the tokens it would have had."""
+    from llmrpc.engine.sample import sampler as sampler_module
+
+    prompt = core.tokenizer.encode("red green blue red green blue red green blue red")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    requests = {name: (prompt, params) for name in ("a", "b", "bad", "c")}
+    clean = run_to_completion(_with_spec(core, NGRAM, _WrongAtTimes), requests)
+    original = sampler_module.apply_logits_processors
+
+    def failing(logits, batch):
+        if any(r.request_id == "bad" and r.num_output_tokens == 4 for r in batch):
+            raise RuntimeError("injected fault for bad")
+        return original(logits, batch)
+
+    monkeypatch.setattr(sampler_module, "apply_logits_processors", failing)
+    outputs = run_to_completion(_with_spec(core, NGRAM, _WrongAtTimes), requests)
+    assert outputs["bad"].finish_reason is FinishReason.ERROR
+    assert "injected fault for bad" in outputs["bad"].error
+    assert core.proposer.stats.accepted_per_pos[2] > 0  # runs of accepted drafts happened
+    for name in ("a", "b", "c"):
+        assert outputs[name].token_ids == clean[name].token_ids
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+    _with_spec(core, None)
+
+
 def test_structured_output_validates_under_speculation(core):
     schema = {"type": "array", "items": {"enum": ["ab", "ab ab"]}, "minItems": 2, "maxItems": 6}
     spec = structured_output.check(
@@ -221,6 +272,57 @@ def test_lookup_takes_the_latest_of_the_longest_match():
     loop = np.array([4, 4, 4, 4, 4, 4])
     assert lookup(loop, 1, 2, 3) == [4, 4, 4]  # not the latest "4 4", followed by one token
     assert lookup(loop, 1, 2, 8) == [4, 4, 4, 4]  # none has 8 after: the earliest, to the end
+
+
+def _request(tokens: list[int], request_id: str = "r"):
+    return types.SimpleNamespace(request_id=request_id, all_token_ids=tokens,
+                                 num_tokens=len(tokens))  # fmt: skip
+
+
+def test_proposals_back_off_after_misses_and_stop_at_the_batch_size_and_length_limits():
+    config = {**NGRAM, "disable_by_batch_size": 8, "max_model_len": 12}
+    proposer = NgramProposer(SpeculativeConfig(config))
+    request = _request([1, 2, 3, 1, 2])
+    assert proposer.propose(request, 4, batch_size=7) == [3, 1, 2]
+    assert proposer.propose(request, 4, batch_size=8) == []  # disable_by_batch_size
+    assert proposer.propose(request, 2, batch_size=1) == [3, 1]  # the scheduler's limit
+    assert proposer.propose(_request([1, 2] * 5 + [1], "s"), 4, 1) == [2]  # 11 tokens: 1 to 12
+    skipped = []
+    for _ in range(4):  # no draft accepted: 1, 2, 4, then 8 steps without proposals
+        proposer.verified(request, 3, 0)
+        waited = 0
+        while not proposer.propose(request, 4, batch_size=1):
+            waited += 1
+        skipped.append(waited)
+    assert skipped == [1, 2, 4, 8]
+    proposer.verified(request, 3, 1)  # an accepted draft: the next miss waits 1 step again
+    proposer.verified(request, 3, 0)
+    assert proposer.propose(request, 4, 1) == [] and proposer.propose(request, 4, 1)
+    counts = proposer.stats.counts()
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (6, 18, 1)
+    assert counts.accepted_per_pos == (1, 0, 0, 0)
+
+
+def test_drafts_are_cut_to_those_worth_their_rows():
+    """Steps of 10 ms plus 1 ms a row: at batch 1 a row costs 1/11 of what a token is worth,
+    at batch 30 three quarters. A request whose drafts were all rejected once (acceptance
+    estimate 2/3) proposes 4 drafts alone (p^4 = 0.2 >= 0.09) and none in the batch of 30;
+    one whose drafts keep being accepted still proposes there."""
+    proposer = NgramProposer(SpeculativeConfig(NGRAM))
+    for rows in [1, 5, 2, 8, 3, 40, 12, 30, 7, 4]:
+        proposer.cost.add(rows, 0.010 + 0.001 * rows)
+    assert proposer.cost.row_share(1) == pytest.approx(1 / 11)
+    assert proposer.cost.row_share(30) == pytest.approx(0.75)
+    missing, taking = _request([1, 2, 3, 1, 2] * 3, "m"), _request([4, 5, 6, 4, 5] * 3, "t")
+    assert proposer.propose(missing, 4, 1) == [1, 2, 3, 1]  # a fresh request: estimate 1
+    proposer.verified(missing, 4, 0)
+    proposer.propose(missing, 4, 1)  # the one step its miss skips
+    assert len(proposer.propose(missing, 4, 1)) == 4
+    assert proposer.propose(missing, 4, 30) == []
+    for _ in range(5):
+        proposer.propose(taking, 4, 30)
+        proposer.verified(taking, 4, 4)
+    assert len(proposer.propose(taking, 4, 30)) == 4
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization", "engines", "figures_age_seconds", "engine_stalled")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "prefix_cache_hit_rate", "prompt_throughput", "generation_throughput", "is_sleeping", "kv_cache_bytes", "device_memory_used_bytes", "device_memory_total_bytes", "device_utilization", "engines", "figures_age_seconds", "engine_stalled", "spec_decode")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class GetLoadResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     FIGURES_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STALLED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -193,7 +194,20 @@ class GetLoadResponse(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
     figures_age_seconds: float
     engine_stalled: bool
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., figures_age_seconds: _Optional[float] = ..., engine_stalled: _Optional[bool] = ...) -> None: ...
+    spec_decode: SpecDecodeCounts
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., kv_cache_bytes: _Optional[float] = ..., device_memory_used_bytes: _Optional[float] = ..., device_memory_total_bytes: _Optional[float] = ..., device_utilization: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., figures_age_seconds: _Optional[float] = ..., engine_stalled: _Optional[bool] = ..., spec_decode: _Optional[_Union[SpecDecodeCounts, _Mapping]] = ...) -> None: ...
+
+class SpecDecodeCounts(_message.Message):
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    num_drafts: float
+    num_draft_tokens: float
+    num_accepted_tokens: float
+    num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_drafts: _Optional[float] = ..., num_draft_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_kv_blocks", "figures_age_seconds", "stalled")
