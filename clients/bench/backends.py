@@ -242,13 +242,12 @@ def spec_counts_of_metrics(text: str) -> SpecDecode | None:
     (models, engines); None without them."""
     totals: dict[str, float] = {}
     per_position: dict[int, float] = {}
+    prefix = "vllm:spec_decode_"
     for family in text_string_to_metric_families(text):
-        name = family.name.removeprefix("vllm:spec_decode_")
-        if name == family.name:
-            continue
         for sample in family.samples:
-            if not sample.name.endswith("_total"):
+            if not (sample.name.startswith(prefix) and sample.name.endswith("_total")):
                 continue
+            name = sample.name[len(prefix) : -len("_total")]
             if name == "num_accepted_tokens_per_pos":
                 position = int(sample.labels.get("position", 0))
                 per_position[position] = per_position.get(position, 0.0) + sample.value

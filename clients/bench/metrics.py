@@ -96,9 +96,11 @@ def format_table(summary: dict) -> str:
         stats = summary[f"{name}_ms"]
         rows.append((f"{title} (ms) mean / p50 / p90 / p99", _quartet(stats)))
     spec = summary.get("speculative")
-    if spec is not None:
+    if spec is not None and spec["num_draft_tokens"]:
         rows.append(("Draft acceptance rate", f"{spec['acceptance_rate']:.1%}"))
         rows.append(("Mean accepted length", f"{spec['mean_accepted_length']:.2f}"))
+    elif spec is not None:
+        rows.append(("Draft acceptance rate", "no drafts proposed"))
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     rule = "=" * max(len(line) for line in lines)
@@ -143,8 +145,10 @@ def format_comparison(summary: dict) -> str:
 
 
 def _brief(run: dict) -> str:
-    spec = run.get("speculative")
-    accepted = f", drafts accepted {spec['acceptance_rate']:.0%}" if spec is not None else ""
+    spec, accepted = run.get("speculative"), ""
+    if spec is not None:
+        share = f"{spec['acceptance_rate']:.0%}" if spec["num_draft_tokens"] else "none proposed"
+        accepted = f", drafts accepted {share}"
     return (
         f"{run['config']['backend']} {run['output_throughput']:.1f} tok/s, "
         f"TTFT p50 {run['ttft_ms']['p50']:.0f} ms, TPOT p50 {run['tpot_ms']['p50']:.1f} ms"

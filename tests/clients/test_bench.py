@@ -22,8 +22,9 @@ from openai_standin import OpenAIStandIn
 
 from llmrpc.clients import Client
 from llmrpc.clients.bench import metrics
-from llmrpc.clients.bench.backends import RequestResult
+from llmrpc.clients.bench.backends import RequestResult, spec_counts_of_metrics
 from llmrpc.clients.cli import common
+from llmrpc.clients.types import SpecDecode
 from llmrpc.engine.spec_decode.config import SpeculativeConfig
 
 LLMRPC = str(Path(sys.executable).parent / "llmrpc")
@@ -467,3 +468,37 @@ def test_throughput_with_speculation_against_none_on_a_dataset(tiny_llama_dir, t
     assert (
         bad.returncode == common.EXIT_USAGE and "method 'medusa' needs Medusa heads" in bad.stderr
     )
+
+
+def test_acceptance_from_a_metrics_exposition_and_in_the_table():
+    exposition = "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        'vllm:spec_decode_num_drafts_total{model_name="m",engine="0"} 10.0',
+        'vllm:spec_decode_num_drafts_total{model_name="m",engine="1"} 6.0',
+        "# TYPE vllm:spec_decode_num_draft_tokens counter",
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 48.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 20.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 12.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 8.0',
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{model_name="m"} 1.0',
+    ])  # fmt: skip
+    counts = spec_counts_of_metrics(exposition)
+    assert counts == SpecDecode(16, 48, 20, (12, 8))
+    assert spec_counts_of_metrics('vllm:num_requests_running{model_name="m"} 1.0\n') is None
+    run = counts - SpecDecode(6, 18, 5, (5,))
+    assert run == SpecDecode(10, 30, 15, (7, 8))
+    spec = metrics.acceptance(run)
+    assert (spec["acceptance_rate"], spec["mean_accepted_length"]) == (0.5, 2.5)
+    ok = RequestResult(success=True, prompt_len=4, output_len=2, ttft=0.1, itl=[0.1], latency=0.2)
+    summary = metrics.summarize([ok], duration_s=1.0, config={"backend": "grpc"} | _CONFIG)
+    assert "Draft acceptance" not in metrics.format_table(summary)
+    summary["speculative"] = spec
+    assert re.search(r"Draft acceptance rate +50\.0%", metrics.format_table(summary))
+    summary["speculative"] = metrics.acceptance(SpecDecode(0, 0, 0, ()))
+    assert re.search(r"Draft acceptance rate +no drafts proposed", metrics.format_table(summary))
+
+
+_CONFIG = {"concurrency": 1, "request_rate": "inf"}
