@@ -1,11 +1,12 @@
 """Token-budget scheduler: continuous batching with chunked prefill and preemption by recompute.
 
 There are no prefill and decode phases. Each step, every running request is given tokens until its
-``num_computed_tokens`` reaches its ``num_tokens`` (one token for a decoding request, a chunk of a
-prompt otherwise), then waiting requests join under what is left of the step's token budget.
-While requests wait for a seat, a prompt in progress takes at most a share of the budget, so a
-long prefill holds no newcomer back; what the queue leaves goes back to the prompts. Waiting
-requests are taken in the waiting queue's order (``request_queue``: callers in turn).
+``num_computed_tokens`` reaches its ``num_tokens`` (one token for a decoding request, with the
+proposer's drafts under speculative decoding; a chunk of a prompt otherwise), then waiting
+requests join under what is left of the step's token budget. While requests wait for a seat, a
+prompt in progress takes at most a share of the budget, so a long prefill holds no newcomer back;
+what the queue leaves goes back to the prompts. Waiting requests are taken in the waiting queue's
+order (``request_queue``: callers in turn).
 """
 
 from __future__ import annotations
