@@ -10,7 +10,7 @@ import os
 import msgspec
 import pytest
 import torch
-from engine_utils import make_core
+from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core.engine_core import EngineCore
@@ -120,6 +120,35 @@ def test_compiled_decode_steps_give_eager_tokens_and_logprobs(
     # all ran the graph compiled at load (a new compile would have raised and ended it)...
     assert compiled.failure is None
     assert calls[0] == num_steps - 1  # ... but the step with the 300-token prefill, eager
+
+
+def test_speculative_verify_steps_run_the_compiled_graph(tiny_llama_dir, monkeypatch):
+    """A step of decodes and their drafts is decode rows only: the graph compiled at load runs
+    it (no new compile, no fall-back), and greedy float32 tokens are those without drafts."""
+    from llmrpc.engine.spec_decode.config import SpeculativeConfig
+    from llmrpc.engine.spec_decode.ngram import NgramProposer
+
+    core = make_core(tiny_llama_dir, "float32", compilation=COMPILED)
+    prompt = [(5 * j) % 300 + 20 for j in range(40)] * 2  # lookups find what follows
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = {f"r{i}": (prompt[i:], params) for i in range(3)}
+    plain = run_to_completion(core, requests)
+    proposer = NgramProposer(SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1}))  # fmt: skip
+    proposer.cost.row_share = lambda batch: 0.0  # every draft proposed, whatever steps cost
+    core.proposer = core.scheduler.proposer = proposer
+    rows, compiled_forward = [], core.runner.compiled_decode._forward
+
+    def counting(input_ids, *args):
+        rows.append(len(input_ids))
+        return compiled_forward(input_ids, *args)
+
+    monkeypatch.setattr(core.runner.compiled_decode, "_forward", counting)
+    spec = run_to_completion(core, requests)
+    assert proposer.stats.num_accepted_tokens > 0
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert max(rows) > 3  # a verify step (3 requests, drafts as rows) ran compiled
+    assert core.runner.compiled_decode.failure is None
 
 
 def test_a_compiled_engine_keeps_its_thread_count(tiny_llama_dir):
