@@ -314,7 +314,6 @@ class EngineConfig:
         check_speculative_options(
             self.speculative,
             self.parallel.tensor_parallel_size,
-            self.lora.enabled,
             self.model.runner,
             self.model.batch_invariant,
         )

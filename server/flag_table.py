@@ -81,7 +81,7 @@ SPECULATIVE_HELP = (
     "drafts all fail backs off for 1, 2, 4 ... 32 steps; disable_by_batch_size N: no drafts in "
     "a step of N or more requests; max_model_len N: none past N tokens. Other methods "
     "(draft_model, eagle, medusa, mtp ...) and keys stop start-up, as do "
-    "--tensor-parallel-size above 1, --enable-lora and --batch-invariant with it. Default: off."
+    "--tensor-parallel-size above 1 and --batch-invariant with it. Default: off."
 )
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "

@@ -340,7 +340,7 @@ class EngineCore:
         self.proposer = None  # --speculative-config: the drafts' proposer, its counters
         if config.speculative.enabled:
             if self.pooling.runner == "pooling":
-                check_speculative_options(config.speculative, 1, False, "pooling", False)
+                check_speculative_options(config.speculative, 1, "pooling", False)
             self.proposer = self.scheduler.proposer = NgramProposer(config.speculative)
             logger.info(
                 "speculative decoding: ngram, %d draft tokens from %d- to %d-token matches",

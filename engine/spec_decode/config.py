@@ -129,18 +129,13 @@ def _method_of(config: dict) -> str:
 
 
 def check_speculative_options(
-    speculative: SpeculativeConfig,
-    tensor_parallel_size: int,
-    lora_enabled: bool,
-    runner: str,
-    batch_invariant: bool,
+    speculative: SpeculativeConfig, tensor_parallel_size: int, runner: str, batch_invariant: bool
 ) -> None:
     """Features this build does not combine with speculation, refused in one line each."""
     if not speculative.enabled:
         return
     refusals = (
         (tensor_parallel_size > 1, f"--tensor-parallel-size {tensor_parallel_size}"),
-        (lora_enabled, "--enable-lora"),
         (runner == "pooling", "--runner pooling (embeddings sample no tokens)"),
         (batch_invariant, "--batch-invariant"),
     )

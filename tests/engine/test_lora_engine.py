@@ -20,6 +20,8 @@ from llmrpc.engine.lora.types import (
     LoRAModulePath,
 )
 from llmrpc.engine.request import InvalidRequestError, SamplingParams
+from llmrpc.engine.spec_decode.config import SpeculativeConfig
+from llmrpc.engine.spec_decode.ngram import NgramProposer
 
 MAX_TOKENS = 8
 PROMPT_TEXTS = ["Hi", "What is the capital of France?", "def fibonacci(n):", "1, 2, 3, 4,"]
@@ -220,3 +222,24 @@ def test_lora_bias_needs_the_flag_and_matches_peft(tmp_path, smollm2_dir, prompt
             lora_layers.DENSE_MAX_ROWS = saved
         got = [outputs[f"biased-{i}-{dense_max_rows}"].token_ids for i in range(2)]
         assert got == expected, dense_max_rows
+
+
+@pytest.mark.parametrize("dense_max_rows", [0, 10**6], ids=["segmented", "dense"])
+def test_speculative_drafts_take_their_requests_adapters(
+    core, adapters, prompts, monkeypatch, dense_max_rows
+):
+    """--speculative-config with LoRA: a request's draft rows run its adapter, as its own row
+    does (the tokens are each merged model's, token for token)."""
+    monkeypatch.setattr(lora_layers, "DENSE_MAX_ROWS", dense_max_rows)
+    config = SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_min": 1})  # fmt: skip
+    proposer = NgramProposer(config)
+    proposer.cost.row_share = lambda batch: 0.0  # every draft proposed, whatever steps cost
+    core.proposer = core.scheduler.proposer = proposer
+    try:
+        names = ["", *ADAPTERS]
+        outputs = run_to_completion(core, _requests(prompts, names))
+    finally:
+        core.proposer = core.scheduler.proposer = None
+    assert proposer.stats.num_accepted_tokens > 0
+    _check_tokens(outputs, adapters, names, len(prompts))

@@ -359,11 +359,7 @@ def test_config_defaults_as_vllm():
 
 
 def test_combinations_this_build_refuses():
-    from llmrpc.engine.lora.types import LoRAConfig
-
     speculative = SpeculativeConfig(NGRAM)
-    with pytest.raises(ValueError, match="refused with --enable-lora"):
-        EngineConfig(speculative=speculative, lora=LoRAConfig(enabled=True))
     engine = EngineConfig(speculative=speculative)
     model = dataclasses.replace(engine.model, batch_invariant=True)
     with pytest.raises(ValueError, match="refused with --batch-invariant"):
