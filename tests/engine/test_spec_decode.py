@@ -364,3 +364,11 @@ def test_combinations_this_build_refuses():
     model = dataclasses.replace(engine.model, batch_invariant=True)
     with pytest.raises(ValueError, match="refused with --batch-invariant"):
         EngineConfig(speculative=speculative, model=model)
+
+
+def test_engines_counts_add_up_position_by_position():
+    """--data-parallel-size: GetLoad's counts are the engines' added up, whatever their lengths."""
+    from llmrpc.engine.core_types import SpecDecodeCounts
+
+    total = SpecDecodeCounts(1, 4, 2, (2, 0)) + SpecDecodeCounts(2, 6, 3, (2, 1, 0))
+    assert total == SpecDecodeCounts(3, 10, 5, (4, 1, 0))

@@ -17,8 +17,10 @@ from google.rpc import error_details_pb2
 from server_utils import field_violations, status_detail, tiny_engine_config, wait_until
 
 from llmrpc.engine.config import SchedulerConfig
+from llmrpc.engine.core_types import EngineStats, SpecDecodeCounts
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.server.interceptors import REQUEST_ID_METADATA
+from llmrpc.server.logs import stats_line
 from llmrpc.server.settings import FrontendConfig, LimitsConfig, LogConfig
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2, tokenization_pb2
 
@@ -146,6 +148,17 @@ async def test_stats_line_is_logged_periodically(generation, caplog):
     )
     line = next(r.getMessage() for r in caplog.records if "tokens/s" in r.getMessage())
     assert re.match(r"engine: \d+ running, \d+ waiting, KV cache [\d.]+% used, prefix", line)
+
+
+def test_stats_line_says_how_speculation_goes_where_it_speculates():
+    idle = EngineStats(2, 0, 90, 100, 0.5, 10.0, 5.0, False)
+    assert "drafts" not in stats_line(idle)
+    no_drafts_yet = dataclasses.replace(idle, spec_decode=SpecDecodeCounts(0, 0, 0, (0, 0)))
+    assert "drafts" not in stats_line(no_drafts_yet)
+    speculating = dataclasses.replace(idle, spec_decode=SpecDecodeCounts(10, 40, 30, (9, 8)))
+    assert stats_line(speculating).endswith(
+        "generation 10.0 tokens/s, drafts accepted 75.0% (mean accepted length 4.00)"
+    )
 
 
 async def test_chat_template_flag_replaces_the_tokenizers(tokenization, server):
