@@ -32,6 +32,7 @@ from llmrpc.engine.config import (
     SchedulerConfig,
 )
 from llmrpc.engine.core.engine_core import EngineCore
+from llmrpc.engine.core_types import SpecDecodeCounts
 from llmrpc.engine.lora.types import LoRAConfig
 from llmrpc.engine.parallel.config import ParallelConfig
 from llmrpc.engine.quantization.layers import QuantizedLinear
@@ -357,16 +358,18 @@ def dataset_prompts(tokenizer, path: Path, num_prompts: int, seed: int) -> list[
 
 
 def _acceptance(before, after) -> dict:
-    """The speculative counters of the measured runs (``after`` less ``before``)."""
+    """The speculative counts of the measured runs (``SpecDecodeCounts``, ``after`` less
+    ``before``)."""
     drafts = after.num_drafts - before.num_drafts
     draft_tokens = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    run = SpecDecodeCounts(drafts, draft_tokens, accepted, ())
     return {
         "num_drafts": drafts,
         "num_draft_tokens": draft_tokens,
         "num_accepted_tokens": accepted,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+        "acceptance_rate": run.acceptance_rate,
+        "mean_accepted_length": run.mean_accepted_length,
     }
 
 
@@ -510,11 +513,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dataset is not None:
         prompts = dataset_prompts(core.tokenizer, args.dataset, args.num_prompts, args.seed)
     warm_up(sides, warmup_prompts)
-    spec_before = dataclasses.replace(core.proposer.stats) if speculates else None
+    spec_before = core.proposer.stats.counts() if speculates else None
     ignore_eos = args.dataset is None
     results = measure(sides, prompts, args.output_len, args.repeats, ignore_eos)
     if speculates:
-        results["speculative"] = _acceptance(spec_before, core.proposer.stats)
+        results["speculative"] = _acceptance(spec_before, core.proposer.stats.counts())
     baseline = sides[1].name if len(sides) > 1 else None
     if baseline is not None:
         ratio = results["engine"]["output_throughput"] / results[baseline]["output_throughput"]

@@ -49,6 +49,15 @@ class SpecDecodeCounts:
     num_accepted_tokens: int
     accepted_per_pos: tuple[int, ...]  # accepted at each draft position
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step gave, on average: the accepted drafts and the model's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
     def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
         longest = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         ours = self.accepted_per_pos + (0,) * (longest - len(self.accepted_per_pos))

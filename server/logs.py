@@ -125,9 +125,10 @@ def _speculation(counts) -> str:
     """Speculative decoding since start: the share of drafts accepted, the tokens a step gave."""
     if counts is None or not counts.num_draft_tokens:
         return ""
-    rate = counts.num_accepted_tokens / counts.num_draft_tokens
-    length = 1 + counts.num_accepted_tokens / counts.num_drafts
-    return f", drafts accepted {rate:.1%} (mean accepted length {length:.2f})"
+    return (
+        f", drafts accepted {counts.acceptance_rate:.1%} "
+        f"(mean accepted length {counts.mean_accepted_length:.2f})"
+    )
 
 
 def _idle(stats) -> bool:

@@ -335,19 +335,26 @@ class EngineCore:
             cache_config.prefix_caching_hash_algo,
         )
         scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
-        self.scheduler.max_loras = config.lora.max_loras if config.lora.enabled else None
-        self.proposer = None  # --speculative-config: the drafts' proposer, its counters
-        if config.speculative.enabled:
-            if self.pooling.runner == "pooling":
-                check_speculative_options(config.speculative, 1, "pooling", False)
-            self.proposer = self.scheduler.proposer = NgramProposer(config.speculative)
+        # --speculative-config: the drafts' proposer and its counters (None: no speculation)
+        self.proposer = None
+        if config.speculative.enabled:  # the runner resolved from the model: pooling refused
+            check_speculative_options(
+                config.speculative,
+                config.parallel.tensor_parallel_size,
+                self.pooling.runner,
+                model_config.batch_invariant,
+            )
+            self.proposer = NgramProposer(config.speculative)
             logger.info(
                 "speculative decoding: ngram, %d draft tokens from %d- to %d-token matches",
                 config.speculative.num_speculative_tokens,
                 config.speculative.prompt_lookup_min,
                 config.speculative.prompt_lookup_max,
             )
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv_manager, self.max_model_len, proposer=self.proposer
+        )
+        self.scheduler.max_loras = config.lora.max_loras if config.lora.enabled else None
         self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
         self.served_model_names = model_config.served_model_name or (
@@ -678,8 +685,9 @@ class EngineCore:
         num_new = dict.fromkeys(updated, 1)
         if result.draft_logits:
             self._verify(result.draft_logits, updated, num_new, failed)
-        for request, _ in scheduled.scheduled:
-            request.spec_token_ids = []
+        if self.proposer is not None:  # this step's drafts are spent
+            for request, _ in scheduled.scheduled:
+                request.spec_token_ids = []
         outputs = [
             self._output(r, r.output_token_ids[-num_new[r] :]) for r in updated if r not in failed
         ]

@@ -96,10 +96,9 @@ class GrammarStep:
         bitmask = allocate_bitmask(len(requests), self.vocab_size)
         errors: dict[Request, str | InvalidRequestError] = {}
         _fill(requests, bitmask, errors)
-        failed.update(errors)
-        masks = bitmask_to_bool(bitmask.to(device), self.vocab_size)
-        for row, request in enumerate(requests):
-            request.grammar_mask = masks[row]
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)
+        self.finish(PendingMasks(requests, bitmask, errors, done), device, failed)
 
     def advance(self, sampled: list[Request], updated: list[Request], failed: dict) -> None:
         """Feed each constrained request's new token to its matcher; a token the grammar
