@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig, check_cuda_graph_flags
+from llmrpc.engine.core.draft import DraftModel
 from llmrpc.engine.core.input_processor import InputLimits, InputProcessor
 from llmrpc.engine.core_types import EngineStateError, EngineStats, KernelChoice, ModelInfo
 from llmrpc.engine.loading import loader
@@ -143,11 +144,13 @@ def apply_config_overrides(hf_config, model_config: ModelConfig):
     return hf_config
 
 
-def num_kv_blocks(cache_config, hf_config, dtype: torch.dtype) -> int:
+def num_kv_blocks(cache_config, hf_config, dtype: torch.dtype, draft_block_bytes: int = 0) -> int:
+    """Blocks of --kv-cache-memory; with a draft model, each block's bytes include the draft's
+    block (its cache has as many)."""
     if cache_config.num_gpu_blocks_override:
         return cache_config.num_gpu_blocks_override
     block_bytes = kv_bytes_per_block(hf_config, cache_config.block_size, dtype)
-    return int(cache_config.kv_cache_memory_gib * 2**30 // block_bytes)
+    return int(cache_config.kv_cache_memory_gib * 2**30 // (block_bytes + draft_block_bytes))
 
 
 def check_capacity(config: EngineConfig, max_model_len: int, num_blocks: int) -> None:
@@ -273,12 +276,23 @@ class EngineCore:
         self._check_device_options(config)
         self.device_monitor = DeviceMonitor(self.device)
         block_size = cache_config.block_size
+        # --speculative-config method draft_model: checked before any weights load
+        self.draft = None
+        draft_block_bytes = 0
+        if config.speculative.method == "draft_model":
+            tokenizer = self.tokenizer or loader.load_tokenizer(
+                model_config.tokenizer or self.model_dir
+            )
+            self.draft = DraftModel(config.speculative, tokenizer)
+            draft_block_bytes = self.draft.kv_bytes_per_block(block_size, self.kv_cache_dtype)
         profile = self.device.type == "cuda" and not cache_config.num_gpu_blocks_override
         if profile:  # a cache for the profiled step; the real one is sized after it
             num_tokens = self._profile_tokens(config)
             num_blocks = -(-num_tokens // block_size)
         else:
-            num_blocks = num_kv_blocks(cache_config, self.hf_config, self.kv_cache_dtype)
+            num_blocks = num_kv_blocks(
+                cache_config, self.hf_config, self.kv_cache_dtype, draft_block_bytes
+            )
             check_capacity(config, self.max_model_len, num_blocks)  # before the slow model load
         # --tensor-parallel-size: the other ranks' processes, which load their shards meanwhile
         self.parallel = start_tensor_parallel(
@@ -289,6 +303,8 @@ class EngineCore:
             num_tokens if profile else None,
         )
         self.model = self._load_model()
+        if self.draft is not None:
+            self.draft.model = self._load_model(self.draft)
         # None: LoRA is off
         self.lora = build_lora_manager(config, self.model, self.dtype, self.attention_backend)
         # under tensor parallelism the runner's KV cache holds this rank's KV heads
@@ -310,6 +326,9 @@ class EngineCore:
             )
             if self.parallel is not None:  # the same block count on every rank: the fewest
                 num_blocks = self.parallel.agree_on_kv_blocks(num_blocks)
+            if draft_block_bytes:  # the draft's cache, of as many blocks, shares the memory
+                target_bytes = kv_bytes_per_block(self.hf_config, block_size, self.kv_cache_dtype)
+                num_blocks = num_blocks * target_bytes // (target_bytes + draft_block_bytes)
             check_capacity(config, self.max_model_len, num_blocks)
             self.runner.resize_kv_cache(num_blocks)
         self.compilation = config.compilation
@@ -344,13 +363,7 @@ class EngineCore:
                 self.pooling.runner,
                 model_config.batch_invariant,
             )
-            self.proposer = NgramProposer(config.speculative)
-            logger.info(
-                "speculative decoding: ngram, %d draft tokens from %d- to %d-token matches",
-                config.speculative.num_speculative_tokens,
-                config.speculative.prompt_lookup_min,
-                config.speculative.prompt_lookup_max,
-            )
+            self.proposer = self._proposer(config, num_blocks)
         self.scheduler = Scheduler(
             scheduler_config, self.kv_manager, self.max_model_len, proposer=self.proposer
         )
@@ -390,6 +403,26 @@ class EngineCore:
             self.attention_backend,
         )
 
+    def _proposer(self, config: EngineConfig, num_blocks: int):
+        speculative = config.speculative
+        if self.draft is not None:
+            return self.draft.proposer(
+                num_blocks,
+                config.cache.block_size,
+                self.kv_cache_dtype,
+                self.attention_backend,
+                self.max_model_len,
+                self.hf_config.vocab_size,
+                config.scheduler.max_num_batched_tokens,
+            )
+        logger.info(
+            "speculative decoding: ngram, %d draft tokens from %d- to %d-token matches",
+            speculative.num_speculative_tokens,
+            speculative.prompt_lookup_min,
+            speculative.prompt_lookup_max,
+        )
+        return NgramProposer(speculative)
+
     def _check_device_options(self, config: EngineConfig) -> None:
         cuda = self.device.type == "cuda"
         check_cuda_graph_flags(config.compilation, self.device.type)
@@ -424,30 +457,38 @@ class EngineCore:
             return scheduler.max_num_batched_tokens
         return max(scheduler.max_num_batched_tokens, self.max_model_len)
 
-    def _load_model(self):
-        dummy = self.model_config.load_format == "dummy"
-        weights = None if dummy else loader.iter_weights(self.model_dir)
-        logger.info("loading %s (%s)", self.model_dir, self.dtype)
+    def _load_model(self, draft: DraftModel | None = None):
+        """The served model's weights (or ``draft``'s, unquantized), ready for the runner: on
+        the CPU packed for the linear kernels measured for its shapes."""
+        model_dir, hf_config = (draft.model_dir, draft.hf_config) if draft else (
+            self.model_dir, self.hf_config
+        )  # fmt: skip
         config = self.model_config
+        dummy = config.load_format == "dummy"
+        weights = None if dummy else loader.iter_weights(model_dir)
+        logger.info("loading %s (%s)", model_dir, self.dtype)
         model = build_model(
-            self.hf_config,
+            hf_config,
             self.dtype,
             weights,
             config.seed,
             config.model_impl,
-            quantization=plan_quantization(config),
+            quantization=None if draft else plan_quantization(config),
         )
         if self.parallel is not None:  # before packing: the shards are packed, not the whole
             self.parallel.shard(model)
         if self.device.type != "cpu":
             return model.to(self.device)
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
-            self.linear_kernels = plan_linear_kernels(
+            kernels = plan_linear_kernels(
                 model, loader.cache_root() / "kernels", uniform=config.batch_invariant
             )
-            packed = pack_linear_layers(model, layouts(self.linear_kernels))
-            logger.info("%s", describe_linear_layers(model, packed, config.quantization))
-            for choice in self.linear_kernels.values():
+            self.linear_kernels.update(kernels)
+            packed = pack_linear_layers(model, layouts(kernels))
+            logger.info(
+                "%s", describe_linear_layers(model, packed, None if draft else config.quantization)
+            )
+            for choice in kernels.values():
                 logger.info("linear kernels: %s", choice.describe())
         moved, huge = gather_weights(model)
         logger.info(
@@ -457,7 +498,7 @@ class EngineCore:
         )
         release_free_memory()  # the float weights that loading, quantizing or packing replaced
         cpu_ops.load()  # the C++ decode attention; the torch path where it cannot be built
-        if self.model_config.batch_invariant:
+        if config.batch_invariant:
             check_batch_invariant(model, self.attention_backend, self.kv_cache_dtype == self.dtype)
         return model
 
@@ -619,6 +660,8 @@ class EngineCore:
         grammar may be compiling). Requests this ends (hopeless, refused, failed adapters) are
         kept for the step's outputs."""
         ended = self._drop_hopeless_waiting(now) + self._admit_compiled()
+        if self.draft is not None:  # the draft model's proposals, for the scheduler to take
+            self.proposer.prepare(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             self._wait_for_a_grammar()
@@ -925,21 +968,29 @@ class EngineCore:
         if self.has_unfinished_requests:
             raise EngineStateError("requests are running; sleep needs an idle engine")
         self.kv_manager.reset_prefix_cache()
-        self.runner.free_kv_cache()
+        draft_runner = self.proposer.runner if self.draft is not None else None
+        for runner in filter(None, (self.runner, draft_runner)):
+            runner.free_kv_cache()
         if level == 2:
             self.model = self.runner.model = None
+            if draft_runner is not None:
+                self.draft.model = draft_runner.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # torch's allocator would keep what was freed reserved
         self.sleep_level = max(self.sleep_level, level)
         logger.info("asleep at level %d", self.sleep_level)
 
     def wake_up(self) -> None:
+        draft_runner = self.proposer.runner if self.draft is not None else None
         if self.sleep_level == 2:
             self.model = self.runner.model = self._load_model()
             if self.lora is not None:  # the new model's layers, with empty slots
                 self.lora.attach(self.model)
+            if draft_runner is not None:
+                self.draft.model = draft_runner.model = self._load_model(self.draft)
         if self.sleep_level:
-            self.runner.allocate_kv_cache()
+            for runner in filter(None, (self.runner, draft_runner)):
+                runner.allocate_kv_cache()
             if self.sleep_level == 2 and self.compilation.level:
                 self.runner.compile_decode()  # from inductor's cache, for the new weights
             if self.graph_plan is not None:  # the graphs held the freed cache's addresses

@@ -17,6 +17,7 @@ from llmrpc.engine.config import (
 )
 from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import RequestOutput, SamplingParams
+from llmrpc.engine.spec_decode.config import SpeculativeConfig
 
 
 def make_core(
@@ -30,6 +31,7 @@ def make_core(
     batch_invariant: bool = False,
     enable_prefix_caching: bool = True,
     kv_cache_dtype: str = "auto",
+    speculative: dict | None = None,  # --speculative-config
     **scheduler,
 ) -> EngineCore:
     return EngineCore(
@@ -49,6 +51,7 @@ def make_core(
             ),
             scheduler=SchedulerConfig(**scheduler),
             compilation=compilation or CompilationConfig(),
+            speculative=SpeculativeConfig(speculative),
         )
     )
 

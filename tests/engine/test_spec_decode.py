@@ -1,6 +1,6 @@
-"""Speculative decoding (``--speculative-config``, ngram) on the engine: the same greedy tokens
-as without it, the same distribution when sampling, every rule of the sampler inside an
-accepted run, and the KV cache rolled back where drafts fail.
+"""Speculative decoding (``--speculative-config``, ngram and draft_model) on the engine: the
+same greedy tokens as without it, the same distribution when sampling, every rule of the
+sampler inside an accepted run, and the KV caches rolled back where drafts fail.
 
 The random-weight tiny model falls into loops of its own output, which prompt lookup predicts:
 each test checks that drafts were accepted (and rejected), so it exercises both paths.
@@ -21,7 +21,8 @@ from scipy.stats import chi2_contingency
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
 from llmrpc.engine.spec_decode.config import SpeculativeConfig
-from llmrpc.engine.spec_decode.ngram import NgramProposer, StepCost, lookup
+from llmrpc.engine.spec_decode.ngram import NgramProposer, lookup
+from llmrpc.engine.spec_decode.proposer import StepCost
 from llmrpc.engine.structured_output import grammar as structured_output
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -329,7 +330,15 @@ def test_drafts_are_cut_to_those_worth_their_rows():
     ("config", "message"),
     [
         ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' needs EAGLE"),
-        ({"model": "some/draft", "num_speculative_tokens": 3}, "'draft_model' needs a draft"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model needs model"),
+        (
+            {"model": "some/draft", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+            "'prompt_lookup_min' is not used by method draft_model",
+        ),
+        (
+            {"model": "some/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size 2",
+        ),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 3, "quantization": "fp8"}, "'quantization'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),
@@ -372,3 +381,159 @@ def test_engines_counts_add_up_position_by_position():
 
     total = SpecDecodeCounts(1, 4, 2, (2, 0)) + SpecDecodeCounts(2, 6, 3, (2, 1, 0))
     assert total == SpecDecodeCounts(3, 10, 5, (4, 1, 0))
+
+
+# --- method draft_model ----------------------------------------------------------------------
+
+DRAFT_SIZES = {  # the draft: the served tiny model's own weights, or a smaller random model
+    "same-weights": None,
+    "smaller": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "seed": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tiny_llama_dir, tmp_path_factory, smollm2_dir) -> dict:
+    from conftest import make_tiny_model_dir
+
+    smaller = dict(DRAFT_SIZES["smaller"])
+    seed = smaller.pop("seed")
+    return {
+        "same-weights": tiny_llama_dir,
+        "smaller": make_tiny_model_dir(tmp_path_factory, smollm2_dir, "draft", seed, **smaller),
+    }
+
+
+def _draft_core(target_dir, draft_dir, **options):
+    """An engine whose draft is ``draft_dir``, every draft proposed (rows cost nothing)."""
+    config = {"model": str(draft_dir), "num_speculative_tokens": 4}
+    options = {"num_blocks": 32, "max_num_batched_tokens": 48, **options}
+    core = make_core(target_dir, speculative=config, **options)
+    core.proposer.cost = _RowsFree()
+    return core
+
+
+def _wrong_at_times(proposer) -> None:
+    """One draft of every other proposal made wrong, at a random position (the draft's cache
+    keeps its own token there, which the target's next tokens then contradict)."""
+    rng, propose = random.Random(5), proposer.propose
+
+    def wrong(request, max_drafts, batch_size):
+        drafts = propose(request, max_drafts, batch_size)
+        if drafts and rng.random() < 0.5:
+            position = rng.randrange(len(drafts))
+            drafts[position] = 10 + (drafts[position] + 1) % 4000
+        return drafts
+
+    proposer.propose = wrong
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["as-proposed", "wrong-at-times"])
+@pytest.mark.parametrize("draft", list(DRAFT_SIZES))
+def test_draft_model_greedy_tokens_are_those_without_speculation(core, draft_dirs, draft, wrong):
+    """The mixed batch (chunks, prefix hits, preemptions, stop strings, n > 1, logprobs) with a
+    draft model: the served model's own weights as the draft propose what it then samples, so
+    in float32 nearly every draft is accepted, which only holds if the draft's cache is caught
+    up and rolled back right."""
+    stops = _stops_inside(core, run_to_completion(_with_spec(core, None), _mixed_requests(core)))
+    plain = run_to_completion(core, _mixed_requests(core, stops))
+    spec_core = _draft_core(core.model_dir, draft_dirs[draft])
+    if wrong:
+        _wrong_at_times(spec_core.proposer)
+    spec = run_to_completion(spec_core, _mixed_requests(core, stops))
+    stats = spec_core.proposer.stats
+    assert stats.num_accepted_tokens > 50, "no run of accepted drafts to check"
+    if draft == "same-weights" and not wrong:
+        assert stats.num_accepted_tokens >= 0.99 * stats.num_draft_tokens
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert _tokens(spec) == _tokens(plain)
+    for rid, output in spec.items():
+        if output.logprobs is not None:
+            assert output.logprobs == plain[rid].logprobs
+    for manager in (spec_core.kv_manager, spec_core.proposer.kv_manager):  # every block back
+        assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_draft_model_on_the_triton_backend(tiny_llama_dir, draft_dirs):
+    """Interpreted Triton, the draft's passes through its kernels too."""
+    core = make_core(tiny_llama_dir, num_blocks=32, max_num_batched_tokens=48,
+                     attention_backend="triton")  # fmt: skip
+    requests = dict(list(_mixed_requests(core).items())[:4])
+    for _, params in requests.values():
+        params.max_tokens = 16
+    plain = run_to_completion(core, requests)
+    spec_core = _draft_core(tiny_llama_dir, draft_dirs["smaller"], attention_backend="triton")
+    _wrong_at_times(spec_core.proposer)
+    spec = run_to_completion(spec_core, requests)
+    stats = spec_core.proposer.stats
+    assert stats.num_accepted_tokens > 10 and stats.num_drafts > stats.accepted_per_pos[0]
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_draft_model_sampled_distribution_is_the_targets(core, draft_dirs):
+    """As for ngram: chi-square (significance 0.001) over the first four tokens of 600 draws
+    each way; the draft proposes its most likely tokens, which the target accepts at times."""
+    prompt = core.tokenizer.encode("a b a b a b a b")
+    draws = 600
+
+    def outcomes(engine, seeds) -> list[tuple]:
+        params = [SamplingParams(temperature=1.5, top_k=3, seed=s, max_tokens=4) for s in seeds]
+        outputs = run_to_completion(engine, {f"d{i}": (prompt, p) for i, p in enumerate(params)})
+        return [tuple(outputs[f"d{i}"].token_ids) for i in range(len(params))]
+
+    plain = outcomes(_with_spec(core, None), range(draws))
+    spec_core = _draft_core(core.model_dir, draft_dirs["same-weights"], num_blocks=256,
+                            max_num_batched_tokens=512)  # fmt: skip
+    spec = outcomes(spec_core, range(draws, 2 * draws))
+    stats = spec_core.proposer.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    cells = sorted(set(plain) | set(spec))
+    table = [[plain.count(c) for c in cells], [spec.count(c) for c in cells]]
+    assert chi2_contingency(table).pvalue > 0.001
+
+
+def test_structured_output_holds_with_a_draft_model(core, draft_dirs):
+    """A choice between the text the model writes unconstrained, which the draft (its own
+    weights) proposes and the target accepts, and another: every output is one of the two."""
+    prompt = core.tokenizer.encode("red green blue red green blue")
+    free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    written = run_to_completion(_with_spec(core, None), {"free": (prompt, free)})["free"].text
+    choices = (written, "no")
+    spec = structured_output.check(StructuredOutputSpec("choice", choices=choices), "xgrammar")
+    params = [SamplingParams(seed=s, max_tokens=30, structured_output=spec) for s in range(12)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=30, structured_output=spec))
+    spec_core = _draft_core(core.model_dir, draft_dirs["same-weights"])
+    outputs = run_to_completion(spec_core, {f"j{i}": (prompt, p) for i, p in enumerate(params)})
+    assert spec_core.proposer.stats.num_accepted_tokens > 5
+    assert outputs["j12"].text == written
+    for output in outputs.values():
+        assert output.finish_reason is FinishReason.EOS, output.text
+        assert output.text in choices
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_llama_dir, tmp_path):
+    """The tiny model's folder with two tokens' ids swapped in its tokenizer."""
+    import shutil
+
+    draft = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_llama_dir, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="another tokenizer than the served model: 2 token"):
+        _draft_core(tiny_llama_dir, draft)
+
+
+def test_a_draft_model_sleeps_and_wakes_with_the_engine(tiny_llama_dir, draft_dirs):
+    """Sleep level 2 drops the draft's weights and KV cache too; awake, it proposes again."""
+    core = _draft_core(tiny_llama_dir, draft_dirs["same-weights"])
+    object.__setattr__(core.model_config, "enable_sleep_mode", True)
+    requests = dict(list(_mixed_requests(core).items())[:4])
+    before = run_to_completion(core, requests)
+    core.sleep(2)
+    assert core.proposer.runner.model is None and not core.proposer.runner.kv_caches
+    core.wake_up()
+    accepted = core.proposer.stats.num_accepted_tokens
+    assert _tokens(run_to_completion(core, requests)) == _tokens(before)
+    assert core.proposer.stats.num_accepted_tokens > accepted
