@@ -79,9 +79,13 @@ SPECULATIVE_HELP = (
     "exactly (greedy in float32: the same tokens). Drafts are cut to those whose chance of "
     "acceptance pays for their rows at the batch's measured step cost, and a request whose "
     "drafts all fail backs off for 1, 2, 4 ... 32 steps; disable_by_batch_size N: no drafts in "
-    "a step of N or more requests; max_model_len N: none past N tokens. Other methods "
-    "(draft_model, eagle, medusa, mtp ...) and keys stop start-up, as do "
-    "--tensor-parallel-size above 1 and --batch-invariant with it. Default: off."
+    "a step of N or more requests; max_model_len N: none past N tokens. "
+    '{"model": DRAFT, "num_speculative_tokens": K} (method draft_model): the model DRAFT, '
+    "which must have the served model's tokenizer, proposes its K most likely next tokens, "
+    "run with its own KV cache (as many blocks as the served model's, within "
+    "--kv-cache-memory) before each step. Other methods (eagle, medusa, mtp ...) and keys "
+    "stop start-up, as do --tensor-parallel-size above 1 and --batch-invariant with it. "
+    "Default: off."
 )
 OLD_FEATURE = (
     "belongs to a feature of older vLLM releases that this engine does not have; accepted so "

@@ -660,8 +660,9 @@ class EngineCore:
         grammar may be compiling). Requests this ends (hopeless, refused, failed adapters) are
         kept for the step's outputs."""
         ended = self._drop_hopeless_waiting(now) + self._admit_compiled()
-        if self.draft is not None:  # the draft model's proposals, for the scheduler to take
-            self.proposer.prepare(self.scheduler.running)
+        proposer = self.scheduler.proposer
+        if proposer is not None:  # a draft model runs now, for the scheduler to take its drafts
+            proposer.prepare(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             self._wait_for_a_grammar()

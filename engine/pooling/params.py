@@ -63,8 +63,9 @@ def check_pooling_flags(runner: str, convert: str, task: str | None, overrides: 
     """Refuse what the pooling runner does not do, naming the flag (``ModelConfig``)."""
     if runner == "draft":
         raise ValueError(
-            "--runner draft runs a model as another's draft in speculative decoding, which "
-            "this build does not do (its --speculative-config proposes by ngram)"
+            "--runner draft: this build runs a draft model inside the served model's engine, "
+            "named by --speculative-config's model (method draft_model), not as a server of "
+            "its own"
         )
     if runner not in _RUNNERS:
         raise ValueError(f"--runner must be one of {', '.join(_RUNNERS)}, got {runner!r}")

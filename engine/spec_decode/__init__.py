@@ -1,2 +1,3 @@
-"""Speculative decoding: ``--speculative-config``, the n-gram proposer and its back-off. Pure
-Python and numpy: imports no torch (verification is the engine core's, with its sampler)."""
+"""Speculative decoding: ``--speculative-config``, the n-gram and draft-model proposers and their
+back-off. Imports no torch: the draft model's runner is built by the engine core, and
+verification is the core's, with its sampler."""

@@ -137,6 +137,10 @@ class Proposer:
         scheduler's limit: budget, max_tokens, context); [] when speculation is off for it."""
         raise NotImplementedError
 
+    def prepare(self, running: list) -> None:
+        """Before the step is scheduled, with the running requests (a proposer that computes
+        its drafts in batches computes them here)."""
+
     def history(self, request) -> _History:
         history = self._histories.get(request.request_id)
         if history is None:

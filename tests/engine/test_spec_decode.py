@@ -537,3 +537,19 @@ def test_a_draft_model_sleeps_and_wakes_with_the_engine(tiny_llama_dir, draft_di
     accepted = core.proposer.stats.num_accepted_tokens
     assert _tokens(run_to_completion(core, requests)) == _tokens(before)
     assert core.proposer.stats.num_accepted_tokens > accepted
+
+
+def test_a_draft_model_runs_only_while_the_scheduler_takes_drafts(tiny_llama_dir, draft_dirs):
+    """``bench throughput --baseline free`` turns proposals off on the same engine: the draft
+    must not run then (its passes would be charged to the side without speculation)."""
+    core = _draft_core(tiny_llama_dir, draft_dirs["smaller"])
+    runner, passes = core.proposer.runner, []
+    execute = runner.execute
+    runner.execute = lambda *args: passes.append(1) or execute(*args)
+    requests = dict(list(_mixed_requests(core).items())[:2])
+    proposer, core.scheduler.proposer = core.scheduler.proposer, None
+    run_to_completion(core, requests)
+    assert not passes
+    core.scheduler.proposer = proposer
+    run_to_completion(core, requests)
+    assert passes

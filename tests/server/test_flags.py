@@ -463,8 +463,7 @@ def test_speculative_config_reaches_the_engine_as_json_or_dotted_keys():
         (
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
             "--speculative-config: method 'eagle3' needs EAGLE-3 draft heads, which this build "
-            "does not have; it speculates with ngram (prompt lookup over each request's own "
-            "tokens)",
+            "does not have; it speculates with ngram and draft_model",
         ),
         (
             ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens",

@@ -26,7 +26,7 @@ def test_pooling_flags_reach_the_model_config():
     [
         (("--convert", "classify"), "--convert classify: classification and reward models"),
         (("--convert", "reward"), "--convert reward: classification and reward models"),
-        (("--runner", "draft"), "--runner draft runs a model as another's draft"),
+        (("--runner", "draft"), "--runner draft: this build runs a draft model inside"),
         (("--task", "score"), "--task score: this build serves generate and embed"),
         (("--override-pooler-config", '{"softmax": true}'), "unknown key(s) 'softmax'"),
         (("--override-pooler-config", '{"pooling_type": "MAX"}'), "LAST, MEAN, CLS"),
