@@ -455,6 +455,12 @@ def test_speculative_config_reaches_the_engine_as_json_or_dotted_keys():
         assert (speculative.method, speculative.num_speculative_tokens) == ("ngram", 3)
         assert (speculative.prompt_lookup_min, speculative.prompt_lookup_max) == (5, 5)
     assert not options.build_configs(parse())[0].speculative.enabled
+    draft = parse(
+        "--speculative-config.model", "org/small-draft",
+        "--speculative-config.num_speculative_tokens", "4",
+    )  # fmt: skip
+    speculative = options.build_configs(draft)[0].speculative
+    assert (speculative.method, speculative.model) == ("draft_model", "org/small-draft")
 
 
 @pytest.mark.parametrize(
