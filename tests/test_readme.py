@@ -47,6 +47,8 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
     (r"^llmrpc (serve|gateway)\b(?!.*--help)", "starts a long-running server"),
     (r"^envoy -c\b", "starts a long-running proxy (the test before it validates its config)"),
     (r"--baseline-url localhost:5006[12]\b", "needs the two servers the commands before it start"),
+    (r"vllm\.entrypoints", "starts vLLM-CPU's server, installed in a venv of its own"),
+    (r"--baseline-url http://localhost:8071\b", "needs both servers started before it"),
     (r"^llmrpc bench throughput .*--repeats [2-9]", "a measurement of minutes, reported beside it"),
 )
 
