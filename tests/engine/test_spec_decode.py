@@ -439,7 +439,10 @@ def test_draft_model_greedy_tokens_are_those_without_speculation(core, draft_dir
     spec_core = _draft_core(core.model_dir, draft_dirs[draft])
     if wrong:
         _wrong_at_times(spec_core.proposer)
+    preempted, schedule = [], spec_core.scheduler.schedule
+    spec_core.scheduler.schedule = lambda: (out := schedule(), preempted.extend(out.preempted))[0]
     spec = run_to_completion(spec_core, _mixed_requests(core, stops))
+    assert preempted and any(o.num_cached_tokens for o in spec.values())
     stats = spec_core.proposer.stats
     assert stats.num_accepted_tokens > 50, "no run of accepted drafts to check"
     if draft == "same-weights" and not wrong:
@@ -467,6 +470,20 @@ def test_draft_model_on_the_triton_backend(tiny_llama_dir, draft_dirs):
     spec = run_to_completion(spec_core, requests)
     stats = spec_core.proposer.stats
     assert stats.num_accepted_tokens > 10 and stats.num_drafts > stats.accepted_per_pos[0]
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_draft_model_seeded_sampling_draws_the_same_tokens_as_without_speculation(core, draft_dirs):
+    prompt = core.tokenizer.encode("one two three one two three one two")
+    requests = {
+        f"s{seed}": (prompt, SamplingParams(temperature=0.8, top_k=5, seed=seed, max_tokens=30))
+        for seed in range(8)
+    }
+    plain = run_to_completion(_with_spec(core, None), requests)
+    spec_core = _draft_core(core.model_dir, draft_dirs["same-weights"])
+    spec = run_to_completion(spec_core, requests)
+    stats = spec_core.proposer.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert _tokens(spec) == _tokens(plain)
 
 
