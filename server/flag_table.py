@@ -81,9 +81,8 @@ SPECULATIVE_HELP = (
     "drafts all fail backs off for 1, 2, 4 ... 32 steps; disable_by_batch_size N: no drafts in "
     "a step of N or more requests; max_model_len N: none past N tokens. "
     '{"model": DRAFT, "num_speculative_tokens": K} (method draft_model): the model DRAFT, '
-    "which must have the served model's tokenizer, proposes its K most likely next tokens, "
-    "run with its own KV cache (as many blocks as the served model's, within "
-    "--kv-cache-memory) before each step. Other methods (eagle, medusa, mtp ...) and keys "
+    "with the served model's tokenizer, proposes its K likeliest next tokens, with a KV cache "
+    "of its own in --kv-cache-memory. Other methods (eagle, medusa, mtp ...) and keys "
     "stop start-up, as do --tensor-parallel-size above 1 and --batch-invariant with it. "
     "Default: off."
 )

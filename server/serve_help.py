@@ -18,6 +18,7 @@ from typing import Any
 from llmrpc.common.rest_options import shown_help
 from llmrpc.server.flag_table import FLAGS
 from llmrpc.server.flags import Flag, MergeJsonAction, State
+from llmrpc.server.models_help import models_help
 
 # Group heading -> the names --help=GROUP takes for it: our key first, then vLLM's.
 GROUP_TOPICS: dict[str, tuple[str, ...]] = {
@@ -41,6 +42,7 @@ GROUP_TOPICS: dict[str, tuple[str, ...]] = {
 HELP_HELP = (
     "Show the flags that work, by group, and list refused and inert flags in brief. "
     "--help=all: every flag in full; --help=GROUP: one group (--help=listgroup lists them); "
+    "--help=models: the architectures served natively, through Transformers, or refused; "
     "--help=WORD: the flag named WORD, else the flags whose names contain WORD."
 )
 MODEL_HELP = "Model to serve, the same as --model."
@@ -51,6 +53,7 @@ _TAGS_EXPLAINED = (
 )
 _MORE = (
     "--help=all shows every flag in full; --help=GROUP one group (--help=listgroup lists them); "
+    "--help=models the architectures served natively, through Transformers, or refused; "
     "--help=WORD the flag named WORD, else the flags whose names contain WORD."
 )
 
@@ -208,6 +211,8 @@ def serve_help(parser: argparse.ArgumentParser, topic: str | None) -> str:
         return _help_parser(parser, working, brief_epilog()).format_help()
     if topic.lower() == "listgroup":
         return _group_list()
+    if topic.lower() == "models":
+        return models_help(_width())
     flags = chosen_flags(topic)
     if flags is None:
         raise ValueError(

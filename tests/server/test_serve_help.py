@@ -65,8 +65,9 @@ def test_plain_help_is_well_below_the_full_listing(capsys):
     # 0.65 since the ten flags of tool calling, reasoning and structured output work; 0.68
     # since the pooling flags and the two tracing flags work; 0.72 since the LoRA flags work;
     # 0.75 since the tensor-parallel flags work; 0.76 since the structured-output flags of our
-    # own; 0.77 since the bounds on one request's prompts and sequences
-    assert plain < 0.77 * full
+    # own; 0.77 since the bounds on one request's prompts and sequences; 0.78 since
+    # --speculative-config's draft models (and --help's line for --help=models)
+    assert plain < 0.78 * full
     assert serve_help_text(capsys, "-h") == serve_help_text(capsys, "--help")
 
 
@@ -134,3 +135,46 @@ def test_the_installed_command_prints_help_and_names_a_mistyped_flag():
         "llmrpc serve: error: unrecognized argument --max-model-lenn; did you mean "
         "--max-model-len?\n"
     )
+
+
+def test_help_models_lists_what_the_engine_does_with_each_architecture(capsys):
+    """The table against the engine's own dispatch (``model_class``), architecture by
+    architecture: a config of each causal-LM type Transformers has, named as the table names it,
+    is served natively, through Transformers, or refused, as the section it is listed in says."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from llmrpc.engine.models import NATIVE_MODELS, model_class
+    from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
+
+    text = serve_help_text(capsys, "--help=models")
+    native, through, refused = re.split(r"^(?:Through Transformers|Refused at start-up)", text,
+                                        flags=re.MULTILINE)  # fmt: skip
+
+    def names(part: str, columns: bool) -> set[str]:  # the indented lines' names
+        rows = re.findall(r"^  (\w.*)$", part, re.MULTILINE)
+        return {name for row in rows for name in (row.split() if columns else row.split()[:1])}
+
+    listed = {"native": names(native, columns=False), "through": names(through, columns=True),
+              "refused": names(refused, columns=True)}  # fmt: skip
+    assert listed["native"] == set(NATIVE_MODELS)
+    assert {"GPT2LMHeadModel", "OPTForCausalLM"} <= listed["through"]
+    assert "BloomForCausalLM" in listed["refused"]
+    checked = 0
+    for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # noqa: BLE001, S112 - a type whose config needs arguments
+            continue
+        config.architectures = [name]
+        checked += 1
+        try:
+            served = model_class(config)
+        except ValueError:
+            assert name in listed["refused"], name
+            continue
+        if served is TransformersForCausalLM:
+            assert name in listed["through"], name
+        else:
+            assert name in listed["native"], name
+    assert checked > 150
