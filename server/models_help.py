@@ -59,8 +59,9 @@ def models_help(width: int = 100) -> str:
         "saying so:",
         *_columns(paged, width),
         "",
-        f"Refused at start-up, naming the reason: every other architecture (encoder-decoder, "
-        f"vision, and other encoders than BERT), and these {len(own)} causal LMs whose attention "
+        "Refused at start-up, naming the reason: a config of a type Transformers has no causal "
+        f"LM for (encoder-decoder, vision and the like), and these {len(own)} causal LMs whose "
+        "attention "
         "Transformers computes itself, outside its attention interface, so it cannot use our "
         "KV cache:",
         *_columns(own, width),
