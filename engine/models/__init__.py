@@ -7,7 +7,7 @@ from torch import nn
 
 from llmrpc.engine.models.bert import BertModel
 from llmrpc.engine.models.llama import LlamaForCausalLM
-from llmrpc.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from llmrpc.engine.models.qwen import Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.quantization.plan import QuantizationPlan
 
@@ -16,6 +16,7 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     # encoders: pooling only (engine/pooling/params.py ENCODER_ARCHITECTURES)
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,

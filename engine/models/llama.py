@@ -1,4 +1,5 @@
-"""Native Llama-family causal LMs (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on the paged KV cache.
+"""Native Llama-family causal LMs (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) on the paged
+KV cache.
 
 Works on the flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]``, every request's
 new tokens one after another; attention finds each request's context through the cache.
@@ -35,6 +36,11 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_dim_of(config) -> int:
+    """The dimensions of a head that rotary turns: all, or ``partial_rotary_factor`` of them."""
+    return int(head_dim_of(config) * (getattr(config, "partial_rotary_factor", None) or 1.0))
+
+
 @dataclass(frozen=True)
 class AttentionOptions:
     """Where the Llama-family members differ in their attention block."""
@@ -60,6 +66,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
+        self.rotary_dim = rotary_dim_of(config)
         self.scale = self.head_dim**-0.5
         # an fp8 KV cache's scales (--kv-cache-dtype): 1, as where a checkpoint carries none
         self.kv_scales = (1.0, 1.0)
@@ -68,22 +75,30 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rotary
         backend = metadata.backend
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), None, backend)
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), None, backend)
-            q, k = apply_rotary(q, cos, sin, backend), apply_rotary(k, cos, sin, backend)
+            q, k = self._rotate(q, rotary, backend), self._rotate(k, rotary, backend)
         else:  # rotary is per head: the query and key heads take it in one pass
             heads = self.num_heads + self.num_kv_heads
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
-            qk = apply_rotary(qk, cos, sin, backend)
+            qk = self._rotate(qk, rotary, backend)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, metadata, self.kv_scales)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotate(self, heads: torch.Tensor, rotary, backend: str) -> torch.Tensor:
+        """Rotary over each head's first ``rotary_dim`` dimensions (all of them but where a
+        config's ``partial_rotary_factor`` keeps the rest as they are)."""
+        cos, sin = rotary
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(heads, cos, sin, backend)
+        rotated = apply_rotary(heads[..., : self.rotary_dim].contiguous(), cos, sin, backend)
+        return torch.cat((rotated, heads[..., self.rotary_dim :]), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -139,7 +154,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"--model: hidden_act {config.hidden_act!r}; the Llama-family blocks compute SiLU"
+            )
+        self.rotary = RotaryEmbedding(rotary_dim_of(config), rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         options = self.attention_options(config)
         self.layers = nn.ModuleList(

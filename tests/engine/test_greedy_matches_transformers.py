@@ -58,6 +58,16 @@ FAMILIES = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
+    # Phi-3: fused q/k/v and gate/up in the checkpoint; Phi-4-mini: rotary over 3/4 of a head
+    "phi3": ("phi3", {"tie_word_embeddings": False, "original_max_position_embeddings": 512}),
+    "phi4-mini": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "tie_word_embeddings": True,
+            "original_max_position_embeddings": 512,
+        },
+    ),  # fmt: skip
 }
 
 
@@ -80,10 +90,18 @@ def test_concurrent_greedy_matches_transformers(request, model_fixture):
     check_concurrent_greedy(request.getfixturevalue(model_fixture))
 
 
-def check_concurrent_greedy(model_dir):
-    core = make_core(model_dir, max_num_batched_tokens=64)
-    prompts = [_as_ids(p) for p in _chat_prompts(core.tokenizer)]
-    assert len({len(p) for p in prompts}) >= 8  # mixed lengths share batches
+def test_partial_rotary_on_the_triton_backend(tmp_path, smollm2_dir):
+    """Phi-4-mini's rotary over part of each head through the Triton kernels (interpreted)."""
+    model_type, overrides = FAMILIES["phi4-mini"]
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **{**TINY_DECODER, **overrides})  # fmt: skip
+    check_concurrent_greedy(model_dir, attention_backend="triton", num_prompts=3)
+
+
+def check_concurrent_greedy(model_dir, num_prompts: int | None = None, **options):
+    core = make_core(model_dir, max_num_batched_tokens=64, **options)
+    prompts = [_as_ids(p) for p in _chat_prompts(core.tokenizer)][:num_prompts]
+    assert len({len(p) for p in prompts}) >= min(8, len(prompts))  # mixed lengths share batches
     max_new_tokens = 24
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     outputs = run_to_completion(
