@@ -29,9 +29,16 @@ MAX_CONFIG_BYTES = 2**20
 WEIGHTS_FILE = "adapter_model.safetensors"
 # the checkpoint names of the projections the engine serves LoRA on
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a checkpoint whose projections come fused (Phi-3): its adapters target the fused module, whose
+# lora_B is the slices' B one above the other, over one lora_A
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 _KEY = re.compile(
-    r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")\.lora_([AB])\."
-    r"(weight|bias)$"
+    r"layers\.(\d+)\.(?:self_attn|mlp)\.("
+    + "|".join((*TARGET_MODULES, *FUSED_MODULES))
+    + r")\.lora_([AB])\.(weight|bias)$"
 )
 _FIELD = "lora_path"  # the request field a bad adapter is charged to
 
@@ -147,7 +154,7 @@ def load_adapter(
         if match is None:
             raise _refuse(
                 f"weight {key!r} adapts a module this engine does not serve LoRA on (only "
-                f"{', '.join(TARGET_MODULES)} of the decoder layers)"
+                f"{', '.join((*TARGET_MODULES, *FUSED_MODULES))} of the decoder layers)"
             )
         layer, module, side, kind = match.groups()
         if int(layer) >= num_layers:
@@ -155,11 +162,40 @@ def load_adapter(
         parts.setdefault((int(layer), module), {})[side + kind] = tensor
     if not parts:
         raise _refuse(f"{WEIGHTS_FILE} holds no LoRA weights")
+    parts = _split_fused(parts, shapes)
     modules = {
         key: _module_weights(key, part, rank, scaling, shapes[key[1]], dtype)
         for key, part in parts.items()
     }
     return LoRAAdapter(rank, scaling, modules)
+
+
+def _split_fused(parts: dict, shapes: dict[str, tuple[int, int]]) -> dict:
+    """A fused module's adapter as its slices' (each slice: the one lora_A, its rows of lora_B);
+    a fused module and one of its slices both adapted in one layer is refused."""
+    split = {}
+    for (layer, module), part in parts.items():
+        slices = FUSED_MODULES.get(module)
+        if slices is None:
+            split.setdefault((layer, module), {}).update(part)
+            continue
+        start = 0
+        for name in slices:
+            if (layer, name) in parts:
+                raise _refuse(f"layer {layer}: both {module} and its slice {name} are adapted")
+            rows = shapes[name][1]
+            split[(layer, name)] = {
+                side: tensor if side.startswith("A") else tensor[start : start + rows]
+                for side, tensor in part.items()
+            }
+            start += rows
+        b = part.get("Bweight")
+        if b is not None and b.shape[0] != start:
+            raise _refuse(
+                f"layer {layer} {module}: lora_B has {b.shape[0]} rows, the model's {module} "
+                f"{start} (an adapter of another model?)"
+            )
+    return split
 
 
 def _module_weights(key, part, rank: int, scaling: float, shape, dtype) -> LoRAWeights:

@@ -224,6 +224,38 @@ def test_lora_bias_needs_the_flag_and_matches_peft(tmp_path, smollm2_dir, prompt
         assert got == expected, dense_max_rows
 
 
+def test_adapters_of_a_fused_checkpoint_match_peft(tmp_path, smollm2_dir, prompts):
+    """Phi-3's checkpoint fuses q/k/v and gate/up, so its adapters target qkv_proj and
+    gate_up_proj (one lora_A, the slices' B stacked): PEFT's merged model's tokens, on both
+    CPU paths; an adapter of both a fused module and one of its slices is refused."""
+    base = save_tiny_model(tmp_path / "phi3", smollm2_dir, "phi3", randomize_biases_and_norms=True,
+                           **TINY_DECODER)  # fmt: skip
+    spec = AdapterSpec(8, 16, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), seed=5)
+    merged = make_adapter(base, tmp_path / "fused", spec)
+    expected = greedy_generate(merged, prompts, MAX_TOKENS)
+    assert expected != hf_greedy(base, prompts, MAX_TOKENS)  # the adapter changes the tokens
+    core = lora_core(base, {"fused": tmp_path / "fused"})
+    for dense_max_rows in (0, 10**6):
+        lora_layers.DENSE_MAX_ROWS, saved = dense_max_rows, lora_layers.DENSE_MAX_ROWS
+        try:
+            requests = _requests(prompts, ["fused"])
+            outputs = run_to_completion(
+                core, {f"{k}-{dense_max_rows}": v for k, v in requests.items()}
+            )
+        finally:
+            lora_layers.DENSE_MAX_ROWS = saved
+        got = [outputs[f"fused-{i}-{dense_max_rows}"].token_ids for i in range(len(prompts))]
+        assert got == expected, dense_max_rows
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "fused" / "adapter_model.safetensors")
+    fused_a = next(k for k in weights if "layers.0.self_attn.qkv_proj.lora_A" in k)
+    weights[fused_a.replace("qkv_proj", "q_proj")] = weights[fused_a].clone()
+    save_file(weights, tmp_path / "fused" / "adapter_model.safetensors")
+    with pytest.raises(InvalidRequestError, match="both qkv_proj and its slice q_proj"):
+        core.load_lora_adapter("both", str(tmp_path / "fused"))
+
+
 @pytest.mark.parametrize("dense_max_rows", [0, 10**6], ids=["segmented", "dense"])
 def test_speculative_drafts_take_their_requests_adapters(
     core, adapters, prompts, monkeypatch, dense_max_rows
