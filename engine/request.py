@@ -302,6 +302,9 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list = []  # chained hashes of the full blocks of all_token_ids
+        # a longrope model's request past original_max_position_embeddings: every row takes the
+        # long factors (its KV differs from a shorter request's; the scheduler sets it)
+        self.rope_long = False
         # Set by the engine from params.bad_words: where the output stands in their automaton.
         self.bad_words: SuffixTracker | None = None
         # Built once from params by the logits processors (allowed-token mask, logit bias

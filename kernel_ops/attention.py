@@ -50,6 +50,9 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefill_seqs] context after this step
     prefill_block_tables: torch.Tensor | None = None  # [num_prefill_seqs, max_blocks]
     prefill_max_query_len: int = 0  # rows of the longest chunk (sizes the kernel's grid)
+    # longrope models (Phi-3.5, Phi-4-mini): the rows whose rotary takes the long factors, as
+    # their request decides (None: by position alone, as every decode row may be)
+    rope_long_rows: torch.Tensor | None = None  # [num_tokens] bool
 
 
 def write_kv(

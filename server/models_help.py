@@ -10,7 +10,7 @@ import textwrap
 _ENCODER_NOTE = "an encoder: embeddings only (--runner pooling, one process, eager)"
 _NATIVE_NOTES = {
     "MistralForCausalLM": "as Llama",
-    "Phi3ForCausalLM": "Phi-3, partial rotary as Phi-4-mini's (longrope scaling is refused)",
+    "Phi3ForCausalLM": "Phi-3, Phi-3.5-mini, Phi-4-mini (longrope, partial rotary)",
     "BertModel": _ENCODER_NOTE,
     "BertForMaskedLM": _ENCODER_NOTE,
     "BertForPreTraining": _ENCODER_NOTE,

@@ -365,7 +365,11 @@ class EngineCore:
             )
             self.proposer = self._proposer(config, num_blocks)
         self.scheduler = Scheduler(
-            scheduler_config, self.kv_manager, self.max_model_len, proposer=self.proposer
+            scheduler_config,
+            self.kv_manager,
+            self.max_model_len,
+            proposer=self.proposer,
+            long_rope_from=getattr(self.model, "long_rope_from", None),
         )
         self.scheduler.max_loras = config.lora.max_loras if config.lora.enabled else None
         self.sampler = Sampler(model_config.logprobs_mode, self.attention_backend)

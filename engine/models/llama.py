@@ -38,7 +38,9 @@ def head_dim_of(config) -> int:
 
 def rotary_dim_of(config) -> int:
     """The dimensions of a head that rotary turns: all, or ``partial_rotary_factor`` of them."""
-    return int(head_dim_of(config) * (getattr(config, "partial_rotary_factor", None) or 1.0))
+    factor = getattr(config, "partial_rotary_factor", None)
+    factor = factor or rope_parameters(config).get("partial_rotary_factor") or 1.0
+    return int(head_dim_of(config) * factor)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"--model: hidden_act {config.hidden_act!r}; the Llama-family blocks compute SiLU"
             )
-        self.rotary = RotaryEmbedding(rotary_dim_of(config), rope_parameters(config))
+        self.rotary = RotaryEmbedding(rotary_dim_of(config), rope_parameters(config), config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         options = self.attention_options(config)
         self.layers = nn.ModuleList(
@@ -171,11 +173,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rotary = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        # shared by every layer
+        rotary = self.rotary.cos_sin(positions, hidden.dtype, metadata.rope_long_rows)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
         return self.norm(hidden, residual, metadata.backend)[0]  # [num_tokens, hidden_size]
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """Longrope: a request of more tokens than this takes the long factors in every row
+        (``Request.rope_long``; the scheduler recomputes one that grows past it)."""
+        return self.rotary.long_from
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_selected_tokens, vocab_size]

@@ -295,6 +295,8 @@ class ModelRunner:
         rows_as_decodes_max = _ROWS_AS_DECODES_MAX_CONTEXT if fits else 0
         prefill_rows, prefill_starts, prefill_lens, prefill_tables = [], [0], [], []
         prefill_max_query_len = 0
+        longrope = getattr(self.model, "long_rope_from", None) is not None
+        long_rows: list[bool] = []  # longrope: the rows of requests past its switch
         for request, num_new in output.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             blocks = block_ids(request.request_id)
@@ -303,6 +305,8 @@ class ModelRunner:
             input_ids.extend(request.all_token_ids[start:end])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
+            if longrope:
+                long_rows += [request.rope_long] * num_new
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             if self.batch_invariant:
                 # torch: every token a row of the C++ decode kernel; triton: every request
@@ -352,6 +356,8 @@ class ModelRunner:
             decodes_only=len(decode_rows) == len(input_ids),  # rows are added in order
             backend=self.backend,
         )
+        if longrope:
+            metadata.rope_long_rows = stage("rope_long_rows", long_rows, torch.bool)
         if triton and prefill_rows:
             metadata.prefill_max_query_len = prefill_max_query_len
             metadata.prefill_indices = stage("prefill_indices", prefill_rows)

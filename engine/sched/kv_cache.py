@@ -221,9 +221,13 @@ class KVCacheManager:
         size = self.block_size
         while len(request.block_hashes) < request.num_tokens // size:
             index = len(request.block_hashes)
-            # the chain starts from the request's LoRA adapter: no block is shared across adapters
+            # the chain starts from the request's LoRA adapter (no block is shared across
+            # adapters) and, for a longrope model, its factors
             lora = request.lora
-            parent = request.block_hashes[-1] if index else lora and ("lora", lora.lora_id)
+            salt = lora and ("lora", lora.lora_id)
+            if request.rope_long:  # another rotary, other KV for the same tokens
+                salt = ("longrope", salt)
+            parent = request.block_hashes[-1] if index else salt
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
             request.block_hashes.append(self.hash_block(parent, tokens))
 

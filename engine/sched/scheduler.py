@@ -45,10 +45,12 @@ class Scheduler:
         max_model_len: int,
         max_loras: int | None = None,  # --max-loras under --enable-lora
         proposer=None,  # --speculative-config: drafts for decoding requests (engine/spec_decode)
+        long_rope_from: int | None = None,  # a longrope model's original_max_position_embeddings
     ) -> None:
         self.config = config
         self.max_loras = max_loras
         self.proposer = proposer
+        self.long_rope_from = long_rope_from
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.waiting = make_waiting_queue(config.scheduling_policy)
@@ -59,6 +61,7 @@ class Scheduler:
         self.compiling: list[Request] = []
 
     def add_request(self, request: Request) -> None:
+        self._update_rope(request)
         if request.grammar is not None and not request.grammar.ready:
             self.compiling.append(request)
         else:
@@ -119,6 +122,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._update_rope(request):  # its KV is recomputed with the long factors
+                self.running.remove(request)
+                self._preempt(request, recompute=True)
+                continue
             index += 1
             num_computed = request.num_computed_tokens
             num_new = chunks.num_new_tokens(request, num_computed, min(budget, share))
@@ -161,6 +168,8 @@ class Scheduler:
         if request.pooler_state is not None:
             return []
         limit = min(budget - 1, self.max_model_len - request.num_tokens - 1)
+        if self.long_rope_from is not None and not request.rope_long:  # no row past the switch
+            limit = min(limit, self.long_rope_from - request.num_tokens)
         max_tokens = request.params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
@@ -246,15 +255,28 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.params.priority, r.arrival_time))
         return self.running[-1]  # the newest
 
-    def _preempt(self, request: Request) -> None:
-        """Return a request to the queue; it is recomputed from its tokens later."""
+    def _preempt(self, request: Request, recompute: bool = False) -> None:
+        """Return a request to the queue; it is recomputed from its tokens later. ``recompute``:
+        not for room but because its KV must be computed anew (not counted as a preemption)."""
         request.spec_token_ids = []
         self.kv_manager.free(request)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.num_preemptions += not recompute
         request.status = RequestStatus.PREEMPTED
         self.waiting.add_preempted(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    def _update_rope(self, request: Request) -> bool:
+        """Longrope: a request longer than ``long_rope_from`` takes the long factors in every
+        row, as Transformers' Phi-3 does (at the switch it recomputes the cache). True when the
+        request just switched with KV computed before: it must be recomputed."""
+        if self.long_rope_from is None or request.rope_long:
+            return False
+        if request.num_tokens <= self.long_rope_from:
+            return False
+        request.rope_long = True
+        request.block_hashes = []  # its chain of block hashes starts from the long factors
+        return request.num_computed_tokens > 0
 
     def update_from_output(
         self,

@@ -32,6 +32,7 @@ class _DraftSeq:
     spec_token_ids = ()
     pooler_state = None
     params = _NO_PROMPT_LOGPROBS
+    rope_long = False  # a longrope draft proposes with its short factors
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_utils import hf_greedy, make_core, run_to_completion
 from tiny_models import TINY_DECODER, save_tiny_model
@@ -60,6 +62,20 @@ FAMILIES = {
     "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
     # Phi-3: fused q/k/v and gate/up in the checkpoint; Phi-4-mini: rotary over 3/4 of a head
     "phi3": ("phi3", {"tie_word_embeddings": False, "original_max_position_embeddings": 512}),
+    # Phi-3.5/Phi-4-mini's longrope: prompts over 48 tokens take the long factors throughout,
+    # shorter ones from position 48 on (during their outputs); cos and sin scaled
+    "phi3-longrope": (
+        "phi3",
+        {
+            "tie_word_embeddings": False,
+            "original_max_position_embeddings": 48,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 14.0, 20.0],
+            },
+        },
+    ),  # fmt: skip
     "phi4-mini": (
         "phi3",
         {
@@ -111,3 +127,47 @@ def check_concurrent_greedy(model_dir, num_prompts: int | None = None, **options
     for i, want in enumerate(expected):
         assert outputs[f"r{i}"].token_ids == want, f"prompt {i} differs"
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+
+
+def test_longrope_rows_take_the_factors_transformers_gives_them(tmp_path, smollm2_dir):
+    """Longrope logprobs against Transformers', in chunks of 16 tokens: a 61-token prompt (over
+    original_max_position_embeddings 48) takes the long factors in every row, its first chunks
+    included; a 31-token one the short factors until it is 49 tokens long, when its KV is
+    recomputed with the long ones (Transformers' generate drops its cache there)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = FAMILIES["phi3-longrope"]
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **{**TINY_DECODER, **overrides})  # fmt: skip
+    core = make_core(model_dir, max_num_batched_tokens=16)
+    prompts = {len(p): p for p in map(_as_ids, _chat_prompts(core.tokenizer))}
+    long_prompt, short_prompt = prompts[61], prompts[31]
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=0, prompt_logprobs=0,
+                            ignore_eos=True)  # fmt: skip
+    cached = dataclasses.replace(params, prompt_logprobs=None)  # prefix-cache hits allowed
+    requests = {"long": (long_prompt, params), "short": (short_prompt, params),
+                "short-cached": (short_prompt, cached)}  # fmt: skip
+    outputs = run_to_completion(core, requests)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, prompt in (("long", long_prompt), ("short", short_prompt)):
+            logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+            want = [logits[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+            got = [entry.logprob for entry in outputs[name].prompt_logprobs[1:]]
+            assert got == pytest.approx(want, abs=1e-4), name
+        # a model of its own: Transformers' longrope keeps the switch to the long factors in
+        # the module (its buffer of frequencies is updated in place)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        generated = model.generate(
+            torch.tensor([short_prompt]), attention_mask=torch.ones(1, 31, dtype=torch.long),
+            do_sample=False, max_new_tokens=30, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = generated.sequences[0, 31:].tolist()
+    want = [
+        step[0].log_softmax(-1)[t].item() for step, t in zip(generated.logits, tokens, strict=True)
+    ]
+    for name in ("short", "short-cached"):  # the second must not take the first's short KV
+        assert outputs[name].token_ids == tokens, name
+        got = [entry.logprob for entry in outputs[name].logprobs]
+        assert got == pytest.approx(want, abs=1e-4), name

@@ -392,15 +392,8 @@ DRAFT_SIZES = {  # the draft: the served tiny model's own weights, or a smaller 
 
 
 @pytest.fixture(scope="module")
-def draft_dirs(tiny_llama_dir, tmp_path_factory, smollm2_dir) -> dict:
-    from conftest import make_tiny_model_dir
-
-    smaller = dict(DRAFT_SIZES["smaller"])
-    seed = smaller.pop("seed")
-    return {
-        "same-weights": tiny_llama_dir,
-        "smaller": make_tiny_model_dir(tmp_path_factory, smollm2_dir, "draft", seed, **smaller),
-    }
+def draft_dirs(tiny_llama_dir, tiny_model_factory) -> dict:
+    return {"same-weights": tiny_llama_dir, "smaller": tiny_model_factory(**DRAFT_SIZES["smaller"])}
 
 
 def _draft_core(target_dir, draft_dir, **options):
