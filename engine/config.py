@@ -56,6 +56,8 @@ class ModelConfig:
     device: str = "auto"  # auto: CUDA where a device is visible, else the CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     batch_invariant: bool = False  # a request's tokens do not depend on the rest of the batch
+    # --disable-sliding-window: a model with attention windows is capped at the window
+    disable_sliding_window: bool = False
     # embeddings (engine/pooling/params.py): --runner, --convert, --task, --override-pooler-config
     runner: str = "auto"
     convert: str = "auto"

@@ -53,6 +53,9 @@ class AttentionMetadata:
     # longrope models (Phi-3.5, Phi-4-mini): the rows whose rotary takes the long factors, as
     # their request decides (None: by position alone, as every decode row may be)
     rope_long_rows: torch.Tensor | None = None  # [num_tokens] bool
+    # some row's context is longer than the model's shortest attention window (set where the
+    # model has windows): only then does a window change what a row attends to
+    past_window: bool = False
 
 
 def write_kv(
@@ -106,10 +109,19 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``window``: the layer's attention window (a row at position p sees keys past p - window);
+    on the torch paths only (the C++ and Triton kernels take none: the engine caps the context
+    at the window on the Triton backend, and past it the torch path computes these layers)."""
+    if not metadata.past_window:
+        window = None  # no row's context reaches past it
     if metadata.backend == "triton":
+        if window is not None:
+            raise NotImplementedError("attention windows on the Triton backend")
         return _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales)
-    if metadata.decodes_only and _kernel_fits(query, key_cache, value_cache):
+    fits = window is None and _kernel_fits(query, key_cache, value_cache)
+    if metadata.decodes_only and fits:
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         return torch.ops.llmrpc_cpu.decode_attention(
             query if dense_heads else query.contiguous(), key_cache, value_cache,
@@ -117,10 +129,18 @@ def paged_attention(
             metadata.decode_seq_lens, scale,
         )  # fmt: skip
     output = torch.empty_like(query)
-    if metadata.decode_indices.numel():
-        _decode_attention(query, key_cache, value_cache, metadata, scale, output, kv_scales)
+    rows = metadata.decode_indices
+    if rows.numel() and fits:
+        output[rows] = torch.ops.llmrpc_cpu.decode_attention(
+            query[rows].contiguous(), key_cache, value_cache, metadata.decode_block_tables,
+            metadata.decode_seq_lens, scale,
+        )  # fmt: skip
+    elif rows.numel():
+        output[rows] = decode_attention_torch(
+            query[rows], key_cache, value_cache, metadata, scale, kv_scales, window
+        )
     for seq in metadata.prefills:
-        _prefill_attention(query, key_cache, value_cache, seq, scale, output, kv_scales)
+        _prefill_attention(query, key_cache, value_cache, seq, scale, output, kv_scales, window)
     return output
 
 
@@ -153,21 +173,8 @@ def _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales)
     return output
 
 
-def _decode_attention(query, key_cache, value_cache, metadata, scale, output, kv_scales) -> None:
-    rows = metadata.decode_indices
-    if _kernel_fits(query, key_cache, value_cache):
-        output[rows] = torch.ops.llmrpc_cpu.decode_attention(
-            query[rows].contiguous(), key_cache, value_cache, metadata.decode_block_tables,
-            metadata.decode_seq_lens, scale,
-        )  # fmt: skip
-    else:
-        output[rows] = decode_attention_torch(
-            query[rows], key_cache, value_cache, metadata, scale, kv_scales
-        )
-
-
 def decode_attention_torch(
-    query, key_cache, value_cache, metadata, scale, kv_scales=(1.0, 1.0)
+    query, key_cache, value_cache, metadata, scale, kv_scales=(1.0, 1.0), window=None
 ) -> torch.Tensor:
     """The pure-torch decode path: ``query`` is ``[num_decodes, num_heads, head_dim]``."""
     tables = metadata.decode_block_tables
@@ -184,10 +191,13 @@ def decode_attention_torch(
     # Query heads sharing a KV head become rows of one attention problem (grouped-query
     # attention without repeating keys): [num_decodes, num_kv_heads, group, head_dim].
     q = query.view(num_decodes, num_kv_heads, -1, head_dim)
-    # True = attend: each row's positions up to its length (padding blocks point at block 0)
-    mask = torch.arange(
-        max_blocks * block_size, device=query.device
-    ) < metadata.decode_seq_lens.view(-1, 1, 1, 1)
+    # True = attend: each row's positions up to its length (padding blocks point at block 0),
+    # and within a window the last ``window`` of them
+    positions = torch.arange(max_blocks * block_size, device=query.device)
+    seq_lens = metadata.decode_seq_lens.view(-1, 1, 1, 1)
+    mask = positions < seq_lens
+    if window is not None:
+        mask &= positions >= seq_lens - window
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, -1, head_dim)
 
@@ -214,7 +224,7 @@ def _vector_width() -> int:
 
 
 def _prefill_attention(
-    query, key_cache, value_cache, seq: PrefillSeq, scale, output, kv_scales
+    query, key_cache, value_cache, seq: PrefillSeq, scale, output, kv_scales, window=None
 ) -> None:
     _, _, num_kv_heads, head_dim = key_cache.shape
     num_queries = seq.query_end - seq.query_start
@@ -226,11 +236,14 @@ def _prefill_attention(
     q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)
     k = keys.transpose(0, 1).unsqueeze(0)
     v = values.transpose(0, 1).unsqueeze(0)
-    if num_queries == seq.seq_len:  # no earlier context: plain causal attention
+    if num_queries == seq.seq_len and window is None:  # no earlier context: plain causal
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at position seq_len - num_queries + i and sees keys up to there
         offset = seq.seq_len - num_queries
         rows = torch.arange(num_queries, device=query.device).unsqueeze(1) + offset
-        mask = torch.arange(seq.seq_len, device=query.device).unsqueeze(0) <= rows
+        keys_at = torch.arange(seq.seq_len, device=query.device).unsqueeze(0)
+        mask = keys_at <= rows
+        if window is not None:  # and past the last ``window`` positions
+            mask &= keys_at > rows - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     output[seq.query_start : seq.query_end] = out.squeeze(0).transpose(0, 1)

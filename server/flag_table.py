@@ -368,9 +368,11 @@ _MODEL = _group(
           "What logprobs report: log-softmax of the raw or processed (after penalties, "
           "temperature, top-k/p) logits, or those logits themselves.",
           choices=("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")),
-    inert("--disable-sliding-window", False, None,
-          "is how the engine always runs: a model with an attention window has its context "
-          "capped at the window, and attends over all of it"),
+    works("--disable-sliding-window", False, None, "model.disable_sliding_window",
+          "Cap the context of a model with attention windows at its window and attend over all "
+          "of it. Without it, the native models attend within each layer's window over their "
+          "whole context on the torch backend (Triton, and --model-impl transformers, cap it "
+          "at the window as this flag does)."),
     inert("--disable-cascade-attn", False, None,
           "turns off cascade attention, which the engine's attention does not use"),
     works("--skip-tokenizer-init", False, None, "model.skip_tokenizer_init",

@@ -23,7 +23,8 @@ from llmrpc.engine.lora.manager import build_lora_manager, resolve_adapter
 from llmrpc.engine.lora.types import LORA_OFF
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.metrics import RateMeter
-from llmrpc.engine.models import build_model
+from llmrpc.engine.models import LlamaForCausalLM, build_model, model_class
+from llmrpc.engine.models.llama import layer_windows
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output.output_processor import OutputProcessor
@@ -98,20 +99,17 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
     return torch.float16 if config_dtype in (torch.float16, "float16") else torch.bfloat16
 
 
-def sliding_window_of(hf_config) -> int | None:
-    """The attention window of a model that uses one (Mistral v0.1; Qwen2 when enabled)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return window
-
-
-def resolve_max_model_len(requested: int | None, hf_config) -> int:
+def resolve_max_model_len(requested: int | None, hf_config, why_capped: str | None = None) -> int:
+    """The context: ``--max-model-len``, at most the model's; ``why_capped`` (None: the model's
+    layers attend within their windows) caps it at the model's shortest attention window."""
     limit = hf_config.max_position_embeddings
-    window = sliding_window_of(hf_config)
-    if window is not None and window < limit:
+    windows = [w for w in layer_windows(hf_config) if w is not None]
+    window = min(windows, default=None)
+    if why_capped is not None and window is not None and window < limit:
         # Within the window, full attention is exact; past it, the model would see too much.
-        logger.info("context limited to the model's %d-token attention window", window)
+        logger.info(
+            "context limited to the model's %d-token attention window (%s)", window, why_capped
+        )
         limit = window
     if requested is None:
         return limit
@@ -265,14 +263,16 @@ class EngineCore:
         )
         self.dtype = resolve_dtype(model_config.dtype, self.hf_config)
         self.kv_cache_dtype = _KV_CACHE_DTYPES.get(cache_config.cache_dtype, self.dtype)
-        self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
-        self.pooling = EnginePooling(model_config, self.hf_config, self.model_dir)
-        requested_len = model_config.max_model_len
-        self.max_model_len = self.pooling.max_model_len(self.max_model_len, requested_len)
         self.device = resolve_device(model_config.device)
         self.attention_backend = resolve_attention_backend(
             model_config.attention_backend, self.device
         )
+        self.max_model_len = resolve_max_model_len(
+            model_config.max_model_len, self.hf_config, self._why_windows_capped()
+        )
+        self.pooling = EnginePooling(model_config, self.hf_config, self.model_dir)
+        requested_len = model_config.max_model_len
+        self.max_model_len = self.pooling.max_model_len(self.max_model_len, requested_len)
         self._check_device_options(config)
         self.device_monitor = DeviceMonitor(self.device)
         block_size = cache_config.block_size
@@ -406,6 +406,20 @@ class EngineCore:
             self.device,
             self.attention_backend,
         )
+
+    def _why_windows_capped(self) -> str | None:
+        """Why the layers' attention windows are not served (the context is capped at the
+        window instead); None where they are: a native model on the torch backend."""
+        if not any(layer_windows(self.hf_config)):
+            return None
+        if self.model_config.disable_sliding_window:
+            return "--disable-sliding-window"
+        if self.attention_backend == "triton":
+            return "the Triton kernels take no window"
+        model = model_class(self.hf_config, self.model_config.model_impl)
+        if not issubclass(model, LlamaForCausalLM):
+            return f"{model.__name__} attends over all of it"
+        return None
 
     def _proposer(self, config: EngineConfig, num_blocks: int):
         speculative = config.speculative

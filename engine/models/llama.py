@@ -36,6 +36,24 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_window_of(config) -> int | None:
+    """The attention window of a model that uses one (Mistral v0.1, Phi-3; Qwen2 when enabled)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's attention window (None: full attention): as ``layer_types`` says where the
+    config has them, else the model's window in every layer."""
+    window = sliding_window_of(config)
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 def rotary_dim_of(config) -> int:
     """The dimensions of a head that rotary turns: all, or ``partial_rotary_factor`` of them."""
     factor = getattr(config, "partial_rotary_factor", None)
@@ -53,8 +71,9 @@ class AttentionOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, options: AttentionOptions) -> None:
+    def __init__(self, config, options: AttentionOptions, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a row sees the last ``window`` positions (None: all)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -90,7 +109,9 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, metadata, self.kv_scales)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.kv_scales)
+        out = paged_attention(
+            q, key_cache, value_cache, metadata, self.scale, self.kv_scales, self.window
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate(self, heads: torch.Tensor, rotary, backend: str) -> torch.Tensor:
@@ -116,9 +137,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, options: AttentionOptions) -> None:
+    def __init__(self, config, options: AttentionOptions, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options)
+        self.self_attn = LlamaAttention(config, options, window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -163,9 +184,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rotary_dim_of(config), rope_parameters(config), config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         options = self.attention_options(config)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options) for _ in range(config.num_hidden_layers)
-        )
+        windows = layer_windows(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options, w) for w in windows)
+        # the shortest attention window of a layer (None: every layer attends to all)
+        self.min_sliding_window = min(filter(None, windows), default=None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

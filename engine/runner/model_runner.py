@@ -296,9 +296,11 @@ class ModelRunner:
         prefill_rows, prefill_starts, prefill_lens, prefill_tables = [], [0], [], []
         prefill_max_query_len = 0
         longrope = getattr(self.model, "long_rope_from", None) is not None
+        longest = 0  # the longest context of a row
         long_rows: list[bool] = []  # longrope: the rows of requests past its switch
         for request, num_new in output.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            longest = max(longest, end)
             blocks = block_ids(request.request_id)
             row = len(input_ids)
             drafts = request.spec_token_ids  # verified after the last token, one row each
@@ -356,6 +358,8 @@ class ModelRunner:
             decodes_only=len(decode_rows) == len(input_ids),  # rows are added in order
             backend=self.backend,
         )
+        window = getattr(self.model, "min_sliding_window", None)
+        metadata.past_window = window is not None and longest > window
         if longrope:
             metadata.rope_long_rows = stage("rope_long_rows", long_rows, torch.bool)
         if triton and prefill_rows:

@@ -32,6 +32,7 @@ def make_core(
     enable_prefix_caching: bool = True,
     kv_cache_dtype: str = "auto",
     speculative: dict | None = None,  # --speculative-config
+    disable_sliding_window: bool = False,
     **scheduler,
 ) -> EngineCore:
     return EngineCore(
@@ -43,6 +44,7 @@ def make_core(
                 attention_backend=attention_backend,
                 device=device,
                 batch_invariant=batch_invariant,
+                disable_sliding_window=disable_sliding_window,
             ),
             cache=CacheConfig(
                 num_gpu_blocks_override=num_blocks,

@@ -60,6 +60,13 @@ FAMILIES = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
+    # attention windows shorter than most prompts: every layer's (Mistral v0.1), or one of two
+    # (Qwen2's max_window_layers: layer_types full, sliding)
+    "mistral-window": ("mistral", {"sliding_window": 24, "tie_word_embeddings": False}),
+    "qwen2-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1},
+    ),
     # Phi-3: fused q/k/v and gate/up in the checkpoint; Phi-4-mini: rotary over 3/4 of a head
     "phi3": ("phi3", {"tie_word_embeddings": False, "original_max_position_embeddings": 512}),
     # Phi-3.5/Phi-4-mini's longrope: prompts over 48 tokens take the long factors throughout,
@@ -171,3 +178,24 @@ def test_longrope_rows_take_the_factors_transformers_gives_them(tmp_path, smollm
         assert outputs[name].token_ids == tokens, name
         got = [entry.logprob for entry in outputs[name].logprobs]
         assert got == pytest.approx(want, abs=1e-4), name
+
+
+def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
+    """A 300-token prompt in chunks of 64: its chunks past 256 tokens of context take the
+    prefill attention path (those before, the decode path a row at a time), both within the
+    window of 24 positions, with a prefix hit on the second request."""
+    import random
+
+    model_type, overrides = FAMILIES["mistral-window"]
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **{**TINY_DECODER, **overrides})  # fmt: skip
+    core = make_core(model_dir, max_num_batched_tokens=64)
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 4000) for _ in range(300)]
+    prompts = [prompt, prompt[:280] + [rng.randrange(10, 4000) for _ in range(20)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = run_to_completion(core, {"a": (prompts[0], params)})
+    outputs |= run_to_completion(core, {"b": (prompts[1], params)})
+    assert outputs["b"].num_cached_tokens > 256
+    expected = hf_greedy(model_dir, prompts, 8)
+    assert [outputs["a"].token_ids, outputs["b"].token_ids] == expected
