@@ -111,15 +111,13 @@ def paged_attention(
     kv_scales: tuple[float, float] = (1.0, 1.0),
     window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """``window``: the layer's attention window (a row at position p sees keys past p - window);
-    on the torch paths only (the C++ and Triton kernels take none: the engine caps the context
-    at the window on the Triton backend, and past it the torch path computes these layers)."""
+    """``window``: the layer's attention window (a row at position p sees keys past p - window).
+    The C++ decode kernel takes none: where a row's context passes the window, the torch path
+    computes these layers."""
     if not metadata.past_window:
         window = None  # no row's context reaches past it
     if metadata.backend == "triton":
-        if window is not None:
-            raise NotImplementedError("attention windows on the Triton backend")
-        return _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales)
+        return _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales, window)
     fits = window is None and _kernel_fits(query, key_cache, value_cache)
     if metadata.decodes_only and fits:
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
@@ -144,10 +142,13 @@ def paged_attention(
     return output
 
 
-def _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales) -> torch.Tensor:
+def _triton_attention(
+    query, key_cache, value_cache, metadata, scale, kv_scales, window
+) -> torch.Tensor:
     from llmrpc.kernels import triton_attention, triton_ops
 
     k_scale, v_scale = kv_scales
+    window = window or 0
     decode = functools.partial(
         triton_ops.decode_attention,
         key_cache=key_cache,
@@ -157,6 +158,7 @@ def _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales)
         scale=scale,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
     )
     if metadata.decodes_only:
         return decode(query)
@@ -169,6 +171,7 @@ def _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales)
             query[rows], key_cache, value_cache, metadata.prefill_block_tables,
             metadata.prefill_query_start_loc, metadata.prefill_seq_lens, scale,
             max_query_len=metadata.prefill_max_query_len, k_scale=k_scale, v_scale=v_scale,
+            window=window,
         )  # fmt: skip
     return output
 

@@ -196,7 +196,7 @@ def store_kv_torch(
 # decode_attention
 
 
-@triton.jit(do_not_specialize=["stride_bs", "blocks_per_split"])  # they change step to step
+@triton.jit(do_not_specialize=["stride_bs", "blocks_per_split", "window"])  # per step or layer
 def _decode_split_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_out_ptr,
@@ -204,6 +204,7 @@ def _decode_split_kernel(
     k_scale, v_scale,  # an fp8 cache's scales
     stride_qs, stride_qh, stride_bs, stride_bb, stride_os, stride_oh,
     blocks_per_split,  # a multiple of BLOCKS_PER_ITER
+    window,  # the query sees the last `window` positions (0: all)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     DOT_F32: tl.constexpr, FP8: tl.constexpr,
@@ -242,11 +243,14 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    # a window's first position; the split starts at the iteration that holds it (or is empty)
+    seen_from = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first += tl.maximum(seen_from // BLOCK_SIZE - first, 0) // BLOCKS_PER_ITER * BLOCKS_PER_ITER
     table = block_tables_ptr + seq * stride_bs
     kv_head_offs = kv_head * HEAD_DIM + offs_d[None, :]
     for b in range(first, last, BLOCKS_PER_ITER):
         pos = b * BLOCK_SIZE + offs_t  # [TOKENS]
-        t_mask = pos < seq_len
+        t_mask = (pos < seq_len) & (pos >= seen_from)
         block_id = tl.load(table + (pos // BLOCK_SIZE) * stride_bb, mask=t_mask, other=0)
         slot = block_id.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offs = slot[:, None] * (num_kv_heads * HEAD_DIM) + kv_head_offs
@@ -258,7 +262,8 @@ def _decode_split_kernel(
         # "ieee" only matters for float32 operands: no silent tf32 for float32 models
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        # every iteration holds a position < seq_len (b < last), so m_new is finite
+        # every iteration holds a position in [seen_from, seq_len) (the first holds seen_from's
+        # block, b < last), so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -294,7 +299,8 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     first = (seq * tl.num_programs(1) + head) * num_splits
-    # split 0 always holds position 0, so the max is finite and empty splits weigh exp2(-inf) = 0
+    # the split of the first position seen is never empty, so the max is finite and empty
+    # splits weigh exp2(-inf) = 0
     m = tl.full([], float("-inf"), tl.float32)
     for start in range(0, num_splits, BLOCK_S):
         s_mask = start + offs_s < num_splits
@@ -334,9 +340,11 @@ def decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in query's dtype
-    """Attention of one query token per sequence over its first ``seq_lens[s]`` cached positions.
+    """Attention of one query token per sequence over its first ``seq_lens[s]`` cached positions
+    (``window`` > 0: the last ``window`` of them).
 
     The context is cut into at most ``num_splits`` ranges of blocks (whole loop iterations of
     ``blocks_per_iteration(block_size)`` blocks each), one program each per sequence and KV
@@ -381,7 +389,7 @@ def decode_attention(
         scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
-        blocks_per_split,
+        blocks_per_split, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # the smallest tensor-core tile
         BLOCK_D=block_d, BLOCKS_PER_ITER=per_iter, DOT_F32=dot_in_f32(query.dtype),
@@ -439,13 +447,17 @@ def decode_attention_torch(
     scale,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """The twin of ``decode_attention``: gather the blocks, mask, softmax in float32."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     context = block_tables.shape[1] * block_size
     # [num_seqs, context, num_kv_heads, head_dim]; positions past seq_len zeroed (may be NaN)
-    valid = torch.arange(context, device=query.device) < seq_lens.view(-1, 1)
+    positions = torch.arange(context, device=query.device)
+    valid = positions < seq_lens.view(-1, 1)
+    if window > 0:
+        valid &= positions >= seq_lens.view(-1, 1) - window
     rows = (num_seqs, context, num_kv_heads, head_dim)
     keys = _read(key_cache[block_tables.long()].reshape(rows), k_scale, query.dtype)
     values = _read(value_cache[block_tables.long()].reshape(rows), v_scale, query.dtype)
@@ -468,13 +480,14 @@ def _read(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
 # prefill_attention
 
 
-@triton.jit(do_not_specialize=["stride_bs"])  # the tables' width changes step to step
+@triton.jit(do_not_specialize=["stride_bs", "window"])  # they change step to step, layer to layer
 def _prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
     seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e)
     k_scale, v_scale,  # an fp8 cache's scales
     stride_qt, stride_qh, stride_bs, stride_bb, stride_ot, stride_oh,
+    window,  # a query sees the last `window` positions up to its own (0: all)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
@@ -510,8 +523,13 @@ def _prefill_kernel(
     # blocks up to the tile's last query position
     last_pos = tl.minimum(seq_len - num_q + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, seq_len - 1)
     num_blocks = last_pos // BLOCK_SIZE + 1
+    # from the block of the tile's first query's first position seen
+    first_block = 0
+    if window > 0:
+        first_block = tl.maximum(seq_len - num_q + (tile * BLOCK_M) // GROUP - window + 1, 0)
+        first_block = first_block // BLOCK_SIZE
     kv_head_offs = kv_head * HEAD_DIM + offs_d[None, :]
-    for b in range(0, num_blocks):
+    for b in range(first_block, num_blocks):
         block_id = tl.load(block_tables_ptr + seq * stride_bs + b * stride_bb).to(tl.int64)
         k_pos = b * BLOCK_SIZE + offs_t
         kv_offs = (block_id * BLOCK_SIZE + offs_t[:, None]) * (num_kv_heads * HEAD_DIM)
@@ -522,12 +540,17 @@ def _prefill_kernel(
             query_ptr.dtype.element_ty, FP8, DOT_F32,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        # causal (which also keeps k_pos < seq_len for the tile's real rows)
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        # block 0 holds position 0, seen by every row: m_new is finite from the first block on
+        # causal (which also keeps k_pos < seq_len for the tile's real rows), within the window
+        seen = k_pos[None, :] <= q_pos[:, None]
+        if window > 0:
+            seen &= k_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(seen, s, float("-inf"))
+        # without a window block 0 holds position 0, seen by every row, so m_new is finite from
+        # the first block on; in a window a row may see nothing in the tile's first blocks
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
@@ -549,9 +572,11 @@ def prefill_attention(
     max_query_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in query's dtype
-    """Causal attention of a flat batch of new tokens over their sequences' cached context.
+    """Causal attention of a flat batch of new tokens over their sequences' cached context
+    (``window`` > 0: each over the last ``window`` positions up to its own).
 
     Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s + 1]``; its keys and
     values (cached prefix and this step's tokens) are already in the cache, and query ``i`` of
@@ -586,7 +611,7 @@ def prefill_attention(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_F32=dot_in_f32(query.dtype),
         FP8=key_cache.dtype in FP8_DTYPES,
@@ -604,6 +629,7 @@ def prefill_attention_torch(
     scale,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """The twin of ``prefill_attention``: one sequence at a time, softmax in float32."""
     num_tokens, num_heads, head_dim = query.shape
@@ -619,7 +645,10 @@ def prefill_attention_torch(
         q = query[start:end].float().reshape(num_q, num_kv_heads, -1, head_dim)
         scores = torch.einsum("qkgd,lkd->kgql", q, keys) * scale
         q_pos = torch.arange(num_q, device=query.device) + seq_len - num_q
-        causal = torch.arange(seq_len, device=query.device) <= q_pos.view(-1, 1)
+        keys_at = torch.arange(seq_len, device=query.device)
+        causal = keys_at <= q_pos.view(-1, 1)
+        if window > 0:
+            causal &= keys_at > q_pos.view(-1, 1) - window
         scores = scores.masked_fill(~causal, float("-inf"))
         rows = torch.einsum("kgql,lkd->qkgd", scores.softmax(-1), values)
         out[start:end] = rows.reshape(num_q, num_heads, head_dim).to(query.dtype)

@@ -48,15 +48,16 @@ def _decode_attention_op(
     scale: float,
     k_scale: float,
     v_scale: float,
+    window: int,
 ) -> torch.Tensor:
     return triton_attention.decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, window=window,
     )  # fmt: skip
 
 
 @_decode_attention_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale):
+def _(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window):
     return query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim], contiguous
 
 
@@ -103,16 +104,16 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def decode_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale
+    query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=0
 ) -> torch.Tensor:
     """``triton_attention.decode_attention`` with its default split count."""
     if torch.compiler.is_compiling():
         return _decode_attention_op(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale
+            query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window
         )
     return triton_attention.decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, window=window,
     )  # fmt: skip
 
 

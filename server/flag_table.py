@@ -371,8 +371,7 @@ _MODEL = _group(
     works("--disable-sliding-window", False, None, "model.disable_sliding_window",
           "Cap the context of a model with attention windows at its window and attend over all "
           "of it. Without it, the native models attend within each layer's window over their "
-          "whole context on the torch backend (Triton, and --model-impl transformers, cap it "
-          "at the window as this flag does)."),
+          "whole context (--model-impl transformers caps it at the window as this flag does)."),
     inert("--disable-cascade-attn", False, None,
           "turns off cascade attention, which the engine's attention does not use"),
     works("--skip-tokenizer-init", False, None, "model.skip_tokenizer_init",

@@ -9,7 +9,6 @@ import logging
 import torch
 
 from llmrpc.engine.loading import loader
-from llmrpc.engine.models.llama import layer_windows
 from llmrpc.engine.pooling.params import is_encoder
 from llmrpc.engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from llmrpc.engine.sched.kv_cache import KVCacheManager
@@ -37,14 +36,9 @@ class DraftModel:
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return kv_bytes_per_block(self.hf_config, block_size, dtype)
 
-    def max_model_len(self, target_max_model_len: int, windows_served: bool) -> int:
-        """The context the draft proposes within: the served model's, at most the draft's own,
-        and at most its attention window where the backend takes none (Triton)."""
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or target_max_model_len
-        windows = [w for w in layer_windows(self.hf_config) if w is not None]
-        if windows and not windows_served:
-            limit = min(limit, *windows)
-        return min(target_max_model_len, limit)
+    def max_model_len(self, target_max_model_len: int) -> int:
+        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        return min(target_max_model_len, positions or target_max_model_len)
 
     def proposer(
         self,
@@ -56,7 +50,6 @@ class DraftModel:
         vocab_size: int,
         max_num_tokens: int,
     ) -> DraftModelProposer:
-        windows_served = attention_backend != "triton"
         runner = ModelRunner(
             self.model, self.hf_config, num_blocks, block_size, kv_cache_dtype, attention_backend
         )
@@ -72,7 +65,7 @@ class DraftModel:
             self.speculative,
             runner,
             KVCacheManager(num_blocks, block_size, enable_caching=False),
-            self.max_model_len(max_model_len, windows_served),
+            self.max_model_len(max_model_len),
             vocab_size,
             max_num_tokens,
         )

@@ -409,13 +409,11 @@ class EngineCore:
 
     def _why_windows_capped(self) -> str | None:
         """Why the layers' attention windows are not served (the context is capped at the
-        window instead); None where they are: a native model on the torch backend."""
+        window instead); None where they are: a native model."""
         if not any(layer_windows(self.hf_config)):
             return None
         if self.model_config.disable_sliding_window:
             return "--disable-sliding-window"
-        if self.attention_backend == "triton":
-            return "the Triton kernels take no window"
         model = model_class(self.hf_config, self.model_config.model_impl)
         if not issubclass(model, LlamaForCausalLM):
             return f"{model.__name__} attends over all of it"

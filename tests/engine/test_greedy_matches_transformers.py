@@ -180,6 +180,14 @@ def test_longrope_rows_take_the_factors_transformers_gives_them(tmp_path, smollm
         assert got == pytest.approx(want, abs=1e-4), name
 
 
+def test_attention_windows_on_the_triton_backend(tmp_path, smollm2_dir):
+    """Qwen2's windowed layer beside a full one, through the Triton kernels (interpreted)."""
+    model_type, overrides = FAMILIES["qwen2-window"]
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **{**TINY_DECODER, **overrides})  # fmt: skip
+    check_concurrent_greedy(model_dir, attention_backend="triton", num_prompts=3)
+
+
 def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
     """A 300-token prompt in chunks of 64: its chunks past 256 tokens of context take the
     prefill attention path (those before, the decode path a row at a time), both within the

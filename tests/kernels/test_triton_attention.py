@@ -201,6 +201,16 @@ class KernelChecks:
         for num_splits in (5, 18, 200):
             assert_matches(self.run_decode(args, num_splits=num_splits), expected)
 
+    @pytest.mark.parametrize("window", [1, 20, 47])
+    def test_decode_window(self, window):
+        """A window of the last 1, 20 or 47 positions: the splits before it are empty, and one
+        split or several give the twin's result, which differs from full attention."""
+        args = self.decode_case([300, 77, 5, 129], GQA, torch.float32)
+        expected = ta.decode_attention_torch(*args, SCALE, window=window)
+        for num_splits in (1, 3, 7):
+            assert_matches(self.run_decode(args, num_splits=num_splits, window=window), expected)
+        assert not torch.allclose(expected[0], ta.decode_attention_torch(*args, SCALE)[0])
+
     # ---- prefill_attention
 
     def run_prefill(self, batch, layout, dtype, **kwargs):
@@ -218,7 +228,9 @@ class KernelChecks:
         out = poisoned_like(query)
         result = ta.prefill_attention(*args, SCALE, out=out, **kwargs)
         assert result is out
-        assert_matches(result, ta.prefill_attention_torch(*args, SCALE))
+        window = kwargs.get("window", 0)
+        assert_matches(result, ta.prefill_attention_torch(*args, SCALE, window=window))
+        return args
 
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("layout", LAYOUTS)
@@ -232,6 +244,15 @@ class KernelChecks:
     def test_prefill_long(self, dtype):
         batch = [(150, 300), (3, 3)]
         self.run_prefill(batch, GQA, dtype, max_query_len=150)
+
+    @pytest.mark.parametrize("window", [1, 16, 37])
+    def test_prefill_window(self, window):
+        """Each query over the last ``window`` positions up to its own, in tiles whose rows start
+        their windows in different blocks (rows that see nothing of the tile's first blocks)."""
+        batch = [(9, 9), (1, 23), (21, 50), (40, 40), (150, 300)]
+        args = self.run_prefill(batch, GQA, torch.float32, window=window, max_query_len=150)
+        full = ta.prefill_attention_torch(*args, SCALE)
+        assert not torch.allclose(full, ta.prefill_attention_torch(*args, SCALE, window=window))
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_prefill_one_token_each(self, dtype):
