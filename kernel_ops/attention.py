@@ -112,12 +112,13 @@ def paged_attention(
     window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``window``: the layer's attention window (a row at position p sees keys past p - window).
-    The C++ decode kernel takes none: where a row's context passes the window, the torch path
-    computes these layers."""
-    if not metadata.past_window:
-        window = None  # no row's context reaches past it
+    The Triton kernels take it always (a CUDA graph replays whatever the contexts); the C++
+    decode kernel takes none: where a row's context passes the window, the torch path computes
+    these layers."""
     if metadata.backend == "triton":
         return _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales, window)
+    if not metadata.past_window:
+        window = None  # no row's context reaches past it
     fits = window is None and _kernel_fits(query, key_cache, value_cache)
     if metadata.decodes_only and fits:
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
