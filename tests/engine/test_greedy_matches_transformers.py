@@ -83,6 +83,17 @@ FAMILIES = {
             },
         },
     ),  # fmt: skip
+    # Gemma 3: a local layer (window 24, rotary base 10k) and a global one (base 1M), q/k norms,
+    # four norms a layer, GELU-tanh, scaled embeddings
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),  # fmt: skip
     "phi4-mini": (
         "phi3",
         {

@@ -224,6 +224,21 @@ def test_lora_bias_needs_the_flag_and_matches_peft(tmp_path, smollm2_dir, prompt
         assert got == expected, dense_max_rows
 
 
+def test_gemma3_adapters_match_peft(tmp_path, smollm2_dir, prompts):
+    """Gemma 3's layers (four norms, GELU-tanh MLP, local and global attention) with an adapter
+    on every projection: PEFT's merged model's tokens."""
+    config = {**TINY_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    base = save_tiny_model(tmp_path / "gemma3", smollm2_dir, "gemma3_text",
+                           randomize_biases_and_norms=True, **config)  # fmt: skip
+    merged = make_adapter(base, tmp_path / "adapter", AdapterSpec(8, 16, seed=6))
+    expected = greedy_generate(merged, prompts, MAX_TOKENS)
+    assert expected != hf_greedy(base, prompts, MAX_TOKENS)  # the adapter changes the tokens
+    core = lora_core(base, {"gemma": tmp_path / "adapter"})
+    outputs = run_to_completion(core, _requests(prompts, ["gemma"]))
+    assert [outputs[f"gemma-{i}"].token_ids for i in range(len(prompts))] == expected
+
+
 def test_adapters_of_a_fused_checkpoint_match_peft(tmp_path, smollm2_dir, prompts):
     """Phi-3's checkpoint fuses q/k/v and gate/up, so its adapters target qkv_proj and
     gate_up_proj (one lora_A, the slices' B stacked): PEFT's merged model's tokens, on both

@@ -1,0 +1,129 @@
+"""Gemma 3 text models (``Gemma3ForCausalLM``) on the paged KV cache: Llama's attention with
+q/k norms, local (sliding-window) and global layers as ``layer_types`` says, each kind with its
+own rotary base; norms before and after attention and the MLP, a GELU (tanh) MLP, embeddings
+scaled by the square root of the hidden size.
+
+Gemma's RMSNorm multiplies by ``1 + weight``: the loader adds the 1, so the Llama norm serves
+(in float32 the same numbers; in 16 bits Gemma rounds after the product, Llama before it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmrpc.engine.models.llama import (
+    AttentionOptions,
+    LlamaAttention,
+    LlamaForCausalLM,
+    RMSNorm,
+    head_dim_of,
+    layer_windows,
+)
+from llmrpc.engine.models.rotary import RotaryEmbedding, rope_parameters
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, window: int | None) -> None:
+        super().__init__()
+        self.is_sliding = window is not None
+        self.self_attn = LlamaAttention(config, AttentionOptions(qk_norm=True), window)
+        self.self_attn.scale = config.query_pre_attn_scalar**-0.5
+        self.mlp = GemmaMLP(config)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps)
+        self.post_attention_layernorm = RMSNorm(size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps)
+        self.post_feedforward_layernorm = RMSNorm(size, eps)
+
+    def forward(self, rotary, hidden, kv_cache, metadata) -> torch.Tensor:
+        backend = metadata.backend
+        out = self.self_attn(
+            rotary, self.input_layernorm(hidden, None, backend), kv_cache, metadata
+        )
+        hidden = hidden + self.post_attention_layernorm(out, None, backend)
+        out = self.mlp(self.pre_feedforward_layernorm(hidden, None, backend))
+        return hidden + self.post_feedforward_layernorm(out, None, backend)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)
+        refused = (
+            (getattr(config, "attn_logit_softcapping", None), "attn_logit_softcapping"),
+            (getattr(config, "use_bidirectional_attention", False), "use_bidirectional_attention"),
+            (config.hidden_activation != "gelu_pytorch_tanh", "a hidden_activation but GELU-tanh"),
+        )
+        for set_, what in refused:
+            if set_:
+                raise ValueError(f"--model: Gemma 3 with {what} is not served natively")
+        self.config = config
+        params = rope_parameters(config)
+        head_dim = head_dim_of(config)
+        # the rotary of each kind of layer (Transformers keeps rope_parameters by layer type)
+        self.rotaries = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(head_dim, rope_parameters_of(params, kind), config)
+                for kind in ("sliding_attention", "full_attention")
+            }
+        )
+        self.rotary = self.rotaries["full_attention"]  # no longrope: long_rope_from is None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        windows = layer_windows(config)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, w) for w in windows)
+        self.min_sliding_window = min(filter(None, windows), default=None)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        rotary = {
+            kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotaries.items()
+        }  # shared by the layers of each kind
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            kind = "sliding_attention" if layer.is_sliding else "full_attention"
+            hidden = layer(rotary[kind], hidden, kv_cache, metadata)
+        return self.norm(hidden, None, metadata.backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        with torch.no_grad():  # Gemma's norms scale by 1 + weight
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(1.0)
+
+
+def rope_parameters_of(params: dict, kind: str) -> dict:
+    """One kind of layer's rope settings: Transformers keeps them by layer type."""
+    own = params.get(kind)
+    if not isinstance(own, dict):
+        return params
+    own = dict(own)
+    own["rope_type"] = own.get("rope_type", own.get("type", "default"))
+    return own
