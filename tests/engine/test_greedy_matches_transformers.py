@@ -218,3 +218,32 @@ def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
     assert outputs["b"].num_cached_tokens > 256
     expected = hf_greedy(model_dir, prompts, 8)
     assert [outputs["a"].token_ids, outputs["b"].token_ids] == expected
+
+
+def test_gemma_final_logit_softcapping_matches_transformers(tmp_path, smollm2_dir):
+    """Soft-capping keeps the argmax, so it shows in logprobs: each token's against
+    Transformers' capped logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = FAMILIES["gemma3"]
+    config = {**TINY_DECODER, **overrides, "final_logit_softcapping": 3.0}
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **config)  # fmt: skip
+    core = make_core(model_dir)
+    prompt = _as_ids(_chat_prompts(core.tokenizer)[1])
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
+    output = run_to_completion(core, {"r": (prompt, params)})["r"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = generated.sequences[0, len(prompt) :].tolist()
+    assert output.token_ids == tokens
+    want = [
+        step[0].log_softmax(-1)[t].item() for step, t in zip(generated.logits, tokens, strict=True)
+    ]
+    assert [entry.logprob for entry in output.logprobs] == pytest.approx(want, abs=1e-4)
+    assert generated.logits[0].abs().max() <= 3.0  # the cap holds there, so it does here
