@@ -39,7 +39,11 @@ class OpenAIStandIn:
             elif (method, path) == ("POST", "/v1/completions"):
                 await self._completions(writer, json.loads(body))
             else:
-                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                # it closes every connection after one request, and says so: a client that kept
+                # this one for its next request (GET /metrics, then a completion) would lose it
+                writer.write(
+                    b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                )
         finally:
             await writer.drain()
             writer.close()

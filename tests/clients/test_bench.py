@@ -150,7 +150,7 @@ async def test_serve_over_the_openai_api(server, tmp_path):
         )  # fmt: skip
     finally:
         await standin.stop()
-    assert code == 0, stderr
+    assert code == 0, stderr + stdout  # the table counts failed requests, with their errors
     summary = json.loads(out.read_text())
     assert_consistent(summary, num_prompts=4, output_len=6)
     assert summary["total_input_tokens"] == 4 * 12
