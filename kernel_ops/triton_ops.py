@@ -48,7 +48,7 @@ def _decode_attention_op(
     scale: float,
     k_scale: float,
     v_scale: float,
-    window: int,
+    window: int = 0,
 ) -> torch.Tensor:
     return triton_attention.decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -57,7 +57,7 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window):
+def _(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=0):
     return query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim], contiguous
 
 

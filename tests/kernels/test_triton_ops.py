@@ -52,6 +52,7 @@ def _cases(device) -> dict[str, tuple]:
             HEAD_DIM**-0.5,
             1.0,
             1.0,
+            20,  # an attention window
         ),  # fmt: skip
         "rms_norm": (hidden, _randn(64, device=device, seed=10), 1e-6),
         "add_rms_norm": (
