@@ -64,10 +64,11 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
         nn.Module.__init__(self)
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
         refused = (
             (getattr(config, "attn_logit_softcapping", None), "attn_logit_softcapping"),
             (getattr(config, "use_bidirectional_attention", False), "use_bidirectional_attention"),
-            (config.hidden_activation != "gelu_pytorch_tanh", "a hidden_activation but GELU-tanh"),
+            (activation != "gelu_pytorch_tanh", "a hidden_activation but GELU-tanh"),
         )
         for set_, what in refused:
             if set_:
