@@ -150,7 +150,7 @@ async def test_stats_line_is_logged_periodically(generation, caplog):
     assert re.match(r"engine: \d+ running, \d+ waiting, KV cache [\d.]+% used, prefix", line)
 
 
-def test_stats_line_says_how_speculation_goes_where_it_speculates():
+async def test_stats_line_says_how_speculation_goes_where_it_speculates():
     idle = EngineStats(2, 0, 90, 100, 0.5, 10.0, 5.0, False)
     assert "drafts" not in stats_line(idle)
     no_drafts_yet = dataclasses.replace(idle, spec_decode=SpecDecodeCounts(0, 0, 0, (0, 0)))
