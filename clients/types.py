@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf import json_format
 
+from llmrpc.common.spec_decode import SpecDecodeCounts
 from llmrpc.v1 import admin_pb2, generation_pb2, tokenization_pb2
 
 
@@ -190,33 +191,9 @@ class ModelInfo:
     embedding_size: int | None = None
 
 
-@dataclass(frozen=True)
-class SpecDecode:
-    """Speculative decoding's counters since start (``GetLoadResponse.spec_decode``)."""
-
-    num_drafts: int  # proposals verified
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_pos: tuple[int, ...]  # accepted at each draft position
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verify step gave, on average: the accepted drafts and the model's own."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def __sub__(self, earlier: SpecDecode) -> SpecDecode:
-        """The counts since ``earlier``, a reading of the same server."""
-        before = earlier.accepted_per_pos + (0,) * len(self.accepted_per_pos)
-        return SpecDecode(
-            self.num_drafts - earlier.num_drafts,
-            self.num_draft_tokens - earlier.num_draft_tokens,
-            self.num_accepted_tokens - earlier.num_accepted_tokens,
-            tuple(a - b for a, b in zip(self.accepted_per_pos, before, strict=False)),
-        )
+# Speculative decoding's counters since start (``GetLoadResponse.spec_decode``); subtract two
+# readings for a run's share
+SpecDecode = SpecDecodeCounts
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmrpc.common.spec_decode import SpecDecodeCounts
 from llmrpc.engine.config import StructuredOutputConfig
 
 
@@ -38,36 +39,6 @@ class KernelChoice:
     rows: str  # "1", "2-8", ..., "1025+"
     kernel: str
     times_us: dict[str, float]  # each candidate timed at this bucket: microseconds per layer
-
-
-@dataclass(frozen=True)
-class SpecDecodeCounts:
-    """Speculative decoding's counters since start (``engine/spec_decode/ngram.py``)."""
-
-    num_drafts: int  # proposals verified
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_pos: tuple[int, ...]  # accepted at each draft position
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verify step gave, on average: the accepted drafts and the model's own."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
-        longest = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        ours = self.accepted_per_pos + (0,) * (longest - len(self.accepted_per_pos))
-        theirs = other.accepted_per_pos + (0,) * (longest - len(other.accepted_per_pos))
-        return SpecDecodeCounts(
-            self.num_drafts + other.num_drafts,
-            self.num_draft_tokens + other.num_draft_tokens,
-            self.num_accepted_tokens + other.num_accepted_tokens,
-            tuple(a + b for a, b in zip(ours, theirs, strict=True)),
-        )
 
 
 @dataclass(frozen=True)
