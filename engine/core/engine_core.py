@@ -476,9 +476,8 @@ class EngineCore:
     def _load_model(self, draft: DraftModel | None = None):
         """The served model's weights (or ``draft``'s, unquantized), ready for the runner: on
         the CPU packed for the linear kernels measured for its shapes."""
-        model_dir, hf_config = (draft.model_dir, draft.hf_config) if draft else (
-            self.model_dir, self.hf_config
-        )  # fmt: skip
+        model_dir = draft.model_dir if draft else self.model_dir
+        hf_config = draft.hf_config if draft else self.hf_config
         config = self.model_config
         dummy = config.load_format == "dummy"
         weights = None if dummy else loader.iter_weights(model_dir)

@@ -83,7 +83,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 for kind in ("sliding_attention", "full_attention")
             }
         )
-        self.rotary = self.rotaries["full_attention"]  # no longrope: long_rope_from is None
+        if any(rotary.long_from is not None for rotary in self.rotaries.values()):
+            raise ValueError("--model: Gemma 3 with longrope scaling is not served natively")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         windows = layer_windows(config)
@@ -94,6 +95,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    @property
+    def long_rope_from(self) -> None:
+        return None  # longrope is refused above
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
