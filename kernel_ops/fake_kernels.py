@@ -60,7 +60,7 @@ def _int4_linear(x, weight, scales_zeros):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))  # weight: [out / 16, in / 32, 8, 32]
 
 
-def _q8_linear(x, weight, scales):
+def _q8_linear(x, weight, scales, zeros=False):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))
 
 

@@ -359,25 +359,28 @@ def _pack_int4(codes, scales, zeros, dtype) -> tuple[torch.Tensor, torch.Tensor,
 
 
 class Q8BlockLinear(Int4Linear):
-    """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) exactly, as two int4
-    halves of one packed weight: ``q = 16 * hi + lo`` with ``hi`` in [-8, 7] and ``lo`` in
-    [0, 15]; rows ``[0, out)`` hold ``hi`` (scale ``16 d``, zero 0) and rows ``[out, 2 out)``
-    hold ``lo`` (scale ``d``, zero ``8 d``); ``y`` is the sum of the two halves' outputs."""
+    """Int8 codes with one scale and zero per 32 inputs (``W = d * q + z``: GGUF's Q8_0 with
+    ``z = 0``, its 5-bit types as ``q - 16``) exactly, as two int4 halves of one packed weight:
+    ``q = 16 * hi + lo`` with ``hi`` in [-8, 7] and ``lo`` in [0, 15]; rows ``[0, out)`` hold
+    ``hi`` (scale ``16 d``, zero 0) and rows ``[out, 2 out)`` hold ``lo`` (scale ``d``, zero
+    ``8 d + z``); ``y`` is the sum of the two halves' outputs."""
 
     def __init__(self, packed, scales_and_zeros, bias=None, blocked: bool = False) -> None:
         super().__init__(packed, scales_and_zeros, bias, blocked)
         self.out_features //= 2  # the halves are one output each
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, bias=None, dtype=torch.bfloat16):
-        """``q`` int8 ``[out, in]``, ``d`` ``[out, in / 32]`` (float32)."""
+    def from_blocks(cls, q, d, bias=None, dtype=torch.bfloat16, zeros=None) -> Q8BlockLinear:
+        """``q`` int8 ``[out, in]``; ``d`` and ``zeros`` (None: 0) ``[out, in / 32]`` (float32)."""
         q = q.to(torch.int32)
         hi = torch.div(q, 16, rounding_mode="floor")
         lo = q - 16 * hi
         codes = torch.cat([hi + 8, lo])
         scales = torch.cat([16 * d, d])
-        zeros = torch.cat([torch.zeros_like(d), 8 * d])
-        packed, scales_and_zeros, blocked = _pack_int4(codes, scales, zeros, dtype)
+        low_zeros = 8 * d if zeros is None else 8 * d + zeros
+        packed, scales_and_zeros, blocked = _pack_int4(
+            codes, scales, torch.cat([torch.zeros_like(d), low_zeros]), dtype
+        )
         return cls(packed, scales_and_zeros, bias, blocked)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -386,7 +389,7 @@ class Q8BlockLinear(Int4Linear):
 
     def dequantize(self, dtype=None) -> torch.Tensor:
         # Both halves are multiples of d and their sum has at most 8 + 11 significant bits:
-        # exact in float32.
+        # exact in float32 (with a zero, rounded once more).
         halves = self._dequantize_codes(self.codes(), slice(None))
         return (halves[: self.out_features] + halves[self.out_features :]).to(dtype or self.dtype)
 
@@ -397,56 +400,79 @@ class Q8BlockLinear(Int4Linear):
 
 
 class Q8Linear(QuantizedLinear):
-    """GGUF's Q8_0 (``W = d * q``, ``q`` int8, one ``d`` per 32 inputs) in our blocked layout
-    (``kernel_ops/csrc/int4_linear.cpp`` describes it): ``qweight`` ``[out / 16, in / 32, 16, 32]``
-    holding ``q + 128``, ``scales`` ``[out / 16, in / 32, 16]``; computed by
-    ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16 and VNNI; ``Q8BlockLinear``
-    elsewhere)."""
+    """Int8 codes in our blocked layout (``kernel_ops/csrc/int4_linear.cpp`` describes it):
+    ``qweight`` ``[out / 16, in / 32, 16, 32]`` holding ``q + 128``, and ``scales`` in one of three
+    layouts: ``[out / 16, in / 32, 16]``, one ``d`` per 32 inputs (``W = d * q``: GGUF's Q8_0 and
+    Q5_0); ``[out / 16, in / 32, 2, 16]`` with ``zeros``, ``(d, z)`` per 32 (``W = d * q + z``:
+    Q5_1, Q5_K, Q4_K beside them); or the same shape without, one ``d`` per 16 inputs (Q6_K).
+    Computed by ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16 and VNNI;
+    ``Q8BlockLinear`` elsewhere)."""
 
     dense_above = BLOCKED_DENSE_ABOVE
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias=None) -> None:
-        blocks, groups, lanes = scales.shape
-        super().__init__(groups * GROUP_SIZE, blocks * lanes, bias)
+    def __init__(self, qweight, scales, bias=None, zeros: bool = False) -> None:
+        blocks, groups = scales.shape[:2]
+        super().__init__(groups * GROUP_SIZE, blocks * 16, bias)
+        self.zeros = zeros
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, bias=None, dtype=torch.bfloat16):
-        """``q`` int8 ``[out, in]``, ``d`` ``[out, in / 32]`` (float32)."""
+    def from_blocks(cls, q, d, bias=None, dtype=torch.bfloat16, zeros=None) -> Q8Linear:
+        """``q`` int8 ``[out, in]``; ``d`` ``[out, in / 32]`` or ``[out, in / 16]`` (float32);
+        ``zeros`` ``[out, in / 32]`` or None (only with a ``d`` per 32)."""
         out_features, in_features = q.shape
         groups = in_features // GROUP_SIZE
         # [block, output, group, input pair, input of the pair] -> block, group, pair, output, input
         shifted = (q.to(torch.int16) + 128).to(torch.uint8)
         parts = shifted.view(out_features // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-        scales = d.to(dtype).view(out_features // 16, 16, groups).permute(0, 2, 1)
         qweight = parts.reshape(out_features // 16, groups, 16, 32).contiguous()
-        return cls(qweight, scales.contiguous(), bias)
+        if zeros is not None:
+            d = torch.stack([d, zeros], dim=-1)  # [out, groups, 2]: (d, z)
+        # [block, output, group, plane] -> block, group, plane, output
+        planes = d.to(dtype).view(out_features // 16, 16, groups, -1).permute(0, 2, 3, 1)
+        if planes.shape[2] == 1:
+            planes = planes[:, :, 0]
+        return cls(qweight, planes.contiguous(), bias, zeros is not None)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.scales.dtype
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llmrpc_cpu.q8_linear.default(x.contiguous(), self.qweight, self.scales)
+        return torch.ops.llmrpc_cpu.q8_linear.default(
+            x.contiguous(), self.qweight, self.scales, self.zeros
+        )
+
+    def _weights(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[ids, in]`` of rows ``ids``' codes ``q`` (``[ids, groups, 32]``, float)."""
+        planes = 1 if self.scales.dim() == 3 else 2
+        groups = self.scales.shape[1]
+        base = ids // 16 * (groups * planes * 16) + ids % 16
+        index = (
+            base[:, None, None]
+            + (torch.arange(groups) * (planes * 16))[:, None]
+            + torch.arange(planes) * 16
+        )
+        params = self.scales.view(-1)[index].float()  # [ids, group, plane]
+        if self.zeros:  # q * d + z
+            weight = q * params[..., :1] + params[..., 1:]
+        else:  # a d per 32, or per 16 (q has 8 bits and d at most 24: exact in float32)
+            weight = q.view(len(ids), groups, planes, -1) * params[..., None]
+        return weight.reshape(len(ids), self.in_features)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
         # [block, group, input pair, output, input of the pair] -> [output, input]
         blocks, groups = self.qweight.shape[:2]
         q = self.qweight.view(blocks, groups, 16, 16, 2).permute(0, 3, 1, 2, 4).float() - 128
-        d = self.scales.permute(0, 2, 1).float()  # [block, output, group]
-        # q has 8 bits and d at most 24: exact in float32
-        weight = q.reshape(blocks, 16, groups, GROUP_SIZE) * d[..., None]
-        return weight.view(self.out_features, self.in_features).to(dtype or self.dtype)
+        ids = torch.arange(self.out_features)
+        weight = self._weights(q.reshape(self.out_features, groups, GROUP_SIZE), ids)
+        return weight.to(dtype or self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         # [ids, group, input pair, input of the pair] is input order
         q = _row_bytes(self.qweight, ids).float() - 128
-        groups = self.scales.shape[1]
-        index = (ids // 16 * groups * 16 + ids % 16)[:, None] + torch.arange(groups) * 16
-        d = self.scales.view(-1)[index].float()  # [ids, group]
-        weight = q.view(ids.shape[0], groups, GROUP_SIZE) * d[..., None]
-        return weight.view(ids.shape[0], self.in_features).to(self.dtype)
+        return self._weights(q.view(len(ids), -1, GROUP_SIZE), ids).to(self.dtype)
 
 
 def packed_bytes(module: nn.Module) -> int:

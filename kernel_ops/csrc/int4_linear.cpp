@@ -14,10 +14,15 @@
 // same terms in the same order whatever the number of rows, so a row's output does not depend
 // on the rows beside it.
 //
-// The same kernel computes GGUF's Q8_0 (W[n, k] = d[n, g] * q[n, k], q int8): each group 512
-// bytes, 16 chunks of 32, chunk p covering inputs 2p and 2p + 1 of the group, byte j holding
-// q + 128 for output j / 2 and input 2p + j % 2; the scales [blocks, groups, 16]; per group it
-// adds d * dx * dot - 128 * d * dx * sum(q).
+// The same kernel computes int8 codes (GGUF's Q8_0, W[n, k] = d[n, g] * q[n, k], and the 5- and
+// 6-bit types written as int8 codes): each group 512 bytes, 16 chunks of 32, chunk p covering
+// inputs 2p and 2p + 1 of the group, byte j holding q + 128 for output j / 2 and input 2p + j % 2.
+// Its scales come in three layouts:
+// - [blocks, groups, 16]: one d per 32 inputs; per group it adds d * dx * dot - 128 * d * dx * sum(q);
+// - [blocks, groups, 2, 16] with zeros: (d, zero) per 32 inputs, W = d * q + zero, adding
+//   d * dx * dot + (zero - 128 * d) * dx * sum(q);
+// - [blocks, groups, 2, 16] without: one d for each half of 16 inputs (GGUF's Q6_K), each half
+//   adding its own d * dx * dot - 128 * d * dx * sum(q) over its 16 inputs.
 //
 // Registered as torch.ops.llmrpc_cpu.int4_linear and q8_linear; int4_linear_supported() says
 // whether this build has the kernels (AVX512-BF16 and AVX512-VNNI; elsewhere the engine keeps
@@ -53,9 +58,10 @@ inline __m512 load_bf16x16(const at::BFloat16* values) {
 }
 
 // Each row's inputs, group by group: d = max |x| / 127, q = round(x * (1 / d)) (ties to even)
-// as int8, and d * sum(q). The same for a row whatever the rows beside it.
+// as int8, d * sum(q), and d * sum(q) over each half of 16 (d_halves: [2][rows * groups]). The
+// same for a row whatever the rows beside it.
 void quantize_rows(const at::BFloat16* x, int64_t rows, int64_t groups, int8_t* q, float* d,
-                   float* d_sum) {
+                   float* d_sum, float* d_halves) {
   for (int64_t i = 0; i < rows * groups; ++i) {
     const __m512 first = load_bf16x16(x + i * kGroup);
     const __m512 second = load_bf16x16(x + i * kGroup + 16);
@@ -68,6 +74,8 @@ void quantize_rows(const at::BFloat16* x, int64_t rows, int64_t groups, int8_t* 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(high));
     d[i] = scale;
     d_sum[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(low, high)));
+    d_halves[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(low));
+    d_halves[rows * groups + i] = scale * static_cast<float>(_mm512_reduce_add_epi32(high));
   }
 }
 
@@ -90,17 +98,27 @@ inline __m512i unpack_chunk(const uint8_t* chunks, int c) {
   }
 }
 
-// Outputs of one block of 16 for R rows (q: R rows of `ldq` int8; d, d_sum: R rows of
-// `groups`), int4 or Q8_0 weights. Each row sums a group's even and odd chunks in two int32
-// registers (two dependency chains); the running float totals, touched once a group, live in
-// memory.
-template <int R, bool kQ8>
+// What a group's scales hold: int4 weights always a (scale, zero) pair per 32 inputs; int8 codes
+// one of the three layouts described at the top.
+enum class Scales { kInt4, kQ8, kQ8Zeros, kQ8Halves };
+
+template <Scales kScales>
+constexpr bool kIsQ8 = kScales != Scales::kInt4;
+
+// Outputs of one block of 16 for R rows (q: R rows of `ldq` int8; d, d_sum: R rows of `groups`;
+// d_halves: the two halves' sums, `halves_stride` apart). Each row sums a group's even and odd
+// chunks in two int32 registers (two dependency chains); the running float totals, touched once a
+// group, live in memory.
+template <int R, Scales kScales>
 void block_rows(const uint8_t* weight, const at::BFloat16* scales, const int8_t* q, int64_t ldq,
-                const float* d, const float* d_sum, int64_t groups, at::BFloat16* y,
-                int64_t ldy) {
+                const float* d, const float* d_sum, const float* d_halves, int64_t halves_stride,
+                int64_t groups, at::BFloat16* y, int64_t ldy) {
+  constexpr bool kQ8 = kIsQ8<kScales>;
+  constexpr bool kHalves = kScales == Scales::kQ8Halves;
+  constexpr bool kZeros = kScales == Scales::kInt4 || kScales == Scales::kQ8Zeros;
   const __m512 offset = _mm512_set1_ps(kQ8 ? 128.f : 8.f);
   constexpr int64_t kBytes = kQ8 ? 2 * kGroupBytes : kGroupBytes;
-  constexpr int64_t kScales = kQ8 ? kBlockOutputs : 2 * kBlockOutputs;
+  constexpr int64_t kScalesPerGroup = kScales == Scales::kQ8 ? kBlockOutputs : 2 * kBlockOutputs;
   alignas(64) float total[R][kBlockOutputs];
   for (int r = 0; r < R; ++r) _mm512_store_ps(total[r], _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
@@ -108,9 +126,17 @@ void block_rows(const uint8_t* weight, const at::BFloat16* scales, const int8_t*
     for (int64_t line = 0; line < kBytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(chunks + kPrefetchAhead + line), _MM_HINT_T0);
     }
-    __m512i even[R], odd[R];
+    __m512i even[R], odd[R], first_half[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; c += 2) {
+      if constexpr (kHalves) {
+        if (c == 4) {  // inputs 0-15 done: their dots apart from the second half's
+          for (int r = 0; r < R; ++r) {
+            first_half[r] = _mm512_add_epi32(even[r], odd[r]);
+            even[r] = odd[r] = _mm512_setzero_si512();
+          }
+        }
+      }
       const __m512i first = unpack_chunk<kQ8>(chunks, c);
       const __m512i second = unpack_chunk<kQ8>(chunks, c + 1);
       for (int r = 0; r < R; ++r) {
@@ -121,16 +147,35 @@ void block_rows(const uint8_t* weight, const at::BFloat16* scales, const int8_t*
         odd[r] = _mm512_dpbusd_epi32(odd[r], second, _mm512_set1_epi32(bits[1]));
       }
     }
-    const __m512 scale = load_bf16x16(scales + g * kScales);
-    // int4: zero - 8 * scale; Q8_0: -128 * d
-    const __m512 zero = kQ8 ? _mm512_setzero_ps() : load_bf16x16(scales + g * kScales + kBlockOutputs);
-    const __m512 shift = _mm512_fnmadd_ps(offset, scale, zero);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
-      __m512 sum = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])),
-                                   _mm512_load_ps(total[r]));
-      sum = _mm512_fmadd_ps(shift, _mm512_set1_ps(d_sum[r * groups + g]), sum);
-      _mm512_store_ps(total[r], sum);
+    const at::BFloat16* group_scales = scales + g * kScalesPerGroup;
+    const __m512 scale = load_bf16x16(group_scales);
+    if constexpr (kHalves) {
+      const __m512 second_scale = load_bf16x16(group_scales + kBlockOutputs);
+      const __m512 shift = _mm512_mul_ps(offset, scale);
+      const __m512 second_shift = _mm512_mul_ps(offset, second_scale);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = r * groups + g;
+        const __m512 dx = _mm512_set1_ps(d[i]);
+        __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first_half[r]), _mm512_mul_ps(scale, dx),
+                                     _mm512_load_ps(total[r]));
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r])),
+                              _mm512_mul_ps(second_scale, dx), sum);
+        sum = _mm512_fnmadd_ps(shift, _mm512_set1_ps(d_halves[i]), sum);
+        sum = _mm512_fnmadd_ps(second_shift, _mm512_set1_ps(d_halves[halves_stride + i]), sum);
+        _mm512_store_ps(total[r], sum);
+      }
+    } else {
+      // zero - offset * scale (int4: zero - 8 * scale; Q8_0: -128 * d)
+      const __m512 zero =
+          kZeros ? load_bf16x16(group_scales + kBlockOutputs) : _mm512_setzero_ps();
+      const __m512 shift = _mm512_fnmadd_ps(offset, scale, zero);
+      for (int r = 0; r < R; ++r) {
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
+        __m512 sum = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])),
+                                     _mm512_load_ps(total[r]));
+        sum = _mm512_fmadd_ps(shift, _mm512_set1_ps(d_sum[r * groups + g]), sum);
+        _mm512_store_ps(total[r], sum);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -139,45 +184,50 @@ void block_rows(const uint8_t* weight, const at::BFloat16* scales, const int8_t*
   }
 }
 
-template <int R, bool kQ8>
+template <int R, Scales kScales>
 void rows_of_block(const uint8_t* weight, const at::BFloat16* scales, const int8_t* q,
-                   int64_t ldq, const float* d, const float* d_sum, int64_t groups,
-                   at::BFloat16* y, int64_t ldy, int64_t rows) {
+                   int64_t ldq, const float* d, const float* d_sum, const float* d_halves,
+                   int64_t halves_stride, int64_t groups, at::BFloat16* y, int64_t ldy,
+                   int64_t rows) {
   if constexpr (R > 1) {
     if (rows < R) {
-      rows_of_block<R - 1, kQ8>(weight, scales, q, ldq, d, d_sum, groups, y, ldy, rows);
+      rows_of_block<R - 1, kScales>(weight, scales, q, ldq, d, d_sum, d_halves, halves_stride,
+                                    groups, y, ldy, rows);
       return;
     }
   }
-  block_rows<R, kQ8>(weight, scales, q, ldq, d, d_sum, groups, y, ldy);
+  block_rows<R, kScales>(weight, scales, q, ldq, d, d_sum, d_halves, halves_stride, groups, y,
+                         ldy);
 }
 
-template <bool kQ8>
+template <Scales kScales>
 void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                     at::Tensor& y) {
+  constexpr bool kQ8 = kIsQ8<kScales>;
   const int64_t rows = x.size(0), blocks = weight.size(0), groups = weight.size(1);
   auto q = at::empty({rows, groups * kGroup}, x.options().dtype(at::kChar));
-  auto d = at::empty({2, rows, groups}, x.options().dtype(at::kFloat));
+  auto d = at::empty({4, rows, groups}, x.options().dtype(at::kFloat));
   int8_t* qs = q.data_ptr<int8_t>();
   float* ds = d.data_ptr<float>();
   float* d_sums = ds + rows * groups;
-  quantize_rows(x.data_ptr<at::BFloat16>(), rows, groups, qs, ds, d_sums);
+  float* d_halves = ds + 2 * rows * groups;
+  quantize_rows(x.data_ptr<at::BFloat16>(), rows, groups, qs, ds, d_sums, d_halves);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const at::BFloat16* sc = scales.data_ptr<at::BFloat16>();
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
   const int64_t ldq = groups * kGroup, ldy = blocks * kBlockOutputs;
   const int64_t block_bytes = groups * (kQ8 ? 2 : 1) * kGroupBytes;
-  const int64_t block_scales = groups * (kQ8 ? 1 : 2) * kBlockOutputs;
+  const int64_t block_scales = scales.numel() / blocks;
   // rows in tiles of near-equal size (16 rows: 8 + 8, not 12 + 4)
   const int64_t num_tiles = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += tile) {
-        rows_of_block<kMaxRows, kQ8>(w + b * block_bytes, sc + b * block_scales, qs + r * ldq,
-                                     ldq, ds + r * groups, d_sums + r * groups, groups,
-                                     out + r * ldy + b * kBlockOutputs, ldy,
-                                     std::min<int64_t>(tile, rows - r));
+        rows_of_block<kMaxRows, kScales>(
+            w + b * block_bytes, sc + b * block_scales, qs + r * ldq, ldq, ds + r * groups,
+            d_sums + r * groups, d_halves + r * groups, rows * groups, groups,
+            out + r * ldy + b * kBlockOutputs, ldy, std::min<int64_t>(tile, rows - r));
       }
     }
   });
@@ -193,10 +243,10 @@ bool supported() {
 }
 
 // Checks the layouts the kernel reads (each message names the tensor and its shape), then runs it.
-template <bool kQ8>
-at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  const char* name = kQ8 ? "q8_linear" : "int4_linear";
-  const int64_t chunks = kQ8 ? 16 : 8;
+at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                          bool q8, bool zeros) {
+  const char* name = q8 ? "q8_linear" : "int4_linear";
+  const int64_t chunks = q8 ? 16 : 8;
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
               weight.size(2) == chunks && weight.size(3) == 32,
               name, ": weight must be contiguous uint8 [out / 16, in / 32, ", chunks, ", 32]");
@@ -206,33 +256,45 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
   const int64_t blocks = weight.size(0), groups = weight.size(1);
   TORCH_CHECK(x.size(1) == groups * kGroup, name, ": x has ", x.size(1),
               " features, the weight takes ", groups * kGroup);
-  const std::vector<int64_t> shape = kQ8 ? std::vector<int64_t>{blocks, groups, kBlockOutputs}
-                                         : std::vector<int64_t>{blocks, groups, 2, kBlockOutputs};
+  const bool pairs = !q8 || scales.dim() == 4;
+  const std::vector<int64_t> shape = pairs ? std::vector<int64_t>{blocks, groups, 2, kBlockOutputs}
+                                           : std::vector<int64_t>{blocks, groups, kBlockOutputs};
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
               scales.sizes() == at::IntArrayRef(shape),
-              name, kQ8 ? ": scales must be contiguous bfloat16 [out / 16, in / 32, 16]"
-                        : ": scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
+              name, q8 ? ": scales must be contiguous bfloat16 [out / 16, in / 32, 16] or "
+                         "[out / 16, in / 32, 2, 16]"
+                       : ": scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
+  TORCH_CHECK(!zeros || pairs, name, ": zeros=True takes scales [out / 16, in / 32, 2, 16]");
   auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  blocked_linear<kQ8>(x, weight, scales, y);
+  if (!q8) {
+    blocked_linear<Scales::kInt4>(x, weight, scales, y);
+  } else if (!pairs) {
+    blocked_linear<Scales::kQ8>(x, weight, scales, y);
+  } else if (zeros) {
+    blocked_linear<Scales::kQ8Zeros>(x, weight, scales, y);
+  } else {
+    blocked_linear<Scales::kQ8Halves>(x, weight, scales, y);
+  }
 #endif
   return y;
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& scales_zeros) {
-  return checked_linear<false>(x, weight, scales_zeros);
+  return checked_linear(x, weight, scales_zeros, false, true);
 }
 
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  return checked_linear<true>(x, weight, scales);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                     bool zeros) {
+  return checked_linear(x, weight, scales, true, zeros);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros) -> Tensor");
-  m.def("q8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor weight, Tensor scales, bool zeros=False) -> Tensor");
   m.def("int4_linear_supported() -> bool", &supported);
 }
 

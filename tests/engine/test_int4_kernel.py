@@ -194,3 +194,46 @@ def test_q8_layout_dequantizes_as_the_two_int4_halves():
         torch.ops.llmrpc_cpu.q8_linear(x, blocked.qweight, blocked.scales.float())
     with pytest.raises(RuntimeError, match="q8_linear: weight"):
         torch.ops.llmrpc_cpu.q8_linear(x, blocked.qweight[:, :, :8].contiguous(), blocked.scales)
+
+
+@pytest.mark.parametrize("layout", ["zeros", "halves"])
+@pytest.mark.parametrize("rows", [1, 3, 13])
+def test_q8_kernel_with_zeros_or_half_group_scales(layout, rows):
+    """Int8 codes with a (d, zero) pair per 32 inputs (GGUF's Q5_1 and Q5_K as written for the
+    kernel) or a d per 16 (Q6_K): the kernel against the float matmul of the weights it documents,
+    each row the same alone as in the batch; dequantize and rows() give those weights."""
+    out_features, in_features = 48, 128
+    q, d, x = _q8_case(out_features, in_features, rows, seed=rows)
+    gen = torch.Generator().manual_seed(rows + 100)
+    if layout == "zeros":
+        zeros = (torch.randn(out_features, in_features // GROUP_SIZE, generator=gen) * 0.1).half()
+        layer = Q8Linear.from_blocks(q, d, None, torch.bfloat16, zeros=zeros.float())
+        per_input = d.bfloat16().float().repeat_interleave(GROUP_SIZE, dim=1)
+        offsets = zeros.float().bfloat16().float().repeat_interleave(GROUP_SIZE, dim=1)
+        weight = q.float() * per_input + offsets
+        scales = d.bfloat16().float()
+        # the zero's term is (zero - 128 d) dx sum(q): bounded as a larger offset
+        offset = 128 + int((offsets.abs() / per_input).max().ceil())
+    else:
+        d = (torch.rand(out_features, in_features // 16, generator=gen) * 0.01 + 1e-4).half()
+        layer = Q8Linear.from_blocks(q, d.float(), None, torch.bfloat16)
+        per_input = d.float().bfloat16().float().repeat_interleave(16, dim=1)
+        weight = q.float() * per_input
+        # two halves, each offset by 128 d: bounded per 32 by the larger d
+        scales = per_input.view(out_features, -1, GROUP_SIZE).amax(dim=-1)
+        offset = 128
+    assert layer.scales.shape == (out_features // 16, in_features // GROUP_SIZE, 2, 16)
+    assert torch.equal(layer.dequantize(torch.float32), weight)
+    ids = torch.tensor([0, 47, 16, 5, 16])
+    assert torch.equal(layer.rows(ids), weight[ids].bfloat16())
+    y = layer.packed_matmul(x)
+    _check_close(y, x, weight, scales, offset=offset)
+    for row in range(rows):
+        assert torch.equal(layer.packed_matmul(x[row : row + 1]), y[row : row + 1])
+
+
+def test_q8_zeros_flag_needs_pairs_of_scales():
+    q, d, x = _q8_case(16, 32, 2)
+    layer = Q8Linear.from_blocks(q, d, None, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="zeros=True takes scales"):
+        torch.ops.llmrpc_cpu.q8_linear(x, layer.qweight, layer.scales, True)

@@ -8,7 +8,7 @@
   weight is dequantized exactly, then multiplied), so greedy output is token-exact. In bfloat16
   the packed kernels round differently (ours also quantizes the activations to int8 per 32), so
   a perplexity bound on a fixed text.
-- A GGUF file served from its own Q4_0/Q4_1/Q8_0 blocks: its dequantized weights equal gguf's
+- A GGUF file served from its own blocks: its dequantized weights equal gguf's
   own dequantization, and its greedy output that of the dequantized model.
 """
 
@@ -353,16 +353,16 @@ def _fused_float(floats: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 # Written here: the tiny Llama's weights as llama.cpp stores them (q and k rows permuted for
-# its rotary layout), in the three block types, mixed as quantized files mix them.
+# its rotary layout), in the block types gguf can write, mixed as quantized files mix them.
 GGUF_TYPES = {
     "token_embd": "Q8_0",
     "attn_q": "Q4_0",
     "attn_k": "Q4_1",
     "attn_v": "Q4_1",
-    "attn_output": "Q8_0",
+    "attn_output": "Q5_1",
     "ffn_gate": "Q4_1",
-    "ffn_up": "Q8_0",  # with ffn_gate's Q4_1: gate_up_proj cannot be one packed layer
-    "ffn_down": "Q4_0",
+    "ffn_up": "Q5_0",  # with ffn_gate's Q4_1: gate_up_proj as int8 codes with zeros
+    "ffn_down": "F16",  # not a block type: kept as loaded
 }
 HF_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -413,10 +413,10 @@ def _write_gguf(path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
-    """Q4_0, Q4_1 and Q8_0 tensors, q/k in llama.cpp's row order, fused where the types allow:
-    each packed layer dequantizes exactly to gguf's own dequantization of its parts, a fused
-    layer whose parts mix Q8_0 and Q4_x keeps the weights loaded, and float32 greedy output
-    equals Transformers' model holding the same weights."""
+    """Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors, q/k in llama.cpp's row order, fused where the
+    types allow: each packed layer dequantizes exactly to gguf's own dequantization of its parts
+    (int4 where all parts are 4-bit, else int8 codes), an F16 tensor keeps the weights loaded,
+    and float32 greedy output equals Transformers' model holding the same weights."""
     path = tmp_path / "tiny.gguf"
     expected = _write_gguf(path, tiny_llama_dir)
     config = loader.load_hf_config(tiny_llama_dir)
@@ -431,20 +431,17 @@ def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
         prefix = f"model.layers.{i}"
         attention, mlp = layer.self_attn, layer.mlp
         assert isinstance(attention.qkv_proj, Int4Linear)  # Q4_0 and Q4_1 parts, both int4
-        assert isinstance(attention.o_proj, Q8BlockLinear)
-        assert isinstance(mlp.down_proj, Int4Linear)
-        assert type(mlp.gate_up_proj) is nn.Linear  # Q4_1 with Q8_0: kept as loaded
-        qkv = torch.cat([expected[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
-        assert torch.equal(attention.qkv_proj.dequantize(torch.float32), qkv)
-        for module, name in (
-            (attention.o_proj, "self_attn.o_proj"),
-            (mlp.down_proj, "mlp.down_proj"),
+        assert isinstance(attention.o_proj, Q8BlockLinear)  # Q5_1: int8 codes with zeros
+        assert isinstance(mlp.gate_up_proj, Q8BlockLinear)  # Q4_1 and Q5_0: int8 codes
+        assert type(mlp.down_proj) is nn.Linear  # F16: kept as loaded
+        for module, parts in (
+            (attention.qkv_proj, [f"self_attn.{p}_proj" for p in "qkv"]),
+            (attention.o_proj, ["self_attn.o_proj"]),
+            (mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"]),
         ):
-            assert torch.equal(
-                module.dequantize(torch.float32), expected[f"{prefix}.{name}.weight"]
-            )
-        gate_up = torch.cat([floats[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
-        assert torch.equal(mlp.gate_up_proj.weight, gate_up)
+            weight = torch.cat([expected[f"{prefix}.{part}.weight"] for part in parts])
+            assert torch.equal(module.dequantize(torch.float32), weight), parts
+        assert torch.equal(mlp.down_proj.weight, floats[f"{prefix}.mlp.down_proj.weight"])
 
     # The file holds tensors only (no config, no tokenizer), so it cannot be --model: the core
     # serves the tiny folder with the model just built from the file's blocks.
@@ -454,7 +451,7 @@ def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
     state = reference.state_dict()
     with torch.no_grad():
         for name, weight in expected.items():
-            if ".mlp.gate_proj." not in name and ".mlp.up_proj." not in name:
+            if ".mlp.down_proj." not in name:
                 state[name].copy_(weight)
     prompts = prompt_ids(core)
     assert engine_greedy(core, prompts, 12) == greedy_generate(reference, prompts, 12)
