@@ -345,12 +345,14 @@ _MODEL = _group(
     works("--max-model-len", None, human_readable_int, "model.max_model_len",
           "Context window in tokens (prompt plus output); takes 1k/1K/25.6k/2m: lower case "
           "is powers of 1000, upper case powers of 1024. Default: the model's own (its "
-          "attention window, if shorter)."),
+          "shortest attention window under --disable-sliding-window or the Transformers "
+          "fallback)."),
     works(("--quantization", "-q"), None, str, "model.quantization",
           "Weight-only quantization when the model loads: int8 (per output channel), int4 "
-          "(groups of 32 inputs) or gguf (a .gguf --model served from its Q4_0, Q4_1 and Q8_0 "
-          "blocks). Linear layers and lm_head are packed; docs/serving.md says when each kernel "
-          "runs and when a step dequantizes. Default: none (a .gguf is dequantized to --dtype).",
+          "(groups of 32 inputs) or gguf (a .gguf --model served from its Q4_0, Q4_1, Q5_0, "
+          "Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks). Linear layers and lm_head are packed; "
+          "docs/serving.md says when each kernel runs and when a step dequantizes. Default: "
+          "none (a .gguf is dequantized to --dtype).",
           choices=QUANTIZATION_METHODS),
     works("--rope-scaling", {}, json_object, "model.rope_scaling",
           "JSON rope scaling over the model's own (rope_type default, linear or llama3)."),

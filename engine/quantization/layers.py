@@ -12,8 +12,9 @@
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on weights packed by
   ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly that formula, with
   ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
-- ``Q8Linear`` and ``Q8BlockLinear``: GGUF's Q8_0 blocks exactly, in our blocked layout where
-  our kernel computes, else as two int4 halves (``gguf_blocks`` builds them).
+- ``Q8Linear`` and ``Q8BlockLinear``: int8 codes with a scale (and a zero) per 32 inputs, or a
+  scale per 16 (GGUF's 5-, 6- and 8-bit blocks), in our blocked layout where our kernel computes,
+  else as two int4 halves (``gguf_blocks`` builds them).
 
 Scales (and zeros) are held in the model's dtype, as the kernels require.
 
