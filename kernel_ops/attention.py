@@ -110,16 +110,21 @@ def paged_attention(
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``window``: the layer's attention window (a row at position p sees keys past p - window).
     The Triton kernels take it always (a CUDA graph replays whatever the contexts); the C++
     decode kernel takes none: where a row's context passes the window, the torch path computes
-    these layers."""
+    these layers. ``softcap``: the scores soft-capped to ``softcap * tanh(s / softcap)`` before
+    the softmax (Gemma 2); the Triton kernels take it, the C++ kernel does not (the torch path
+    computes such layers on the CPU)."""
     if metadata.backend == "triton":
-        return _triton_attention(query, key_cache, value_cache, metadata, scale, kv_scales, window)
+        return _triton_attention(
+            query, key_cache, value_cache, metadata, scale, kv_scales, window, softcap
+        )
     if not metadata.past_window:
         window = None  # no row's context reaches past it
-    fits = window is None and _kernel_fits(query, key_cache, value_cache)
+    fits = window is None and softcap is None and _kernel_fits(query, key_cache, value_cache)
     if metadata.decodes_only and fits:
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         return torch.ops.llmrpc_cpu.decode_attention(
@@ -136,20 +141,22 @@ def paged_attention(
         )  # fmt: skip
     elif rows.numel():
         output[rows] = decode_attention_torch(
-            query[rows], key_cache, value_cache, metadata, scale, kv_scales, window
+            query[rows], key_cache, value_cache, metadata, scale, kv_scales, window, softcap
         )
     for seq in metadata.prefills:
-        _prefill_attention(query, key_cache, value_cache, seq, scale, output, kv_scales, window)
+        _prefill_attention(
+            query, key_cache, value_cache, seq, scale, output, kv_scales, window, softcap
+        )
     return output
 
 
 def _triton_attention(
-    query, key_cache, value_cache, metadata, scale, kv_scales, window
+    query, key_cache, value_cache, metadata, scale, kv_scales, window, softcap
 ) -> torch.Tensor:
     from llmrpc.kernels import triton_attention, triton_ops
 
     k_scale, v_scale = kv_scales
-    window = window or 0
+    window, softcap = window or 0, softcap or 0.0
     decode = functools.partial(
         triton_ops.decode_attention,
         key_cache=key_cache,
@@ -160,6 +167,7 @@ def _triton_attention(
         k_scale=k_scale,
         v_scale=v_scale,
         window=window,
+        softcap=softcap,
     )
     if metadata.decodes_only:
         return decode(query)
@@ -172,13 +180,13 @@ def _triton_attention(
             query[rows], key_cache, value_cache, metadata.prefill_block_tables,
             metadata.prefill_query_start_loc, metadata.prefill_seq_lens, scale,
             max_query_len=metadata.prefill_max_query_len, k_scale=k_scale, v_scale=v_scale,
-            window=window,
+            window=window, softcap=softcap,
         )  # fmt: skip
     return output
 
 
 def decode_attention_torch(
-    query, key_cache, value_cache, metadata, scale, kv_scales=(1.0, 1.0), window=None
+    query, key_cache, value_cache, metadata, scale, kv_scales=(1.0, 1.0), window=None, softcap=None
 ) -> torch.Tensor:
     """The pure-torch decode path: ``query`` is ``[num_decodes, num_heads, head_dim]``."""
     tables = metadata.decode_block_tables
@@ -202,8 +210,27 @@ def decode_attention_torch(
     mask = positions < seq_lens
     if window is not None:
         mask &= positions >= seq_lens - window
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = _attend(q, keys, values, mask, scale, softcap)
     return out.reshape(num_decodes, -1, head_dim)
+
+
+def _attend(q, k, v, mask, scale, softcap, enable_gqa=False) -> torch.Tensor:
+    """Attention of ``q`` over ``k``/``v`` where ``mask`` is True: SDPA; with ``softcap``,
+    written out (SDPA has no cap) in float32, the scores capped as Transformers' Gemma 2 caps
+    them, ``q`` grouped by KV head for grouped-query attention."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
+    *lead, heads, rows, head_dim = q.shape
+    kv_heads = k.shape[-3]
+    grouped = q.reshape(*lead, kv_heads, heads // kv_heads, rows, head_dim).float()
+    k, v = k.unsqueeze(-3).float(), v.unsqueeze(-3).float()
+    scores = grouped @ k.transpose(-1, -2) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    out = scores.softmax(-1) @ v
+    return out.reshape(q.shape).to(q.dtype)
 
 
 def _kernel_fits(query, key_cache, value_cache) -> bool:
@@ -228,7 +255,15 @@ def _vector_width() -> int:
 
 
 def _prefill_attention(
-    query, key_cache, value_cache, seq: PrefillSeq, scale, output, kv_scales, window=None
+    query,
+    key_cache,
+    value_cache,
+    seq: PrefillSeq,
+    scale,
+    output,
+    kv_scales,
+    window=None,
+    softcap=None,
 ) -> None:
     _, _, num_kv_heads, head_dim = key_cache.shape
     num_queries = seq.query_end - seq.query_start
@@ -240,7 +275,7 @@ def _prefill_attention(
     q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)
     k = keys.transpose(0, 1).unsqueeze(0)
     v = values.transpose(0, 1).unsqueeze(0)
-    if num_queries == seq.seq_len and window is None:  # no earlier context: plain causal
+    if num_queries == seq.seq_len and window is None and softcap is None:  # plain causal
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at position seq_len - num_queries + i and sees keys up to there
         offset = seq.seq_len - num_queries
@@ -249,5 +284,5 @@ def _prefill_attention(
         mask = keys_at <= rows
         if window is not None:  # and past the last ``window`` positions
             mask &= keys_at > rows - window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _attend(q, k, v, mask, scale, softcap, enable_gqa=True)
     output[seq.query_start : seq.query_end] = out.squeeze(0).transpose(0, 1)

@@ -36,6 +36,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = math.log2(math.e)
+_LOG2E_C = tl.constexpr(_LOG2E)  # the same, inside kernels
 # Decode split-K: enough splits that the grid fills _WAVES waves of the device's SMs, at most
 # _MAX_SPLITS (a runtime count: every split count runs the same compiled kernels).
 _WAVES = 2
@@ -196,6 +197,12 @@ def store_kv_torch(
 # decode_attention
 
 
+@triton.jit
+def _soft_cap(s, cap):
+    """``cap * tanh(s / cap)`` (scores in log2 units, ``cap`` too), tanh written with exp2."""
+    return cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E_C) / cap) + 1.0))
+
+
 @triton.jit(do_not_specialize=["stride_bs", "blocks_per_split", "window"])  # per step or layer
 def _decode_split_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -205,9 +212,10 @@ def _decode_split_kernel(
     stride_qs, stride_qh, stride_bs, stride_bb, stride_os, stride_oh,
     blocks_per_split,  # a multiple of BLOCKS_PER_ITER
     window,  # the query sees the last `window` positions (0: all)
+    softcap,  # scores capped to softcap * tanh(s / softcap), in log2 units (SOFTCAP)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-    DOT_F32: tl.constexpr, FP8: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     # Program (seq, kv_head, split): the GROUP query heads of one KV head over the split's range
     # of the sequence's blocks, so that each K/V block is loaded once for the whole group.
@@ -261,6 +269,8 @@ def _decode_split_kernel(
         )  # fmt: skip
         # "ieee" only matters for float32 operands: no silent tf32 for float32 models
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         # every iteration holds a position in [seen_from, seq_len) (the first holds seen_from's
         # block, b < last), so m_new is finite
@@ -341,10 +351,12 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    softcap: float = 0.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in query's dtype
     """Attention of one query token per sequence over its first ``seq_lens[s]`` cached positions
-    (``window`` > 0: the last ``window`` of them).
+    (``window`` > 0: the last ``window`` of them; ``softcap`` > 0: the scores capped to
+    ``softcap * tanh(s / softcap)`` before the softmax).
 
     The context is cut into at most ``num_splits`` ranges of blocks (whole loop iterations of
     ``blocks_per_iteration(block_size)`` blocks each), one program each per sequence and KV
@@ -389,11 +401,11 @@ def decode_attention(
         scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
-        blocks_per_split, window,
+        blocks_per_split, window, softcap * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # the smallest tensor-core tile
         BLOCK_D=block_d, BLOCKS_PER_ITER=per_iter, DOT_F32=dot_in_f32(query.dtype),
-        FP8=key_cache.dtype in FP8_DTYPES, num_warps=_DECODE_WARPS,
+        FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap > 0, num_warps=_DECODE_WARPS,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -448,6 +460,7 @@ def decode_attention_torch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The twin of ``decode_attention``: gather the blocks, mask, softmax in float32."""
     num_seqs, num_heads, head_dim = query.shape
@@ -465,10 +478,14 @@ def decode_attention_torch(
     values = values.masked_fill(~valid[:, :, None, None], 0.0)
     # query heads sharing a KV head: [num_seqs, num_kv_heads, group, head_dim]
     q = query.float().reshape(num_seqs, num_kv_heads, -1, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale
+    scores = _capped(torch.einsum("skgd,slkd->skgl", q, keys) * scale, softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("skgl,slkd->skgd", scores.softmax(-1), values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
 
 
 def _read(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -488,8 +505,10 @@ def _prefill_kernel(
     k_scale, v_scale,  # an fp8 cache's scales
     stride_qt, stride_qh, stride_bs, stride_bb, stride_ot, stride_oh,
     window,  # a query sees the last `window` positions up to its own (0: all)
+    softcap,  # scores capped to softcap * tanh(s / softcap), in log2 units (SOFTCAP)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     # Program (tile, kv_head, seq): BLOCK_M rows of (query token, query head of the KV head's
     # group) pairs, token-major, against the sequence's keys block by block (flash attention).
@@ -540,6 +559,8 @@ def _prefill_kernel(
             query_ptr.dtype.element_ty, FP8, DOT_F32,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         # causal (which also keeps k_pos < seq_len for the tile's real rows), within the window
         seen = k_pos[None, :] <= q_pos[:, None]
         if window > 0:
@@ -573,10 +594,12 @@ def prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    softcap: float = 0.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in query's dtype
     """Causal attention of a flat batch of new tokens over their sequences' cached context
-    (``window`` > 0: each over the last ``window`` positions up to its own).
+    (``window`` > 0: each over the last ``window`` positions up to its own; ``softcap`` > 0: the
+    scores capped as ``decode_attention`` caps them).
 
     Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s + 1]``; its keys and
     values (cached prefix and this step's tokens) are already in the cache, and query ``i`` of
@@ -611,10 +634,10 @@ def prefill_attention(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), block_tables.stride(0), block_tables.stride(1),
-        out.stride(0), out.stride(1), window,
+        out.stride(0), out.stride(1), window, softcap * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_F32=dot_in_f32(query.dtype),
-        FP8=key_cache.dtype in FP8_DTYPES,
+        FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap > 0,
     )  # fmt: skip
     return out
 
@@ -630,6 +653,7 @@ def prefill_attention_torch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The twin of ``prefill_attention``: one sequence at a time, softmax in float32."""
     num_tokens, num_heads, head_dim = query.shape
@@ -643,7 +667,7 @@ def prefill_attention_torch(
         values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         keys, values = _read(keys, k_scale, query.dtype), _read(values, v_scale, query.dtype)
         q = query[start:end].float().reshape(num_q, num_kv_heads, -1, head_dim)
-        scores = torch.einsum("qkgd,lkd->kgql", q, keys) * scale
+        scores = _capped(torch.einsum("qkgd,lkd->kgql", q, keys) * scale, softcap)
         q_pos = torch.arange(num_q, device=query.device) + seq_len - num_q
         keys_at = torch.arange(seq_len, device=query.device)
         causal = keys_at <= q_pos.view(-1, 1)

@@ -49,15 +49,19 @@ def _decode_attention_op(
     k_scale: float,
     v_scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return triton_attention.decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale,
-        k_scale=k_scale, v_scale=v_scale, window=window,
+        k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap,
     )  # fmt: skip
 
 
 @_decode_attention_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=0):
+def _(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=0,
+    softcap=0.0,
+):  # fmt: skip
     return query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim], contiguous
 
 
@@ -104,16 +108,18 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def decode_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=0
-) -> torch.Tensor:
+    query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=0,
+    softcap=0.0,
+) -> torch.Tensor:  # fmt: skip
     """``triton_attention.decode_attention`` with its default split count."""
     if torch.compiler.is_compiling():
         return _decode_attention_op(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, window
-        )
+            query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+            window, softcap,
+        )  # fmt: skip
     return triton_attention.decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale,
-        k_scale=k_scale, v_scale=v_scale, window=window,
+        k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap,
     )  # fmt: skip
 
 

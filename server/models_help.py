@@ -11,6 +11,7 @@ _ENCODER_NOTE = "an encoder: embeddings only (--runner pooling, one process, eag
 _NATIVE_NOTES = {
     "MistralForCausalLM": "as Llama",
     "Phi3ForCausalLM": "Phi-3, Phi-3.5-mini, Phi-4-mini (longrope, partial rotary)",
+    "Gemma2ForCausalLM": "Gemma 2 (local and global layers, attention soft-capping)",
     "Gemma3ForCausalLM": "Gemma 3 text (local and global layers)",
     "BertModel": _ENCODER_NOTE,
     "BertForMaskedLM": _ENCODER_NOTE,

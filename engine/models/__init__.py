@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine.models.bert import BertModel
-from llmrpc.engine.models.gemma import Gemma3ForCausalLM
+from llmrpc.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
@@ -18,6 +18,7 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # encoders: pooling only (engine/pooling/params.py ENCODER_ARCHITECTURES)
     "BertModel": BertModel,

@@ -1,7 +1,8 @@
-"""Gemma 3 text models (``Gemma3ForCausalLM``) on the paged KV cache: Llama's attention with
-q/k norms, local (sliding-window) and global layers as ``layer_types`` says, each kind with its
-own rotary base; norms before and after attention and the MLP, a GELU (tanh) MLP, embeddings
-scaled by the square root of the hidden size.
+"""Gemma 2 and Gemma 3 text models (``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``) on the paged
+KV cache: Llama's attention, local (sliding-window) and global layers as ``layer_types`` says;
+norms before and after attention and the MLP, a GELU (tanh) MLP, embeddings scaled by the square
+root of the hidden size, final logits soft-capped where the config says. Gemma 3 adds q/k norms
+and a rotary base for each kind of layer; Gemma 2 soft-caps the attention scores instead.
 
 Gemma's RMSNorm multiplies by ``1 + weight``: the loader adds the 1, so the Llama norm serves
 (in float32 the same numbers; in 16 bits Gemma rounds after the product, Llama before it).
@@ -39,11 +40,12 @@ class GemmaMLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, window: int | None) -> None:
+    def __init__(self, config, window: int | None, qk_norm: bool = True) -> None:
         super().__init__()
         self.is_sliding = window is not None
-        self.self_attn = LlamaAttention(config, AttentionOptions(qk_norm=True), window)
+        self.self_attn = LlamaAttention(config, AttentionOptions(qk_norm=qk_norm), window)
         self.self_attn.scale = config.query_pre_attn_scalar**-0.5
+        self.self_attn.softcap = getattr(config, "attn_logit_softcapping", None) or None
         self.mlp = GemmaMLP(config)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps)
@@ -62,17 +64,21 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    family = "Gemma 3"
+    qk_norm = True
+
     def __init__(self, config) -> None:
         nn.Module.__init__(self)
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         refused = (
-            (getattr(config, "attn_logit_softcapping", None), "attn_logit_softcapping"),
+            # Transformers' Gemma 3 reads no attention cap
+            (self.qk_norm and getattr(config, "attn_logit_softcapping", None), "an attention cap"),
             (getattr(config, "use_bidirectional_attention", False), "use_bidirectional_attention"),
             (activation != "gelu_pytorch_tanh", "a hidden_activation but GELU-tanh"),
         )
         for set_, what in refused:
             if set_:
-                raise ValueError(f"--model: Gemma 3 with {what} is not served natively")
+                raise ValueError(f"--model: {self.family} with {what} is not served natively")
         self.config = config
         params = rope_parameters(config)
         head_dim = head_dim_of(config)
@@ -84,11 +90,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             }
         )
         if any(rotary.long_from is not None for rotary in self.rotaries.values()):
-            raise ValueError("--model: Gemma 3 with longrope scaling is not served natively")
+            raise ValueError(f"--model: {self.family} with longrope scaling is not served natively")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         windows = layer_windows(config)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, w) for w in windows)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, w, self.qk_norm) for w in windows)
         self.min_sliding_window = min(filter(None, windows), default=None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -123,6 +129,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(1.0)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layers without q/k norms, one rotary base, attention scores capped at
+    ``attn_logit_softcapping``."""
+
+    family = "Gemma 2"
+    qk_norm = False
 
 
 def rope_parameters_of(params: dict, kind: str) -> dict:

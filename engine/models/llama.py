@@ -74,6 +74,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, options: AttentionOptions, window: int | None = None) -> None:
         super().__init__()
         self.window = window  # a row sees the last ``window`` positions (None: all)
+        self.softcap: float | None = None  # scores capped to softcap * tanh(s / softcap)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -110,8 +111,9 @@ class LlamaAttention(nn.Module):
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, metadata, self.kv_scales)
         out = paged_attention(
-            q, key_cache, value_cache, metadata, self.scale, self.kv_scales, self.window
-        )
+            q, key_cache, value_cache, metadata, self.scale, self.kv_scales, self.window,
+            self.softcap,
+        )  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate(self, heads: torch.Tensor, rotary, backend: str) -> torch.Tensor:

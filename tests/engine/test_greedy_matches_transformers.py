@@ -94,6 +94,19 @@ FAMILIES = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),  # fmt: skip
+    # Gemma 2: Gemma 3's layers without q/k norms, attention scores soft-capped (at 0.05 here:
+    # at 1.0 this tiny model's greedy tokens were the same capped or not), final logits capped
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 0.05,
+            "final_logit_softcapping": 3.0,
+        },
+    ),  # fmt: skip
     "phi4-mini": (
         "phi3",
         {
@@ -194,6 +207,14 @@ def test_longrope_rows_take_the_factors_transformers_gives_them(tmp_path, smollm
 def test_attention_windows_on_the_triton_backend(tmp_path, smollm2_dir):
     """Qwen2's windowed layer beside a full one, through the Triton kernels (interpreted)."""
     model_type, overrides = FAMILIES["qwen2-window"]
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **{**TINY_DECODER, **overrides})  # fmt: skip
+    check_concurrent_greedy(model_dir, attention_backend="triton", num_prompts=3)
+
+
+def test_gemma2_soft_capped_attention_on_the_triton_backend(tmp_path, smollm2_dir):
+    """Gemma 2's capped scores through the Triton decode and prefill kernels (interpreted)."""
+    model_type, overrides = FAMILIES["gemma2"]
     model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
                                 **{**TINY_DECODER, **overrides})  # fmt: skip
     check_concurrent_greedy(model_dir, attention_backend="triton", num_prompts=3)

@@ -211,6 +211,19 @@ class KernelChecks:
             assert_matches(self.run_decode(args, num_splits=num_splits, window=window), expected)
         assert not torch.allclose(expected[0], ta.decode_attention_torch(*args, SCALE)[0])
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_decode_softcap(self, dtype):
+        """Scores capped at 0.5 (Gemma 2's soft-capping, far below these scores' spread), one
+        split or several, alone and with a window: the twin's result, not the uncapped one."""
+        args = self.decode_case([300, 77, 5, 129], GQA, dtype)
+        for window in (0, 47):
+            expected = ta.decode_attention_torch(*args, SCALE, window=window, softcap=0.5)
+            for num_splits in (1, 3):
+                got = self.run_decode(args, num_splits=num_splits, window=window, softcap=0.5)
+                assert_matches(got, expected)
+        uncapped = ta.decode_attention_torch(*args, SCALE)
+        assert not torch.allclose(expected.float(), uncapped.float(), atol=1e-2)
+
     # ---- prefill_attention
 
     def run_prefill(self, batch, layout, dtype, **kwargs):
@@ -228,8 +241,9 @@ class KernelChecks:
         out = poisoned_like(query)
         result = ta.prefill_attention(*args, SCALE, out=out, **kwargs)
         assert result is out
-        window = kwargs.get("window", 0)
-        assert_matches(result, ta.prefill_attention_torch(*args, SCALE, window=window))
+        window, softcap = kwargs.get("window", 0), kwargs.get("softcap", 0.0)
+        expected = ta.prefill_attention_torch(*args, SCALE, window=window, softcap=softcap)
+        assert_matches(result, expected)
         return args
 
     @pytest.mark.parametrize("dtype", DTYPES)
@@ -253,6 +267,15 @@ class KernelChecks:
         args = self.run_prefill(batch, GQA, torch.float32, window=window, max_query_len=150)
         full = ta.prefill_attention_torch(*args, SCALE)
         assert not torch.allclose(full, ta.prefill_attention_torch(*args, SCALE, window=window))
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_prefill_softcap(self, dtype):
+        batch = [(9, 9), (21, 50), (150, 300)]
+        args = self.run_prefill(batch, GQA, dtype, softcap=0.5, max_query_len=150)
+        self.run_prefill(batch, GQA, dtype, softcap=0.5, window=16, max_query_len=150)
+        capped = ta.prefill_attention_torch(*args, SCALE, softcap=0.5)
+        uncapped = ta.prefill_attention_torch(*args, SCALE)
+        assert not torch.allclose(capped.float(), uncapped.float(), atol=1e-2)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_prefill_one_token_each(self, dtype):
