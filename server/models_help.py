@@ -13,6 +13,7 @@ _NATIVE_NOTES = {
     "Phi3ForCausalLM": "Phi-3, Phi-3.5-mini, Phi-4-mini (longrope, partial rotary)",
     "Gemma2ForCausalLM": "Gemma 2 (local and global layers, attention soft-capping)",
     "Gemma3ForCausalLM": "Gemma 3 text (local and global layers)",
+    "Gemma3ForConditionalGeneration": "its text model only (image inputs are refused)",
     "BertModel": _ENCODER_NOTE,
     "BertForMaskedLM": _ENCODER_NOTE,
     "BertForPreTraining": _ENCODER_NOTE,

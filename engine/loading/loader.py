@@ -263,9 +263,24 @@ def _check_chat_template(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> N
         raise RuntimeError(f"the chat template did not survive saving the tokenizer to {out_dir}")
 
 
+# Image-and-text architectures whose text model the engine serves alone, as a causal LM (their
+# image inputs are refused as every model's are): the native class of each takes the checkpoint's
+# language-model weights and skips the vision tower's.
+TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
+
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
-    """The model's Transformers config, read from the local folder."""
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    """The model's Transformers config, read from the local folder: for an architecture in
+    ``TEXT_PART_ARCHITECTURES``, its ``text_config``, carrying the architecture and marked
+    ``text_part_of``."""
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    architectures = list(getattr(config, "architectures", None) or [])
+    text_config = getattr(config, "text_config", None)
+    if text_config is None or not TEXT_PART_ARCHITECTURES.intersection(architectures):
+        return config
+    text_config.architectures = architectures
+    text_config.text_part_of = architectures[0]
+    return text_config
 
 
 def load_tokenizer(model_dir_or_tokenizer_path: str | Path) -> PreTrainedTokenizerBase:

@@ -6,7 +6,11 @@ import torch
 from torch import nn
 
 from llmrpc.engine.models.bert import BertModel
-from llmrpc.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from llmrpc.engine.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextOfConditionalGeneration,
+)
 from llmrpc.engine.models.llama import LlamaForCausalLM
 from llmrpc.engine.models.qwen import Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
@@ -20,6 +24,7 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3TextOfConditionalGeneration,  # its text model
     # encoders: pooling only (engine/pooling/params.py ENCODER_ARCHITECTURES)
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
@@ -31,6 +36,12 @@ def model_class(hf_config, model_impl: str = "auto") -> type[nn.Module]:
     """``model_impl`` is ``--model-impl``: "vllm" (native), "transformers", or "auto" (either)."""
     architectures = getattr(hf_config, "architectures", None) or []
     native = next((NATIVE_MODELS[name] for name in architectures if name in NATIVE_MODELS), None)
+    text_part_of = getattr(hf_config, "text_part_of", None)
+    if text_part_of and model_impl == "transformers":
+        raise ValueError(
+            f"--model-impl transformers: {text_part_of} is served as its text model, natively "
+            "only; use --model-impl auto or vllm"
+        )
     if model_impl == "transformers" or (model_impl == "auto" and native is None):
         TransformersForCausalLM.check_supported(hf_config)
         return TransformersForCausalLM

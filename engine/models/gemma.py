@@ -139,6 +139,24 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     qk_norm = False
 
 
+class Gemma3TextOfConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of ``Gemma3ForConditionalGeneration`` (``loader.load_hf_config`` gives it
+    the text config): the checkpoint's language-model weights (``model.language_model.*``, or
+    ``language_model.model.*`` in older checkpoints); the vision tower's and the projector's are
+    skipped."""
+
+    _SKIPPED = ("vision_tower.", "multi_modal_projector.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def text_weights():
+            for name, tensor in weights:
+                bare = name.removeprefix("model.")
+                if not bare.startswith(self._SKIPPED):
+                    yield bare.removeprefix("language_model."), tensor
+
+        super().load_weights(text_weights())
+
+
 def rope_parameters_of(params: dict, kind: str) -> dict:
     """One kind of layer's rope settings: Transformers keeps them by layer type."""
     own = params.get(kind)
