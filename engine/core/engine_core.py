@@ -121,6 +121,18 @@ def resolve_max_model_len(requested: int | None, hf_config, why_capped: str | No
     return requested
 
 
+def kv_window_of(model) -> int | None:
+    """How far back the model's attention reaches when every layer attends within a window: the
+    largest window; None where a layer attends to all (or the model keeps no windows)."""
+    windows = [
+        getattr(getattr(layer, "self_attn", None), "window", None)
+        for layer in getattr(model, "layers", ())
+    ]
+    if not windows or None in windows:
+        return None
+    return max(windows)
+
+
 def eos_token_ids_of(hf_config, tokenizer) -> frozenset[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
@@ -352,6 +364,7 @@ class EngineCore:
             block_size,
             cache_config.enable_prefix_caching,
             cache_config.prefix_caching_hash_algo,
+            kv_window_of(self.model),
         )
         scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
         # --speculative-config: the drafts' proposer and its counters (None: no speculation)

@@ -180,7 +180,14 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Gives each request the blocks it needs, prefix-cache hits first."""
+    """Gives each request the blocks it needs, prefix-cache hits first.
+
+    ``window``: where every layer of the model attends within a window (the largest one), a
+    new token at position p reads no key before p - window + 1: the blocks wholly before that
+    are released as the request moves on (to the free queue, still cached for prefix hits until
+    evicted), and its table keeps their places, pointing at block 0 (never read: the attention
+    paths mask or skip positions outside the window).
+    """
 
     def __init__(
         self,
@@ -188,6 +195,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_algo: str = "builtin",
+        window: int | None = None,
     ) -> None:
         if hash_algo not in BLOCK_HASHERS:
             raise ValueError(
@@ -196,7 +204,9 @@ class KVCacheManager:
         self.hash_block = BLOCK_HASHERS[hash_algo]
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.window = window
+        # a request's blocks in table order; None where one was released outside the window
+        self.req_blocks: dict[str, list[KVBlock | None]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already cached
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # tokens found there
@@ -214,7 +224,8 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+        blocks = self.req_blocks.get(request_id, ())
+        return [0 if block is None else block.block_id for block in blocks]
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over every full block of its tokens."""
@@ -277,7 +288,17 @@ class KVCacheManager:
         self._cache_full_blocks(
             request, blocks, min(num_computed + num_new_tokens, request.num_tokens)
         )
+        if self.window is not None:
+            self._release_outside_window(blocks, num_computed)
         return new_blocks
+
+    def _release_outside_window(self, blocks: list[KVBlock | None], num_computed: int) -> None:
+        """Release the blocks no token from position ``num_computed`` on attends to."""
+        first_needed = max(num_computed - self.window + 1, 0) // self.block_size
+        released = [block for block in blocks[:first_needed] if block is not None]
+        if released:
+            blocks[:first_needed] = [None] * first_needed
+            self.pool.free_blocks(released)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         if not self.enable_caching:
@@ -300,8 +321,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         num_cached = self.num_cached_blocks.pop(request.request_id, 0)
         for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
-            self.pool.uncache_block(block)
-        self.pool.free_blocks(reversed(blocks))
+            self.pool.uncache_block(block)  # after the window: never released before
+        self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_utils import hf_greedy, make_core, run_to_completion
+from engine_utils import greedy_generate, hf_greedy, make_core, run_to_completion
 from tiny_models import TINY_DECODER, save_tiny_model
 
 from llmrpc.engine.request import SamplingParams
@@ -223,7 +223,9 @@ def test_gemma2_soft_capped_attention_on_the_triton_backend(tmp_path, smollm2_di
 def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
     """A 300-token prompt in chunks of 64: its chunks past 256 tokens of context take the
     prefill attention path (those before, the decode path a row at a time), both within the
-    window of 24 positions, with a prefix hit on the second request."""
+    window of 24 positions, with a prefix hit on the second request. The blocks before the
+    window are released as the prompt moves on: the first request never holds more than a
+    chunk and a window of blocks (7 of 16 tokens; 19 without the release)."""
     import random
 
     model_type, overrides = FAMILIES["mistral-window"]
@@ -234,7 +236,18 @@ def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
     prompt = [rng.randrange(10, 4000) for _ in range(300)]
     prompts = [prompt, prompt[:280] + [rng.randrange(10, 4000) for _ in range(20)]]
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    outputs = run_to_completion(core, {"a": (prompts[0], params)})
+    assert core.kv_manager.window == 24
+    core.add_request("a", prompts[0], params)
+    outputs, held = {}, []
+    while core.has_unfinished_requests:
+        for output in core.step():
+            if output.request_id in outputs:
+                outputs[output.request_id].merge(output)
+            else:
+                outputs[output.request_id] = output
+        blocks = core.kv_manager.req_blocks.get("a", [])
+        held.append(sum(block is not None for block in blocks))
+    assert max(held) <= 7, held
     outputs |= run_to_completion(core, {"b": (prompts[1], params)})
     assert outputs["b"].num_cached_tokens > 256
     expected = hf_greedy(model_dir, prompts, 8)
@@ -268,3 +281,44 @@ def test_gemma_final_logit_softcapping_matches_transformers(tmp_path, smollm2_di
     ]
     assert [entry.logprob for entry in output.logprobs] == pytest.approx(want, abs=1e-4)
     assert generated.logits[0].abs().max() <= 3.0  # the cap holds there, so it does here
+
+
+def test_text_model_of_gemma3_for_conditional_generation(tmp_path, smollm2_dir):
+    """A Gemma 3 image-and-text checkpoint (a small vision tower beside the text model, saved by
+    Transformers): its text model served natively, the vision weights skipped, greedy tokens
+    equal to Transformers' image-and-text model given text only. --model-impl transformers is
+    refused in one line."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from llmrpc.engine.loading.loader import load_hf_config, load_tokenizer
+    from llmrpc.engine.models import model_class
+    from llmrpc.engine.models.gemma import Gemma3TextOfConditionalGeneration
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    _, text = FAMILIES["gemma3"]
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    config = Gemma3Config(
+        text_config={**TINY_DECODER, **text, "vocab_size": len(tokenizer), **ids},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        mm_tokens_per_image=4, boi_token_index=10, eoi_token_index=11, image_token_index=12,
+        architectures=["Gemma3ForConditionalGeneration"], **ids,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    names = set(model.state_dict())
+    assert any("vision_tower" in name for name in names)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    core = make_core(tmp_path, max_num_batched_tokens=64)
+    assert type(core.runner.model) is Gemma3TextOfConditionalGeneration
+    prompts = [_as_ids(p) for p in _chat_prompts(core.tokenizer)][:4]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    outputs = run_to_completion(core, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    expected = greedy_generate(model.eval(), prompts, 12)
+    assert [outputs[f"r{i}"].token_ids for i in range(len(prompts))] == expected
+    with pytest.raises(ValueError, match="served as its text model, natively only"):
+        model_class(load_hf_config(tmp_path), "transformers")

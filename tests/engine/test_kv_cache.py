@@ -175,3 +175,36 @@ def test_freeing_a_request_before_its_chunk_is_computed_uncaches_that_chunk():
     again = make_request("b", list(range(20)))
     assert [block.block_id for block in manager.get_computed_blocks(again)] == [0, 1]
     assert manager.pool.free_queue.block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]
+
+
+def test_blocks_before_every_window_are_released_and_stay_cached():
+    """Window 6, blocks of 4: a token at position p reads keys from p - 5 on. A 14-token prompt
+    then decodes: each step releases the blocks wholly before its first token's window (to the
+    free queue, still cached), the table keeps their places at block 0, and freeing the request
+    releases the rest once. A second request with the same prompt hits the released blocks."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK, window=6)
+    request = make_request("a", list(range(14)))
+    assert schedule_all(manager, request) == [0, 1, 2, 3]  # computed from position 0: all kept
+    request.append_output_token(99)  # position 14 sees 9..14: block 0 (0-3) and 1 (4-7) unread
+    assert manager.allocate_slots(request, 1) == []
+    assert manager.block_ids("a") == [0, 0, 2, 3]
+    assert manager.num_free_blocks == 6
+    request.num_computed_tokens = 15
+    request.append_output_token(98)  # position 15 sees 10..15: still blocks 2 and 3
+    assert manager.allocate_slots(request, 1) is not None
+    assert manager.block_ids("a") == [0, 0, 2, 3] and manager.num_free_blocks == 6
+    request.num_computed_tokens = 16
+    manager.free(request)
+    assert manager.num_free_blocks == 8
+    assert all(block.ref_cnt == 0 for block in manager.pool.blocks)
+    again = make_request("b", list(range(14)))
+    assert manager.get_computed_blocks(again) == manager.pool.blocks[:3]
+
+
+def test_without_a_window_no_block_is_released():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    request = make_request("a", list(range(14)))
+    schedule_all(manager, request)
+    request.append_output_token(99)
+    manager.allocate_slots(request, 1)
+    assert manager.block_ids("a") == [0, 1, 2, 3]
