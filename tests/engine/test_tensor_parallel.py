@@ -178,13 +178,17 @@ def test_ray_needs_a_running_cluster(monkeypatch):
     assert ray_address() == "127.0.0.1:6379"
 
 
-def test_two_ranks_of_gemma3_give_one_ranks_greedy_tokens(tmp_path, smollm2_dir):
-    """Gemma 3's own MLP, four norms, scaled embeddings and local/global layers, sharded."""
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
+def test_two_ranks_of_gemma_give_one_ranks_greedy_tokens(tmp_path, smollm2_dir, model_type):
+    """Gemma's own MLP, four norms, scaled embeddings and local/global layers, sharded (Gemma 2
+    with its attention scores capped at 0.05)."""
     from tiny_models import TINY_DECODER, save_tiny_model
 
     config = {**TINY_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
               "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
-    model_dir = save_tiny_model(tmp_path, smollm2_dir, "gemma3_text",
+    if model_type == "gemma2":
+        config["attn_logit_softcapping"] = 0.05
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type,
                                 randomize_biases_and_norms=True, **config)  # fmt: skip
     expected = greedy_tokens(EngineCore(engine_config(model_dir, 1)))
     core = EngineCore(engine_config(model_dir, 2))
