@@ -192,6 +192,14 @@ def decode_attention_torch(
     tables = metadata.decode_block_tables
     num_decodes, max_blocks = tables.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
+    seq_lens = metadata.decode_seq_lens.view(-1, 1, 1, 1)
+    first = torch.zeros_like(seq_lens)  # each row's first position gathered
+    if window is not None and -(-window // block_size) + 1 < max_blocks:
+        # only the blocks a window can touch: from the one holding its first position
+        width = -(-window // block_size) + 1
+        start = ((seq_lens - window).clamp(min=0) // block_size).clamp(max=max_blocks - width)
+        columns = start.view(-1, 1) + torch.arange(width, device=tables.device)
+        tables, max_blocks, first = tables.gather(1, columns), width, start * block_size
     # [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]; index_select copies whole
     # blocks (advanced indexing, key_cache[tables], took 6x as long at 32 sequences)
     flat = tables.view(-1)
@@ -205,8 +213,7 @@ def decode_attention_torch(
     q = query.view(num_decodes, num_kv_heads, -1, head_dim)
     # True = attend: each row's positions up to its length (padding blocks point at block 0),
     # and within a window the last ``window`` of them
-    positions = torch.arange(max_blocks * block_size, device=query.device)
-    seq_lens = metadata.decode_seq_lens.view(-1, 1, 1, 1)
+    positions = first + torch.arange(max_blocks * block_size, device=query.device)
     mask = positions < seq_lens
     if window is not None:
         mask &= positions >= seq_lens - window
