@@ -322,3 +322,51 @@ def test_text_model_of_gemma3_for_conditional_generation(tmp_path, smollm2_dir):
     assert [outputs[f"r{i}"].token_ids for i in range(len(prompts))] == expected
     with pytest.raises(ValueError, match="served as its text model, natively only"):
         model_class(load_hf_config(tmp_path), "transformers")
+
+
+def check_under_pressure(model_dir, num_prompts: int, num_blocks: int, **options) -> None:
+    """Greedy tokens equal Transformers' for chat prompts longer than the families' windows (24),
+    in chunks of 32 tokens, with a prefix hit (the chat template's shared system prompt) and
+    preemptions (``num_blocks`` of 16 tokens hold a few requests at a time), each asserted."""
+    core = make_core(
+        model_dir, num_blocks=num_blocks, max_model_len=112, max_num_batched_tokens=32, **options
+    )
+    prompts = [_as_ids(p) for p in _chat_prompts(core.tokenizer)][:num_prompts]
+    assert min(len(p) for p in prompts) > 24
+    preempted = []
+    original = core.scheduler.schedule
+
+    def spying():
+        output = original()
+        preempted.extend(output.preempted)
+        return output
+
+    core.scheduler.schedule = spying
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = run_to_completion(core, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    assert preempted
+    assert any(output.num_cached_tokens for output in outputs.values())
+    expected = hf_greedy(model_dir, prompts, 16)
+    assert [outputs[f"r{i}"].token_ids for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize(
+    "family, backend",
+    [
+        ("gemma2", "torch"),
+        ("gemma3", "torch"),
+        ("phi3", "torch"),
+        ("mistral-window", "torch"),
+        ("gemma2", "triton"),
+        ("gemma3", "triton"),
+        ("phi3", "triton"),
+        ("mistral-window", "triton"),
+    ],
+)
+def test_windowed_families_under_pressure(tmp_path, smollm2_dir, family, backend):
+    model_type, overrides = FAMILIES[family]
+    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
+                                **{**TINY_DECODER, **overrides})  # fmt: skip
+    num_prompts = 9 if backend == "torch" else 4
+    check_under_pressure(model_dir, num_prompts, 12 if backend == "torch" else 7,
+                         attention_backend=backend)  # fmt: skip
