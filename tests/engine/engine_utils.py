@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,9 +60,12 @@ def make_core(
 
 
 def run_to_completion(
-    core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]
+    core: EngineCore,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    after_step: Callable[[], None] | None = None,
 ) -> dict[str, RequestOutput]:
-    """Submit all requests at once and step until every one has finished; outputs merged."""
+    """Submit all requests at once and step until every one has finished; outputs merged.
+    ``after_step`` is called after each step (to look at the core between steps)."""
     for request_id, (prompt, params) in requests.items():
         core.add_request(request_id, prompt, params)
     merged: dict[str, RequestOutput] = {}
@@ -71,6 +75,8 @@ def run_to_completion(
                 merged[output.request_id].merge(output)
             else:
                 merged[output.request_id] = output
+        if after_step is not None:
+            after_step()
     return merged
 
 

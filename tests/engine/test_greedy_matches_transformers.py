@@ -237,16 +237,12 @@ def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
     prompts = [prompt, prompt[:280] + [rng.randrange(10, 4000) for _ in range(20)]]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     assert core.kv_manager.window == 24
-    core.add_request("a", prompts[0], params)
-    outputs, held = {}, []
-    while core.has_unfinished_requests:
-        for output in core.step():
-            if output.request_id in outputs:
-                outputs[output.request_id].merge(output)
-            else:
-                outputs[output.request_id] = output
-        blocks = core.kv_manager.req_blocks.get("a", [])
-        held.append(sum(block is not None for block in blocks))
+    held = []  # the blocks request "a" holds after each step
+
+    def count_held() -> None:
+        held.append(sum(block is not None for block in core.kv_manager.req_blocks.get("a", [])))
+
+    outputs = run_to_completion(core, {"a": (prompts[0], params)}, after_step=count_held)
     assert max(held) <= 7, held
     outputs |= run_to_completion(core, {"b": (prompts[1], params)})
     assert outputs["b"].num_cached_tokens > 256
