@@ -285,7 +285,7 @@ def cache_file(folder: Path, key: dict[str, str]) -> Path:
     return folder / f"linear-{digest}.json"
 
 
-def _read(path: Path, key: dict[str, str]) -> dict:
+def read_cache(path: Path, key: dict[str, str]) -> dict:
     try:
         data = json.loads(path.read_text())
         return data["shapes"] if data.get("key") == key else {}
@@ -293,7 +293,7 @@ def _read(path: Path, key: dict[str, str]) -> dict:
         return {}
 
 
-def _write(path: Path, key: dict[str, str], shapes: dict) -> None:
+def write_cache(path: Path, key: dict[str, str], shapes: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
@@ -317,7 +317,7 @@ def measure(
     from the cache, else timed now (and cached once every bucket was timed)."""
     key = machine_key()
     path = cache_file(cache_folder, key) if cache_folder is not None else None
-    known = _read(path, key) if path is not None else {}
+    known = read_cache(path, key) if path is not None else {}
     started = clock()
     deadline = started + BUDGET_S
     plan, timed, cut = {}, 0, False
@@ -341,7 +341,7 @@ def measure(
             else "",
         )  # fmt: skip
         if path is not None:
-            _write(path, key, known)
+            write_cache(path, key, known)
     return plan
 
 

@@ -32,6 +32,7 @@ from llmrpc.engine.parallel.executor import start_tensor_parallel
 from llmrpc.engine.pooling.pooler import EnginePooling
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.quantization.plan import describe_linear_layers, plan_quantization
+from llmrpc.engine.quantization.tuning import plan_quantized_kernels
 from llmrpc.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -511,11 +512,12 @@ class EngineCore:
             kernels = plan_linear_kernels(
                 model, loader.cache_root() / "kernels", uniform=config.batch_invariant
             )
-            self.linear_kernels.update(kernels)
             packed = pack_linear_layers(model, layouts(kernels))
             logger.info(
                 "%s", describe_linear_layers(model, packed, None if draft else config.quantization)
             )
+            kernels |= plan_quantized_kernels(model, loader.cache_root() / "kernels")
+            self.linear_kernels.update(kernels)
             for choice in kernels.values():
                 logger.info("linear kernels: %s", choice.describe())
         moved, huge = gather_weights(model)

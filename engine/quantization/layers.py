@@ -21,13 +21,13 @@ Scales (and zeros) are held in the model's dtype, as the kernels require.
 torch's packed kernels are fast only with bfloat16 activations, and only for few rows: their
 cost grows with every row, where a dense matmul reuses each weight across rows, and in float16
 or float32 they are 10-50x slower than a dense matmul of the same dtype. So a layer uses its
-packed kernel in bfloat16 for at most ``dense_above`` rows (decode steps of small batches; our
-int4 kernel, which reuses each unpacked weight across 8 rows, up to long prefills), and
-otherwise dequantizes its weight for that call and runs the dense matmul: a long prefill chunk,
-and every call under ``--dtype float16`` or ``float32``. Dequantizing is exact in float32, so a
-quantized float32 model computes what the same model holding the dequantized weights computes
-(slowly: measured 5-30x slower than the unquantized float32 model, whose linear layers are
-packed for oneDNN).
+packed kernel in bfloat16 for at most ``dense_above`` rows, measured at load on the machine that
+serves (``tuning``: typically decode steps of small batches, and for our int4 kernel, which
+reuses each unpacked weight across 12 rows, longer prefills), and otherwise dequantizes its
+weight for that call and runs the dense matmul: a long prefill chunk, and every call under
+``--dtype float16`` or ``float32``. Dequantizing is exact in float32, so a quantized float32
+model computes what the same model holding the dequantized weights computes (slowly: measured
+5-30x slower than the unquantized float32 model, whose linear layers are packed for oneDNN).
 
 The two helpers at the end put a packed layer into a model and hand the freed float weights'
 memory back; ``plan`` and ``gguf_blocks`` both swap layers with them.
@@ -47,9 +47,11 @@ from torch.nn import functional as F
 from llmrpc.kernels import cpu_ops
 
 GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and Q8_0
-# Rows up to which the packed kernels beat dequantize-then-dense in bfloat16 (one thread, this
-# machine, SmolLM2-135M's layer shapes): int8 960x576 at 32 rows 220 us vs 118 + 103 us, at 64
-# rows 439 vs 284 us; int4 at 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
+# Rows up to which the packed kernels beat dequantize-then-dense in bfloat16: each layer's
+# dense_above starts here, and engine/quantization/tuning.py sets it at load from timings on the
+# machine that serves. Measured once (one thread, an AVX512-BF16 machine, SmolLM2-135M's
+# shapes): int8 960x576 at 32 rows 220 us vs 118 + 103 us, at 64 rows 439 vs 284 us; int4 at
+# 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
 INT8_DENSE_ABOVE = 32
 INT4_DENSE_ABOVE = 128
 # Rows up to which our blocked int4 kernel beats dequantize-then-dense (one thread, 30 layers of

@@ -1,0 +1,159 @@
+"""Up to how many rows a call each quantized layer runs its packed kernel: measured on this
+machine, per layer kind and shape, against the dense path (the weight dequantized for the call,
+then ``torch.nn.functional.linear``, oneDNN's matmul: AMX where the CPU has it).
+
+A packed kernel reads the quantized weight once for all of a call's rows; the dense path pays a
+dequantization a call and then runs the library's matmul, which wins once enough rows share
+that cost. Where the crossover falls depends on the CPU (whether the library has AMX tiles to
+use, what the memory gives), so it is timed: each bucket of ``ROW_BUCKETS`` at ``TIMED_ROWS``
+rows on one layer of the shape, both paths, the fastest of ``REPEATS`` calls. A layer then takes
+its packed kernel for the leading buckets where that won (``dense_above``: the last row of the
+last of them), dense past it. Buckets the budget or the FLOP cap leave untimed take the last
+timed bucket's choice. Only layers computing in bfloat16 are timed (in float16 and float32
+every call is dense). Measurements are cached with the float layers' (``kernels.linear_tuning``),
+keyed by the same machine key.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from llmrpc.engine.quantization.layers import _FAST_DTYPES, Int4Linear, Q8Linear, QuantizedLinear
+from llmrpc.kernels.linear_tuning import (
+    MAX_FLOP,
+    REPEATS,
+    ROW_BUCKETS,
+    TIMED_ROWS,
+    LayerChoice,
+    cache_file,
+    machine_key,
+    read_cache,
+    write_cache,
+)
+
+logger = logging.getLogger(__name__)
+
+BUDGET_S = 6.0
+KERNELS = ("packed", "dense")
+EVERY_ROW_COUNT = 2**31 - 1  # dense_above where the packed kernel won every bucket timed
+
+
+def shape_key(layer: QuantizedLinear) -> str:
+    """The kind, packing and shape of a quantized layer (what its timing depends on)."""
+    kind = type(layer).__name__
+    if isinstance(layer, Int4Linear):
+        kind += " blocked" if layer.blocked else " torch-packed"
+    elif isinstance(layer, Q8Linear):
+        planes = "a zero per 32" if layer.zeros else "a scale per 16"
+        kind += f" ({planes})" if layer.scales.dim() == 4 else ""
+    return f"{kind} {layer.dtype} {layer.in_features}x{layer.out_features}"
+
+
+def _call_time(call: Callable[[], object], repeats: int = REPEATS) -> float:
+    """Microseconds of the fastest of ``repeats`` calls, after one warm-up."""
+    fastest = math.inf
+    for repeat in range(repeats + 1):
+        started = time.perf_counter()
+        call()
+        if repeat:
+            fastest = min(fastest, time.perf_counter() - started)
+    return fastest * 1e6
+
+
+@torch.inference_mode()
+def time_layer(
+    layer: QuantizedLinear, deadline: float, clock: Callable[[], float] = time.monotonic
+) -> tuple[dict[str, list[float | None]], bool]:
+    """Microseconds of each path in each bucket (None: not timed), and whether the deadline cut
+    it short. The dense path's time is its dequantization's (timed once: it does not depend on
+    the rows) plus the matmul's on the dequantized weight. Past the first bucket the packed path
+    loses its place once 3x behind (its cost grows with the rows faster than the matmul's)."""
+    times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in KERNELS}
+    weight = layer.dequantize(layer.dtype)
+    dequantize_us = _call_time(functools.partial(layer.dequantize, layer.dtype), repeats=1)
+    flop_per_row = 2 * layer.in_features * layer.out_features
+    generator = torch.Generator().manual_seed(0)
+    packed = True
+    for index, rows in enumerate(TIMED_ROWS):
+        rows = max(ROW_BUCKETS[index][0], min(rows, int(MAX_FLOP // flop_per_row)))
+        if rows * flop_per_row > 4 * MAX_FLOP:
+            break
+        if clock() > deadline:
+            return times, True
+        x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
+        times["dense"][index] = dequantize_us + _call_time(functools.partial(F.linear, x, weight))
+        if packed:
+            times["packed"][index] = _call_time(functools.partial(layer.packed_matmul, x))
+            packed = times["packed"][index] <= 3 * times["dense"][index]
+    return times, False
+
+
+def choose(shape: str, num_layers: int, times: dict[str, list[float | None]]) -> LayerChoice:
+    """Packed for the leading buckets where it was timed faster, dense from the first where it
+    was not (or had dropped out); untimed buckets take the last timed bucket's choice."""
+    kernels, packed = [], True
+    for packed_us, dense_us in zip(times["packed"], times["dense"], strict=True):
+        if dense_us is not None:
+            packed = packed and packed_us is not None and packed_us <= dense_us
+        kernels.append("packed" if packed else "dense")
+    return LayerChoice(shape, num_layers, "quantized", tuple(kernels), times)
+
+
+def dense_above(choice: LayerChoice) -> int:
+    """The last row of the leading buckets that run packed (every row count where all do)."""
+    rows = 0
+    for index, kernel in enumerate(choice.kernels):
+        if kernel != "packed":
+            break
+        rows = ROW_BUCKETS[index][1] or EVERY_ROW_COUNT
+    return rows
+
+
+def plan_quantized_kernels(
+    model: nn.Module, cache_folder: Path | None, clock: Callable[[], float] = time.monotonic
+) -> dict[str, LayerChoice]:
+    """Time (or read from the cache) the packed and dense paths of each shape of ``model``'s
+    quantized layers computing in bfloat16, and set each layer's ``dense_above`` from them."""
+    groups: dict[str, list[QuantizedLinear]] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.dtype in _FAST_DTYPES:
+            groups.setdefault(shape_key(module), []).append(module)
+    if not groups:
+        return {}
+    key = {**machine_key(), "layers": "quantized"}
+    path = cache_file(cache_folder, key) if cache_folder is not None else None
+    known = read_cache(path, key) if path is not None else {}
+    started = clock()
+    deadline, plan, timed, cut = started + BUDGET_S, {}, 0, False
+    for shape, layers in groups.items():
+        times = known.get(shape)
+        if times is None or set(times) != set(KERNELS):
+            times, short = time_layer(layers[0], deadline, clock)
+            if not short:
+                known[shape] = times
+            cut |= short
+            timed += 1
+        plan[shape] = choice = choose(shape, len(layers), times)
+        if times["dense"][0] is None:  # nothing timed (past the budget): the class's default
+            continue
+        for layer in layers:
+            layer.dense_above = dense_above(choice)
+    if timed:
+        logger.info(
+            "timed the quantized layers' packed and dense paths for %d shape%s in %.1f s%s",
+            timed, "" if timed == 1 else "s", clock() - started,
+            f" (the rest past the {BUDGET_S:.0f} s budget take the last timed choice)" if cut
+            else "",
+        )  # fmt: skip
+        if path is not None:
+            write_cache(path, key, known)
+    return plan
