@@ -50,10 +50,12 @@ soak: install
 attack: install
 	$(BIN)/python tests/robustness/attack.py $(ARGS)
 
-# Not part of `make test`: the longer proofs (about 2 minutes on 2 cores). --batch-invariant with
-# the Triton kernels interpreted on the CPU, every one of the 32 requests run alone as well.
+# Not part of `make test`: the longer proofs (about 4 minutes on 2 cores). --batch-invariant with
+# the Triton kernels interpreted on the CPU, every one of the 32 requests run alone as well; the
+# Gemma 3 270M GGUF of PyPI (Q4_K_M) at a 4k-token context against Transformers, and its
+# perplexity served from its blocks.
 proofs: install
-	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py
+	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py tests/engine/test_gemma3_gguf.py
 
 # The GPU machine's packages: what its image has that we use (tests/gpu/image-packages.txt) and the
 # wheels that travel (tests/gpu/carry-packages.txt), one list for both Pythons.

@@ -9,8 +9,9 @@ use, what the memory gives), so it is timed: each bucket of ``ROW_BUCKETS`` at `
 rows on one layer of the shape, both paths, the fastest of ``REPEATS`` calls. A layer then takes
 its packed kernel for the leading buckets where that won (``dense_above``: the last row of the
 last of them), dense past it. Buckets the budget or the FLOP cap leave untimed take the last
-timed bucket's choice. Only layers computing in bfloat16 are timed (in float16 and float32
-every call is dense). Measurements are cached with the float layers' (``kernels.linear_tuning``),
+timed bucket's choice; a layer of more than ``MAX_TIMED_BYTES`` is not timed, and keeps its
+kind's default. Only layers computing in bfloat16 are timed (in float16 and float32 every call
+is dense). Measurements are cached with the float layers' (``kernels.linear_tuning``),
 keyed by the same machine key.
 """
 
@@ -27,7 +28,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from llmrpc.engine.quantization.layers import _FAST_DTYPES, Int4Linear, Q8Linear, QuantizedLinear
+from llmrpc.engine.quantization.layers import (
+    _FAST_DTYPES,
+    Int4Linear,
+    Q8Linear,
+    QuantizedLinear,
+    packed_bytes,
+)
 from llmrpc.kernels.linear_tuning import (
     MAX_FLOP,
     REPEATS,
@@ -43,6 +50,9 @@ from llmrpc.kernels.linear_tuning import (
 logger = logging.getLogger(__name__)
 
 BUDGET_S = 6.0
+# A larger layer (an embedding or head over a large vocabulary, read a few rows a call) is not
+# timed: its dequantization alone takes seconds. It keeps its kind's default.
+MAX_TIMED_BYTES = 64 * 2**20
 KERNELS = ("packed", "dense")
 EVERY_ROW_COUNT = 2**31 - 1  # dense_above where the packed kernel won every bucket timed
 
@@ -75,11 +85,18 @@ def time_layer(
 ) -> tuple[dict[str, list[float | None]], bool]:
     """Microseconds of each path in each bucket (None: not timed), and whether the deadline cut
     it short. The dense path's time is its dequantization's (timed once: it does not depend on
-    the rows) plus the matmul's on the dequantized weight. Past the first bucket the packed path
-    loses its place once 3x behind (its cost grows with the rows faster than the matmul's)."""
+    the rows) plus the matmul's on the dequantized weight; where the packed call took less than
+    the dequantization alone, the matmul is not timed and the dense time given is the
+    dequantization's (a lower bound: a large embedding's dequantization takes most of a second).
+    Past the first bucket the packed path loses its place once 3x behind (its cost grows with
+    the rows faster than the matmul's)."""
     times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in KERNELS}
-    weight = layer.dequantize(layer.dtype)
-    dequantize_us = _call_time(functools.partial(layer.dequantize, layer.dtype), repeats=1)
+    if packed_bytes(layer) > MAX_TIMED_BYTES:
+        return times, False
+    weight = layer.dequantize(layer.dtype)  # a warm-up, and the matmul's weight
+    started = time.perf_counter()
+    layer.dequantize(layer.dtype)
+    dequantize_us = (time.perf_counter() - started) * 1e6
     flop_per_row = 2 * layer.in_features * layer.out_features
     generator = torch.Generator().manual_seed(0)
     packed = True
@@ -90,10 +107,16 @@ def time_layer(
         if clock() > deadline:
             return times, True
         x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
-        times["dense"][index] = dequantize_us + _call_time(functools.partial(F.linear, x, weight))
-        if packed:
-            times["packed"][index] = _call_time(functools.partial(layer.packed_matmul, x))
-            packed = times["packed"][index] <= 3 * times["dense"][index]
+        packed_us = _call_time(functools.partial(layer.packed_matmul, x)) if packed else None
+        if packed_us is not None and packed_us < dequantize_us:
+            # the dequantization alone is slower: its time stands for the dense path's (a lower
+            # bound), the matmul untimed
+            times["dense"][index] = dequantize_us
+        else:
+            matmul_us = _call_time(functools.partial(F.linear, x, weight))
+            times["dense"][index] = dequantize_us + matmul_us
+        times["packed"][index] = packed_us
+        packed = packed_us is not None and packed_us <= 3 * times["dense"][index]
     return times, False
 
 
@@ -118,6 +141,16 @@ def dense_above(choice: LayerChoice) -> int:
     return rows
 
 
+def default_choice(
+    shape: str, num_layers: int, times: dict[str, list[float | None]], default: int
+) -> LayerChoice:
+    """The untimed layers' choice as their kind's default ``dense_above`` makes it."""
+    kernels = tuple(
+        "packed" if (last or EVERY_ROW_COUNT) <= default else "dense" for _, last in ROW_BUCKETS
+    )
+    return LayerChoice(shape, num_layers, "quantized", kernels, times)
+
+
 def plan_quantized_kernels(
     model: nn.Module, cache_folder: Path | None, clock: Callable[[], float] = time.monotonic
 ) -> dict[str, LayerChoice]:
@@ -133,18 +166,25 @@ def plan_quantized_kernels(
     path = cache_file(cache_folder, key) if cache_folder is not None else None
     known = read_cache(path, key) if path is not None else {}
     started = clock()
-    deadline, plan, timed, cut = started + BUDGET_S, {}, 0, False
-    for shape, layers in groups.items():
+    deadline, plan, timed, cut, changed = started + BUDGET_S, {}, 0, False, False
+    # the smallest weights first: where the budget runs out, the largest (an embedding, the
+    # head: mostly a few rows a call) keep the default
+    by_size = sorted(
+        groups.items(), key=lambda item: item[1][0].in_features * item[1][0].out_features
+    )
+    for shape, layers in by_size:
         times = known.get(shape)
         if times is None or set(times) != set(KERNELS):
             times, short = time_layer(layers[0], deadline, clock)
             if not short:
                 known[shape] = times
             cut |= short
-            timed += 1
-        plan[shape] = choice = choose(shape, len(layers), times)
-        if times["dense"][0] is None:  # nothing timed (past the budget): the class's default
+            timed += times["dense"][0] is not None
+            changed = True
+        if times["dense"][0] is None:  # nothing timed (too large, or past the budget): default
+            plan[shape] = default_choice(shape, len(layers), times, layers[0].dense_above)
             continue
+        plan[shape] = choice = choose(shape, len(layers), times)
         for layer in layers:
             layer.dense_above = dense_above(choice)
     if timed:
@@ -154,6 +194,6 @@ def plan_quantized_kernels(
             f" (the rest past the {BUDGET_S:.0f} s budget take the last timed choice)" if cut
             else "",
         )  # fmt: skip
-        if path is not None:
-            write_cache(path, key, known)
+    if changed and path is not None:
+        write_cache(path, key, known)
     return plan

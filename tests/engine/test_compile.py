@@ -15,12 +15,7 @@ from engine_utils import make_core, run_to_completion
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.models.llama import LlamaMLP
-from llmrpc.engine.quantization.layers import (
-    BLOCKED_DENSE_ABOVE,
-    INT4_DENSE_ABOVE,
-    INT8_DENSE_ABOVE,
-    blocked_kernel_available,
-)
+from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.request import SamplingParams
 from llmrpc.engine.runner import compilation
 
@@ -240,18 +235,17 @@ def _quantized_core(model_dir, method: str, compiled: bool) -> EngineCore:
     )
 
 
-@pytest.mark.parametrize(("method", "max_rows"), [("int4", None), ("int8", INT8_DENSE_ABOVE)])
-def test_quantized_models_compile_their_packed_kernels(
-    tiny_llama_dir, method, max_rows, monkeypatch
-):
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantized_models_compile_their_packed_kernels(tiny_llama_dir, method, monkeypatch):
     """The graph holds the packed kernels' branch, so it runs only steps with at most as many
-    rows as every quantized layer computes with its packed kernel (int4 where our kernel runs:
-    up to long prefills, so any decodes-only step)."""
+    rows as every quantized layer computes with its packed kernel (measured at load: the
+    fewest of the layers' dense_above); a decodes-only step of more rows runs eager."""
     eager, _ = run_mixed_workload(_quantized_core(tiny_llama_dir, method, compiled=False))
     core = _quantized_core(tiny_llama_dir, method, compiled=True)
     compiled = core.runner.compiled_decode
     assert compiled is not None and compiled.failure is None
-    limit = max_rows or (BLOCKED_DENSE_ABOVE if blocked_kernel_available() else INT4_DENSE_ABOVE)
+    model = core.runner.model
+    limit = min(m.dense_above for m in model.modules() if isinstance(m, QuantizedLinear))
     assert compiled.max_rows == limit
     calls = count_compiled_calls(core, monkeypatch)
     rows = []  # the rows of each decodes-only step
@@ -264,13 +258,14 @@ def test_quantized_models_compile_their_packed_kernels(
     outputs, num_steps = run_mixed_workload(core)
     assert_same_outputs(outputs, eager, TOLERANCE)
     assert len(rows) == num_steps - 1  # all but the step with the 300-token prefill
-    # a decodes-only step of more rows than that runs eager (the int8 layers dequantize)
-    core.add_request("rows", list(range(2000, 2000 + INT8_DENSE_ABOVE + 8)), _params(1))
-    core.step()  # its prompt as 40 rows of the decode kernel
-    assert rows[-1] == INT8_DENSE_ABOVE + 8
+    # a decodes-only step of more rows than that runs eager (its layers past dense_above
+    # dequantize): a prompt of limit + 8 fresh tokens, each a row of the decode path (up to 256)
+    if limit + 8 <= 256:
+        core.add_request("rows", list(range(2000, 2000 + limit + 8)), _params(1))
+        core.step()
+        assert rows[-1] == limit + 8 and calls[0] < len(rows)
     assert compiled.failure is None
     assert calls[0] == len([count for count in rows if count <= limit])
-    assert calls[0] == len(rows) if method == "int4" else calls[0] < len(rows)
 
 
 def test_enforce_eager_overrides_the_level_with_a_warning(tiny_llama_dir, caplog):

@@ -39,11 +39,9 @@ from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.loading import loader
 from llmrpc.engine.loading.model_source import packaged_gguf_path
 from llmrpc.engine.models import build_model
+from llmrpc.engine.quantization.gguf_blocks import BLOCK_BYTES
 from llmrpc.engine.quantization.layers import (
-    BLOCKED_DENSE_ABOVE,
     GROUP_SIZE,
-    INT4_DENSE_ABOVE,
-    INT8_DENSE_ABOVE,
     Int4Linear,
     Int8Linear,
     Q8BlockLinear,
@@ -523,11 +521,12 @@ def test_help_and_serving_page_state_what_the_code_does():
     flag = next(flag for flag in FLAGS if flag.name == "--quantization")
     assert flag.names == ("--quantization", "-q") and flag.choices == ("int8", "int4", "gguf")
     assert f"groups of {GROUP_SIZE} inputs" in flag.help
-    for block_type in ("Q4_0", "Q4_1", "Q8_0"):
+    for block_type in BLOCK_BYTES:
         assert block_type in flag.help
     # the help sends the reader to docs/serving.md for when each kernel runs
     assert "docs/serving.md says when each kernel runs" in " ".join(flag.help.split())
     page = " ".join((Path(__file__).parents[2] / "docs" / "serving.md").read_text().split())
-    assert f"in bfloat16 for up to {BLOCKED_DENSE_ABOVE} tokens a layer call" in page
-    packed = f"for up to {INT8_DENSE_ABOVE} (int8) or {INT4_DENSE_ABOVE} (int4, gguf) tokens"
-    assert packed in page
+    assert "runs the packed kernel is measured at start-up on the machine" in page
+    assert "(`engine/quantization/tuning.py`" in page
+    for block_type in BLOCK_BYTES:
+        assert block_type in page

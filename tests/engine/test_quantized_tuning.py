@@ -41,19 +41,11 @@ def test_untimed_buckets_take_the_last_timed_choice():
     assert dropped.kernels == ("packed",) + ("dense",) * (N - 1)
 
 
-class _Clock:
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.skipif(not blocked_kernel_available(), reason="needs the blocked int4 kernel")
-def test_a_model_is_timed_once_then_read_from_the_cache(tmp_path):
+def test_a_model_is_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     """Two layers of one shape and one of another: two shapes timed, every layer's threshold set
-    from its shape's choice; a second plan reads the cache (a clock past the budget times
-    nothing) and sets the same thresholds."""
+    from its shape's choice; a second plan reads the cache (timing nothing) and sets the same
+    thresholds."""
     gen = torch.Generator().manual_seed(0)
 
     def layer(out_features, in_features):
@@ -70,9 +62,8 @@ def test_a_model_is_timed_once_then_read_from_the_cache(tmp_path):
     thresholds = [module.dense_above for module in model]
     for module in model:
         module.dense_above = -1
-    late = _Clock(1e9)
-    again = tuning.plan_quantized_kernels(model, tmp_path, clock=late)
-    assert again == plan
+    monkeypatch.setattr(tuning, "time_layer", lambda *args: pytest.fail("timed again"))
+    assert tuning.plan_quantized_kernels(model, tmp_path) == plan
     assert [module.dense_above for module in model] == thresholds
 
 
@@ -80,3 +71,24 @@ def test_float32_layers_are_not_timed(tmp_path):
     weight = torch.randn(32, 64)
     model = nn.Sequential(Int4Linear.from_float(weight, None, torch.float32))
     assert tuning.plan_quantized_kernels(model, tmp_path) == {}
+
+
+def test_a_layer_too_large_to_time_keeps_its_default_and_is_not_timed_again(tmp_path, monkeypatch):
+    weight = torch.randn(64, 128)
+    layer = Int4Linear.from_float(weight, None, torch.bfloat16)
+    default = layer.dense_above
+    monkeypatch.setattr(tuning, "MAX_TIMED_BYTES", 1024)
+    model = nn.Sequential(layer)
+    plan = tuning.plan_quantized_kernels(model, tmp_path)
+    (choice,) = plan.values()
+    assert all(t is None for path in choice.times_us.values() for t in path)
+    assert layer.dense_above == default
+    # cached as untimed: the next start finds it and times nothing
+    monkeypatch.setattr(tuning, "time_layer", lambda *args: pytest.fail("timed again"))
+    assert tuning.plan_quantized_kernels(model, tmp_path) == plan
+
+
+def test_untimed_layers_report_their_default():
+    choice = tuning.default_choice("s", 1, times([None] * N, [None] * N), 128)
+    assert choice.kernels == ("packed",) * 4 + ("dense",) * 2
+    assert tuning.dense_above(choice) == 128

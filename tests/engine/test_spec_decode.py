@@ -132,7 +132,7 @@ def test_greedy_tokens_on_the_triton_backend(tiny_llama_dir):
     """Interpreted Triton: verify rows go through its varlen prefill kernel as a chunk."""
     core = make_core(tiny_llama_dir, num_blocks=32, max_num_batched_tokens=48,
                      attention_backend="triton")  # fmt: skip
-    requests = dict(list(_mixed_requests(core).items())[:10])
+    requests = dict(list(_mixed_requests(core).items())[:5])
     plain = run_to_completion(core, requests)
     spec = run_to_completion(_with_spec(core, NGRAM, _WrongAtTimes), requests)
     stats = core.proposer.stats
