@@ -224,12 +224,15 @@ def test_lora_bias_needs_the_flag_and_matches_peft(tmp_path, smollm2_dir, prompt
         assert got == expected, dense_max_rows
 
 
-def test_gemma3_adapters_match_peft(tmp_path, smollm2_dir, prompts):
-    """Gemma 3's layers (four norms, GELU-tanh MLP, local and global attention) with an adapter
-    on every projection: PEFT's merged model's tokens."""
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
+def test_gemma_adapters_match_peft(tmp_path, smollm2_dir, prompts, model_type):
+    """Gemma's layers (four norms, GELU-tanh MLP, local and global attention; Gemma 2's scores
+    capped at 0.05) with an adapter on every projection: PEFT's merged model's tokens."""
     config = {**TINY_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
               "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
-    base = save_tiny_model(tmp_path / "gemma3", smollm2_dir, "gemma3_text",
+    if model_type == "gemma2":
+        config["attn_logit_softcapping"] = 0.05
+    base = save_tiny_model(tmp_path / "gemma", smollm2_dir, model_type,
                            randomize_biases_and_norms=True, **config)  # fmt: skip
     merged = make_adapter(base, tmp_path / "adapter", AdapterSpec(8, 16, seed=6))
     expected = greedy_generate(merged, prompts, MAX_TOKENS)
