@@ -217,7 +217,7 @@ def test_windowed_prompt_chunks_past_the_rows_as_decodes(tmp_path, smollm2_dir):
     prefill attention path (those before, the decode path a row at a time), both within the
     window of 24 positions, with a prefix hit on the second request. The blocks before the
     window are released as the prompt moves on: the first request never holds more than a
-    chunk and a window of blocks (7 of 16 tokens; 19 without the release)."""
+    chunk and a window of blocks (7 of 16 tokens; 20 without the release)."""
     import random
 
     model_type, overrides = FAMILIES["mistral-window"]
