@@ -306,6 +306,51 @@ def write_cache(path: Path, key: dict[str, str], shapes: dict) -> None:
 # --- the plan for a model ------------------------------------------------------------------
 
 
+def cached_or_timed(
+    groups: Iterable[tuple[str, list]],
+    kernels_of: Callable[[list], list[str]],
+    time_one: Callable[..., tuple[dict[str, list[float | None]], bool]],
+    key: dict[str, str],
+    cache_folder: Path | None,
+    what: str,
+    budget_s: float = BUDGET_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, dict[str, list[float | None]]]:
+    """Each shape's times (kernel -> per bucket, None: not timed), in ``groups``' order (shape
+    key, its layers): read from the cache file for ``key``, else timed now by ``time_one(layers,
+    kernels, deadline, clock)`` within ``budget_s`` (a shape the budget cut short is timed again
+    at the next start; one with a single candidate is not timed). ``what`` names the shapes in
+    the log line."""
+    path = cache_file(cache_folder, key) if cache_folder is not None else None
+    known = read_cache(path, key) if path is not None else {}
+    started = clock()
+    deadline = started + budget_s
+    result, timed, cut, changed = {}, 0, False, False
+    for shape, layers in groups:
+        kernels = kernels_of(layers)
+        times = known.get(shape)
+        if len(kernels) == 1:  # nothing to choose between
+            times = {kernels[0]: [None] * len(ROW_BUCKETS)}
+        elif times is None or set(times) != set(kernels):
+            times, short = time_one(layers, kernels, deadline, clock)
+            if not short:
+                known[shape] = times
+                changed = True
+            cut |= short
+            timed += any(t is not None for row in times.values() for t in row)
+        result[shape] = times
+    if timed:
+        logger.info(
+            "timed %s for %d layer shape%s in %.1f s%s",
+            what, timed, "" if timed == 1 else "s", clock() - started,
+            f" (the rest past the {budget_s:.0f} s budget take the last timed choice)" if cut
+            else "",
+        )  # fmt: skip
+    if (timed or changed) and path is not None:
+        write_cache(path, key, known)
+    return result
+
+
 def measure(
     groups: dict[str, list[nn.Linear]],
     tied: set[str],
@@ -315,34 +360,19 @@ def measure(
 ) -> dict[str, LayerChoice]:
     """A choice for each shape in ``groups`` (shape key -> its layers, in model order): read
     from the cache, else timed now (and cached once every bucket was timed)."""
-    key = machine_key()
-    path = cache_file(cache_folder, key) if cache_folder is not None else None
-    known = read_cache(path, key) if path is not None else {}
-    started = clock()
-    deadline = started + BUDGET_S
-    plan, timed, cut = {}, 0, False
-    for shape, layers in groups.items():
-        kernels = candidates(layers[0])
-        times = known.get(shape)
-        if len(kernels) == 1:  # nothing to choose between
-            times = {kernels[0]: [None] * len(ROW_BUCKETS)}
-        elif times is None or set(times) != set(kernels):
-            times, short = time_shape(layers, kernels, deadline, clock)
-            if not short:  # one the budget cut short is timed again at the next start
-                known[shape] = times
-            cut |= short
-            timed += 1
-        plan[shape] = choose(shape, len(layers), times, shape in tied, uniform)
-    if timed:
-        logger.info(
-            "timed the linear kernels for %d layer shape%s in %.1f s%s",
-            timed, "" if timed == 1 else "s", clock() - started,
-            f" (the rest past the {BUDGET_S:.0f} s budget take the last timed choice)" if cut
-            else "",
-        )  # fmt: skip
-        if path is not None:
-            write_cache(path, key, known)
-    return plan
+    times = cached_or_timed(
+        groups.items(),
+        lambda layers: candidates(layers[0]),
+        lambda layers, kernels, deadline, clock: time_shape(layers, kernels, deadline, clock),
+        machine_key(),
+        cache_folder,
+        "the linear kernels",
+        clock=clock,
+    )
+    return {
+        shape: choose(shape, len(groups[shape]), shape_times, shape in tied, uniform)
+        for shape, shape_times in times.items()
+    }
 
 
 def plan_linear_kernels(

@@ -41,10 +41,8 @@ from llmrpc.kernels.linear_tuning import (
     ROW_BUCKETS,
     TIMED_ROWS,
     LayerChoice,
-    cache_file,
+    cached_or_timed,
     machine_key,
-    read_cache,
-    write_cache,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,38 +160,25 @@ def plan_quantized_kernels(
             groups.setdefault(shape_key(module), []).append(module)
     if not groups:
         return {}
-    key = {**machine_key(), "layers": "quantized"}
-    path = cache_file(cache_folder, key) if cache_folder is not None else None
-    known = read_cache(path, key) if path is not None else {}
-    started = clock()
-    deadline, plan, timed, cut, changed = started + BUDGET_S, {}, 0, False, False
     # the smallest weights first: where the budget runs out, the largest (an embedding, the
     # head: mostly a few rows a call) keep the default
-    by_size = sorted(
-        groups.items(), key=lambda item: item[1][0].in_features * item[1][0].out_features
+    by_size = sorted(groups.items(), key=lambda item: packed_bytes(item[1][0]))
+    times = cached_or_timed(
+        by_size,
+        lambda layers: list(KERNELS),
+        lambda layers, kernels, deadline, clock: time_layer(layers[0], deadline, clock),
+        {**machine_key(), "layers": "quantized"},
+        cache_folder,
+        "the quantized layers' packed and dense paths",
+        BUDGET_S,
+        clock,
     )
+    plan = {}
     for shape, layers in by_size:
-        times = known.get(shape)
-        if times is None or set(times) != set(KERNELS):
-            times, short = time_layer(layers[0], deadline, clock)
-            if not short:
-                known[shape] = times
-            cut |= short
-            timed += times["dense"][0] is not None
-            changed = True
-        if times["dense"][0] is None:  # nothing timed (too large, or past the budget): default
-            plan[shape] = default_choice(shape, len(layers), times, layers[0].dense_above)
+        if times[shape]["dense"][0] is None:  # not timed (too large, or past the budget)
+            plan[shape] = default_choice(shape, len(layers), times[shape], layers[0].dense_above)
             continue
-        plan[shape] = choice = choose(shape, len(layers), times)
+        plan[shape] = choice = choose(shape, len(layers), times[shape])
         for layer in layers:
             layer.dense_above = dense_above(choice)
-    if timed:
-        logger.info(
-            "timed the quantized layers' packed and dense paths for %d shape%s in %.1f s%s",
-            timed, "" if timed == 1 else "s", clock() - started,
-            f" (the rest past the {BUDGET_S:.0f} s budget take the last timed choice)" if cut
-            else "",
-        )  # fmt: skip
-    if changed and path is not None:
-        write_cache(path, key, known)
     return plan
