@@ -194,9 +194,9 @@ def decode_attention_torch(
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     seq_lens = metadata.decode_seq_lens.view(-1, 1, 1, 1)
     first = torch.zeros_like(seq_lens)  # each row's first position gathered
-    if window is not None and -(-window // block_size) + 1 < max_blocks:
-        # only the blocks a window can touch: from the one holding its first position
-        width = -(-window // block_size) + 1
+    # the blocks a window can touch, from the one holding its first position
+    width = max_blocks if window is None else -(-window // block_size) + 1
+    if width < max_blocks:
         start = ((seq_lens - window).clamp(min=0) // block_size).clamp(max=max_blocks - width)
         columns = start.view(-1, 1) + torch.arange(width, device=tables.device)
         tables, max_blocks, first = tables.gather(1, columns), width, start * block_size
@@ -272,22 +272,25 @@ def _prefill_attention(
     window=None,
     softcap=None,
 ) -> None:
-    _, _, num_kv_heads, head_dim = key_cache.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_queries = seq.query_end - seq.query_start
-    keys = read_kv(key_cache.index_select(0, seq.block_ids), kv_scales[0], query.dtype)
-    values = read_kv(value_cache.index_select(0, seq.block_ids), kv_scales[1], query.dtype)
-    keys = keys.view(-1, num_kv_heads, head_dim)
-    values = values.view(-1, num_kv_heads, head_dim)
-    keys, values = keys[: seq.seq_len], values[: seq.seq_len]
+    offset = seq.seq_len - num_queries  # query i sits at position offset + i
+    # the blocks from the one holding the first query's first key in the window (all without)
+    first_block = 0 if window is None else max(offset - window + 1, 0) // block_size
+    block_ids = seq.block_ids[first_block:]
+    keys = read_kv(key_cache.index_select(0, block_ids), kv_scales[0], query.dtype)
+    values = read_kv(value_cache.index_select(0, block_ids), kv_scales[1], query.dtype)
+    first = first_block * block_size  # the position of the first key read
+    keys = keys.view(-1, num_kv_heads, head_dim)[: seq.seq_len - first]
+    values = values.view(-1, num_kv_heads, head_dim)[: seq.seq_len - first]
     q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)
     k = keys.transpose(0, 1).unsqueeze(0)
     v = values.transpose(0, 1).unsqueeze(0)
     if num_queries == seq.seq_len and window is None and softcap is None:  # plain causal
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # query i sits at position seq_len - num_queries + i and sees keys up to there
-        offset = seq.seq_len - num_queries
+    else:  # each query sees the keys up to its own position
         rows = torch.arange(num_queries, device=query.device).unsqueeze(1) + offset
-        keys_at = torch.arange(seq.seq_len, device=query.device).unsqueeze(0)
+        keys_at = torch.arange(first, seq.seq_len, device=query.device).unsqueeze(0)
         mask = keys_at <= rows
         if window is not None:  # and past the last ``window`` positions
             mask &= keys_at > rows - window
