@@ -49,7 +49,7 @@ from llmrpc.kernels import cpu_ops
 GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and Q8_0
 # Rows up to which the packed kernels beat dequantize-then-dense in bfloat16: each layer's
 # dense_above starts here, and engine/quantization/tuning.py sets it at load from timings on the
-# machine that serves. Measured once (one thread, an AVX512-BF16 machine, SmolLM2-135M's
+# machine that serves. Measured once (one thread, CPU not recorded, SmolLM2-135M's
 # shapes): int8 960x576 at 32 rows 220 us vs 118 + 103 us, at 64 rows 439 vs 284 us; int4 at
 # 64 rows 393 us vs 526 + 166 us, at 256 rows 1543 vs 1086 us.
 INT8_DENSE_ABOVE = 32

@@ -58,8 +58,8 @@ inline __m512 load_bf16x16(const at::BFloat16* values) {
 }
 
 // Each row's inputs, group by group: d = max |x| / 127, q = round(x * (1 / d)) (ties to even)
-// as int8, d * sum(q), and d * sum(q) over each half of 16 (d_halves: [2][rows * groups]). The
-// same for a row whatever the rows beside it.
+// as int8, d * sum(q), and (where d_halves is given) d * sum(q) over each half of 16 (d_halves:
+// [2][rows * groups]). The same for a row whatever the rows beside it.
 void quantize_rows(const at::BFloat16* x, int64_t rows, int64_t groups, int8_t* q, float* d,
                    float* d_sum, float* d_halves) {
   for (int64_t i = 0; i < rows * groups; ++i) {
@@ -74,8 +74,10 @@ void quantize_rows(const at::BFloat16* x, int64_t rows, int64_t groups, int8_t* 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(high));
     d[i] = scale;
     d_sum[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(low, high)));
-    d_halves[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(low));
-    d_halves[rows * groups + i] = scale * static_cast<float>(_mm512_reduce_add_epi32(high));
+    if (d_halves != nullptr) {  // only a scale per 16 inputs needs them
+      d_halves[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(low));
+      d_halves[rows * groups + i] = scale * static_cast<float>(_mm512_reduce_add_epi32(high));
+    }
   }
 }
 
@@ -211,7 +213,8 @@ void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   float* ds = d.data_ptr<float>();
   float* d_sums = ds + rows * groups;
   float* d_halves = ds + 2 * rows * groups;
-  quantize_rows(x.data_ptr<at::BFloat16>(), rows, groups, qs, ds, d_sums, d_halves);
+  quantize_rows(x.data_ptr<at::BFloat16>(), rows, groups, qs, ds, d_sums,
+                kScales == Scales::kQ8Halves ? d_halves : nullptr);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const at::BFloat16* sc = scales.data_ptr<at::BFloat16>();
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
