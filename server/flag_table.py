@@ -42,7 +42,10 @@ from llmrpc.server.settings import DEFAULT_GRPC_PORT, MIB, REST_SECTIONS
 from llmrpc.server.tool_parsers import tool_parser_names
 
 # Why a flag is refused or inert; each is the end of a sentence naming the flag.
-ONE_DEVICE = "needs several devices or processes; this build runs one engine, in one process"
+EPLB = (
+    "balances expert load by moving redundant experts between ranks; this build places the "
+    "experts once (--enable-expert-parallel) and never moves them"
+)
 MULTI_NODE = (
     "spreads data-parallel engines over several machines; here --data-parallel-size runs them "
     "all on this one: for several machines run one server each behind Envoy (llmrpc "
@@ -471,8 +474,9 @@ _PARALLELISM = _group(
           "device (unless --num-gpu-blocks-override), all taking the fewest blocks of any rank. "
           "Each holds its share of the attention heads (KV heads copied where there are fewer "
           "than ranks), MLP features and vocabulary, and its heads' part of the KV cache; every "
-          "step costs two all-reduces per layer. Native Llama-family models whose heads split "
-          "evenly; refused with --enable-lora, --runner pooling, --quantization, --model-impl "
+          "step costs two all-reduces per layer. MoE models: each rank holds its share of every "
+          "expert's features (or, with --enable-expert-parallel, its share of the experts). "
+          "Native Llama-family and MoE models whose heads split evenly (not OLMoE); refused with --enable-lora, --runner pooling, --quantization, --model-impl "
           "transformers, -O1..3, --enable-sleep-mode. Each rank takes its share of the cores "
           "(OMP_NUM_THREADS each, if set). A rank that dies stops the server. The NCCL path is "
           "untested here (no GPU in this build's tests)."),
@@ -506,12 +510,17 @@ _PARALLELISM = _group(
           "model path must exist on every node); uni (the default for one rank) runs the engine "
           "alone and refuses more ranks; external_launcher is refused.",
           choices=("mp", "ray", "uni", "external_launcher")),
-    refused("--enable-expert-parallel", False, None, ONE_DEVICE),
-    refused("--enable-eplb", False, None, ONE_DEVICE),
-    refused("--num-redundant-experts", 0, int, ONE_DEVICE),
-    refused("--eplb-window-size", 1000, int, ONE_DEVICE),
-    refused("--eplb-step-interval", 3000, int, ONE_DEVICE),
-    refused("--eplb-log-balancedness", False, None, ONE_DEVICE),
+    works("--enable-expert-parallel", False, None, "parallel.enable_expert_parallel",
+          "With --tensor-parallel-size N, each rank holds 1/N of a MoE model's experts whole "
+          "(the experts must split evenly) instead of 1/N of every expert's features; every "
+          "rank routes every token and one all-reduce sums the experts' parts, as without it. "
+          "Attention is split as without it. With one rank, or on a model without experts, "
+          "it changes nothing."),
+    refused("--enable-eplb", False, None, EPLB),
+    refused("--num-redundant-experts", 0, int, EPLB),
+    refused("--eplb-window-size", 1000, int, EPLB),
+    refused("--eplb-step-interval", 3000, int, EPLB),
+    refused("--eplb-log-balancedness", False, None, EPLB),
     inert("--max-parallel-loading-workers", None, int,
           "applies when several workers load the model; here one thread loads it"),
     inert("--disable-custom-all-reduce", False, None, "applies to several devices; one is used"),

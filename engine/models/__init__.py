@@ -12,6 +12,12 @@ from llmrpc.engine.models.gemma import (
     Gemma3TextOfConditionalGeneration,
 )
 from llmrpc.engine.models.llama import LlamaForCausalLM
+from llmrpc.engine.models.moe import (
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from llmrpc.engine.models.qwen import Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.quantization.plan import QuantizationPlan
@@ -22,6 +28,10 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfConditionalGeneration,  # its text model

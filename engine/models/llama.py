@@ -68,6 +68,9 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    # RMSNorm over the whole q and k projections before rotary (OLMoE)
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE's clip_qkv)
 
 
 class LlamaAttention(nn.Module):
@@ -84,10 +87,13 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
-        if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if options.qk_norm or options.qk_norm_whole:
+            per_head = options.qk_norm
+            self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
+        self.qk_norm_whole = options.qk_norm_whole
+        self.clip_qkv = options.clip_qkv
         self.rotary_dim = rotary_dim_of(config)
         self.scale = self.head_dim**-0.5
         # an fp8 KV cache's scales (--kv-cache-dtype): 1, as where a checkpoint carries none
@@ -95,9 +101,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rotary, hidden, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         backend = metadata.backend
+        qkv = self.qkv_proj(hidden)
+        if self.qk_norm_whole:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = self.q_norm(q.contiguous(), None, backend)
+            k = self.k_norm(k.contiguous(), None, backend)
+            qkv = torch.cat((q, k, qkv[:, self.q_size + self.kv_size :]), dim=1)
+        if self.clip_qkv is not None:  # after the norms, as OLMoE clips
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), None, backend)
@@ -127,22 +140,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
+        self.intermediate_size = size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """``backend`` is the engine's kernel backend; these matmuls and SiLU take no other."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, options: AttentionOptions, window: int | None = None) -> None:
+    def __init__(
+        self, config, options: AttentionOptions, window: int | None = None, mlp=None
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, options, window)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)  # a MoE block in MoE models
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -157,7 +174,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual, backend)
         hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual, backend)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, backend), residual
 
 
 # checkpoint name fragment -> (our parameter, index of the shard in a fused weight)
@@ -187,7 +204,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         options = self.attention_options(config)
         windows = layer_windows(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options, w) for w in windows)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, w, self.build_mlp(config, index))
+            for index, w in enumerate(windows)
+        )
         # the shortest attention window of a layer (None: every layer attends to all)
         self.min_sliding_window = min(filter(None, windows), default=None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -203,6 +223,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
         return self.norm(hidden, residual, metadata.backend)[0]  # [num_tokens, hidden_size]
+
+    def build_mlp(self, config, index: int) -> nn.Module:
+        """Layer ``index``'s MLP: the dense SiLU MLP (MoE models build their experts here)."""
+        return LlamaMLP(config)
 
     @property
     def long_rope_from(self) -> int | None:
@@ -221,6 +245,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (tied and name == "lm_head.weight"):
                 continue
+            if self.load_other_weight(name, tensor):
+                continue
             target, shard = name, None
             for fragment, (fused, index) in _FUSED_SHARDS.items():
                 if f".{fragment}." in name:
@@ -229,9 +255,17 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint")
             self._copy_weight(params[target], tensor, shard, target)
             loaded.add(target)
-        missing = set(params) - loaded
+        missing = set(params) - loaded - self.loaded_other_weights()
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+    def load_other_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether a subclass loaded checkpoint weight ``name`` its own way (MoE experts)."""
+        return False
+
+    def loaded_other_weights(self) -> set[str]:
+        """The parameters ``load_other_weight`` loaded whole."""
+        return set()
 
     def _copy_weight(self, param, tensor, shard: int | None, name: str) -> None:
         with torch.no_grad():
@@ -246,4 +280,5 @@ class LlamaForCausalLM(nn.Module):
         if "qkv_proj" in name:
             attn = self.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2
+        mlp = self.get_submodule(name.rsplit(".", 2)[0])  # the MLP holding gate_up_proj
+        return [mlp.intermediate_size] * 2

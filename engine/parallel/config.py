@@ -15,6 +15,7 @@ EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
+    enable_expert_parallel: bool = False  # MoE experts split whole over the ranks
 
     def __post_init__(self) -> None:
         size, backend = self.tensor_parallel_size, self.distributed_executor_backend

@@ -201,6 +201,7 @@ class TensorParallel:
         self, config, size: int, device: torch.device, profile_tokens: int | None = None
     ) -> None:
         self.rank, self.device = Rank(0, size), device
+        self.expert_parallel = config.parallel.enable_expert_parallel
         self.comm = Collectives(self.rank, sync_gather=device.type == "cuda")
         self.workers: list[_Worker] = []
         self.watch: DeathWatch | None = None
@@ -263,7 +264,7 @@ class TensorParallel:
 
     def shard(self, model) -> None:
         """Keep rank 0's shard of the loaded model, then wait for the workers to hold theirs."""
-        shard_llama(model, self.comm)
+        shard_llama(model, self.comm, self.expert_parallel)
         self._expect("ready", LOAD_TIMEOUT_S)
 
     def agree_on_kv_blocks(self, num_blocks: int) -> int:
@@ -340,7 +341,7 @@ def start_tensor_parallel(
         return None
     size = parallel.tensor_parallel_size
     check_engine_options(config, device, runner)
-    check_model(hf_config, config.model.model_impl, size)
+    check_model(hf_config, config.model.model_impl, size, parallel.enable_expert_parallel)
     ray = parallel.distributed_executor_backend == "ray"
     cuda = device.type == "cuda"
     visible = torch.cuda.device_count() if cuda else 0
@@ -377,7 +378,7 @@ def check_engine_options(config, device: torch.device, runner: str) -> None:
             raise ValueError(f"{flag} {why}")
 
 
-def check_model(hf_config, model_impl: str, size: int) -> None:
+def check_model(hf_config, model_impl: str, size: int, expert_parallel: bool = False) -> None:
     """A native Llama-family model whose heads and features split over ``size`` ranks."""
     from llmrpc.engine.models import LlamaForCausalLM, model_class
 
@@ -387,4 +388,4 @@ def check_model(hf_config, model_impl: str, size: int) -> None:
             f"--tensor-parallel-size {size} shards the native Llama-family models only, not "
             f"{architectures[0]}"
         )
-    check_shardable(hf_config, size)
+    check_shardable(hf_config, size, expert_parallel)

@@ -164,8 +164,9 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     return max(1, num_kv_heads // size)
 
 
-def check_shardable(hf_config, size: int) -> None:
-    """Refuse, with one line, a model whose heads or features do not split over ``size``."""
+def check_shardable(hf_config, size: int, expert_parallel: bool = False) -> None:
+    """Refuse, with one line, a model whose heads, features or experts do not split over
+    ``size``."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", heads)
     problems = []
@@ -175,6 +176,20 @@ def check_shardable(hf_config, size: int) -> None:
         problems.append(f"{kv_heads} KV heads")
     if hf_config.intermediate_size % size:
         problems.append(f"intermediate size {hf_config.intermediate_size}")
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0)
+    if experts and expert_parallel and experts % size:
+        problems.append(f"{experts} experts (--enable-expert-parallel)")
+    expert_size = getattr(hf_config, "moe_intermediate_size", None)  # else intermediate_size
+    if experts and not expert_parallel and expert_size and expert_size % size:
+        problems.append(f"expert intermediate size {expert_size}")
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None)
+    if experts and shared and shared % size:
+        problems.append(f"shared expert intermediate size {shared}")
+    if getattr(hf_config, "model_type", None) == "olmoe":
+        raise ValueError(
+            f"--tensor-parallel-size {size}: OLMoE's q and k norms span every head, which this "
+            "build does not split over ranks"
+        )
     if problems:
         raise ValueError(
             f"--tensor-parallel-size {size}: the model's {', '.join(problems)} do not split "
@@ -182,28 +197,70 @@ def check_shardable(hf_config, size: int) -> None:
         )
 
 
-def shard_llama(model: nn.Module, comm: Collectives) -> None:
+def shard_llama(model: nn.Module, comm: Collectives, expert_parallel: bool = False) -> None:
     """Keep this rank's part of a loaded native Llama-family model, in place; its collectives
-    go through ``comm``."""
+    go through ``comm``. A MoE block's experts are split whole over the ranks with
+    ``expert_parallel`` (``--enable-expert-parallel``), else by their intermediate features."""
     rank, config = comm.rank, model.config
-    check_shardable(config, rank.size)
+    check_shardable(config, rank.size, expert_parallel)
     for layer in model.layers:
         _shard_attention(layer.self_attn, comm)
         mlp = layer.mlp
-        per_rank = mlp.intermediate_size // rank.size
-        start = rank.rank * per_rank
-        full = mlp.intermediate_size
-        mlp.gate_up_proj = column_shard(
-            mlp.gate_up_proj, [(start, per_rank), (full + start, per_rank)]
-        )
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, comm)
-        mlp.intermediate_size = per_rank
+        if hasattr(mlp, "experts"):  # engine/models/moe.SparseMoeBlock
+            _shard_moe(mlp, comm, expert_parallel)
+            continue
+        _shard_mlp(mlp, comm, reduce=True)
     tied = model.lm_head.weight is model.embed_tokens.weight
     weight, start, num_rows = vocab_shard(model.embed_tokens.weight, rank)
     model.embed_tokens = VocabParallelEmbedding(weight, start, num_rows, comm)
     if not tied:
         weight = vocab_shard(model.lm_head.weight, rank)[0]
     model.lm_head = ParallelLMHead(weight, config.vocab_size, comm)
+
+
+def _shard_mlp(mlp: nn.Module, comm: Collectives, reduce: bool) -> None:
+    """This rank's intermediate features of a SiLU MLP: its rows of gate and up, its columns of
+    down, whose partial product is all-reduced with ``reduce`` (else the caller reduces it)."""
+    rank, full = comm.rank, mlp.intermediate_size
+    per_rank = full // rank.size
+    start = rank.rank * per_rank
+    mlp.gate_up_proj = column_shard(mlp.gate_up_proj, [(start, per_rank), (full + start, per_rank)])
+    mlp.intermediate_size = per_rank
+    if reduce:
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, comm)
+        return
+    down = mlp.down_proj
+    if down.bias is not None:  # would be added on every rank before the caller's sum
+        raise ValueError("a shared expert with a down_proj bias is not sharded in this build")
+    sliced = nn.Linear(per_rank, down.out_features, bias=False, device="meta")
+    sliced.weight = nn.Parameter(
+        down.weight.detach()[:, start : start + per_rank].contiguous(), False
+    )
+    mlp.down_proj = sliced
+
+
+def _shard_moe(block: nn.Module, comm: Collectives, expert_parallel: bool) -> None:
+    """Every rank routes every token; its block returns its part of the sum (its experts, or
+    its features of every expert, and its features of the shared expert), all-reduced once."""
+    rank, experts = comm.rank, block.experts
+    w13, w2 = experts.w13.detach(), experts.w2.detach()
+    if expert_parallel:
+        per_rank = experts.num_experts // rank.size
+        start = rank.rank * per_rank
+        w13, w2 = w13[start : start + per_rank], w2[start : start + per_rank]
+        experts.num_experts, experts.first_expert = per_rank, start
+    else:
+        full = experts.intermediate_size
+        per_rank = full // rank.size
+        start = rank.rank * per_rank
+        w13 = torch.cat((w13[:, start : start + per_rank], w13[:, full + start :][:, :per_rank]), 1)
+        w2 = w2[:, :, start : start + per_rank]
+        experts.intermediate_size = per_rank
+    experts.w13 = nn.Parameter(w13.contiguous(), False)
+    experts.w2 = nn.Parameter(w2.contiguous(), False)
+    if block.shared_expert is not None:
+        _shard_mlp(block.shared_expert, comm, reduce=False)
+    block.comm = comm
 
 
 def _shard_attention(attn: nn.Module, comm: Collectives) -> None:

@@ -109,6 +109,7 @@ class RayTensorParallel:
         self, config, size: int, device: torch.device, profile_tokens: int | None = None
     ) -> None:
         self.rank, self.device = Rank(0, size), device
+        self.expert_parallel = config.parallel.enable_expert_parallel
         self.comm = Collectives(self.rank, sync_gather=device.type == "cuda")
         self.actors: list = []
         self.watch: DeathWatch | None = None
@@ -164,7 +165,7 @@ class RayTensorParallel:
             raise WorkerDied(f"a tensor-parallel rank on Ray failed: {error}") from error
 
     def shard(self, model) -> None:
-        shard_llama(model, self.comm)
+        shard_llama(model, self.comm, self.expert_parallel)
         self._get(self._loaded, LOAD_TIMEOUT_S)
         if self._profile_tokens is not None:  # the step rank 0 is about to profile
             profile = self._profile_tokens

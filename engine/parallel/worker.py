@@ -84,7 +84,7 @@ class Shard:
         model = build_model(
             self.hf_config, self.dtype, weights, model_config.seed, model_config.model_impl
         )
-        shard_llama(model, comm)
+        shard_llama(model, comm, config.parallel.enable_expert_parallel)
         if device.type == "cpu":
             from llmrpc.engine.runner.weight_arena import gather_weights
             from llmrpc.kernels import cpu_ops
