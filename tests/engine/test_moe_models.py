@@ -2,71 +2,16 @@
 tokens equal under pressure (chunked prefill, a prefix hit, preemptions) on both backends (Triton
 interpreted), from per-expert checkpoints (what ``save_pretrained`` writes) and fused ones (what
 Transformers 5 holds in memory), with dense and sparse layers mixed where the config says.
-
-Routers, norms and biases are random (Transformers zeroes OLMoE's router at init, which would
-send every token to the first experts) so that every family routes tokens over all its experts.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_utils import hf_greedy, make_core
 from test_greedy_matches_transformers import check_under_pressure
-from tiny_models import TINY_DECODER, save_tiny_model
+from tiny_models import MOE_FAMILIES, save_moe
 
 from llmrpc.engine.models.moe import MoeForCausalLM, SparseMoeBlock
-
-MOE_FAMILIES = {
-    # 4 experts, top-2, always renormalised
-    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    # a dense layer (mlp_only_layers) then a sparse one with a gated shared expert; top-k
-    # weights not renormalised
-    "qwen2_moe": (
-        "qwen2_moe",
-        {
-            "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
-            "shared_expert_intermediate_size": 96, "mlp_only_layers": [0],
-            "norm_topk_prob": False,
-        },
-    ),
-    # per-head q/k norms; renormalised top-k; sparse every layer
-    "qwen3_moe": (
-        "qwen3_moe",
-        {
-            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "head_dim": 32, "norm_topk_prob": True,
-        },
-    ),
-    # q and k normed over their whole projections; q, k, v clipped at 0.5 (which bites at
-    # these random weights)
-    "olmoe": (
-        "olmoe",
-        {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5, "norm_topk_prob": False},
-    ),
-}  # fmt: skip
-
-
-def save_moe(tmp_path, smollm2_dir, family: str):
-    model_type, overrides = MOE_FAMILIES[family]
-    model_dir = save_tiny_model(tmp_path, smollm2_dir, model_type, randomize_biases_and_norms=True,
-                                **{**TINY_DECODER, **overrides})  # fmt: skip
-    _randomize_routers(model_dir)
-    return model_dir
-
-
-def _randomize_routers(model_dir) -> None:
-    """Routers of spread logits (std 1 over the hidden size), rewritten in the saved file."""
-    from safetensors.torch import load_file, save_file
-
-    path = next(model_dir.glob("*.safetensors"))
-    weights = load_file(path)
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in weights.items():
-        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-            noise = torch.randn(tensor.shape, generator=generator)
-            weights[name] = noise / tensor.shape[1] ** 0.5
-    save_file(weights, path, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))

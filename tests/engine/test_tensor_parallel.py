@@ -196,3 +196,40 @@ def test_two_ranks_of_gemma_give_one_ranks_greedy_tokens(tmp_path, smollm2_dir, 
         assert greedy_tokens(core) == expected
     finally:
         core.parallel.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "expert_parallel"),
+    [("qwen2_moe", False), ("qwen2_moe", True), ("mixtral", True)],
+)
+def test_two_ranks_of_a_moe_model_give_one_ranks_greedy_tokens(
+    tmp_path, smollm2_dir, family, expert_parallel
+):
+    """Experts split by their features, or whole (half the experts a rank, with
+    --enable-expert-parallel); Qwen2-MoE's dense layer and shared expert split as MLPs are."""
+    from tiny_models import save_moe
+
+    from llmrpc.engine.models.moe import SparseMoeBlock
+
+    model_dir = save_moe(tmp_path, smollm2_dir, family)
+    expected = greedy_tokens(EngineCore(engine_config(model_dir, 1)))
+    core = EngineCore(engine_config(model_dir, 2, enable_expert_parallel=expert_parallel))
+    try:
+        blocks = [m for m in core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        experts = blocks[0].experts
+        total = experts.total_experts
+        assert experts.num_experts == (total // 2 if expert_parallel else total)
+        assert greedy_tokens(core) == expected
+    finally:
+        core.parallel.close()
+
+
+def test_moe_models_that_do_not_split_are_refused(tmp_path, smollm2_dir):
+    from tiny_models import save_moe
+
+    odd = save_moe(tmp_path / "odd", smollm2_dir, "qwen2_moe", num_experts=5)
+    with pytest.raises(ValueError, match=r"5 experts \(--enable-expert-parallel\) do not split"):
+        EngineCore(engine_config(odd, 2, enable_expert_parallel=True))
+    olmoe = save_moe(tmp_path / "olmoe", smollm2_dir, "olmoe")
+    with pytest.raises(ValueError, match="OLMoE's q and k norms span every head"):
+        EngineCore(engine_config(olmoe, 2))
