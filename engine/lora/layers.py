@@ -20,6 +20,7 @@ from torch import nn
 
 from llmrpc.engine.lora.peft import LoRAAdapter
 from llmrpc.engine.models.llama import LlamaForCausalLM
+from llmrpc.engine.models.moe import MoeForCausalLM
 from llmrpc.engine.runner.device import model_device
 from llmrpc.kernels.linear import pack_linear_layers
 from llmrpc.kernels.lora import LoRABatch, lora_expand, lora_shrink
@@ -81,11 +82,19 @@ TARGETS = (
 )
 
 
+def served_targets(model: LlamaForCausalLM) -> tuple[FusedTarget, ...]:
+    """The projections LoRA adapts: all of ``TARGETS``; a MoE model's attention only (neither
+    its experts nor, for one rule across its layers, its dense MLPs take adapters)."""
+    if isinstance(model, MoeForCausalLM):
+        return tuple(target for target in TARGETS if target.block == "self_attn")
+    return TARGETS
+
+
 def module_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
     """``(in_features, out_features)`` of every checkpoint module LoRA may adapt."""
     attn, config = model.layers[0].self_attn, model.config
     hidden, inter = config.hidden_size, config.intermediate_size
-    return {
+    shapes = {
         "q_proj": (hidden, attn.q_size),
         "k_proj": (hidden, attn.kv_size),
         "v_proj": (hidden, attn.kv_size),
@@ -94,6 +103,8 @@ def module_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
+    served = {name for target in served_targets(model) for name in target.modules}
+    return {name: shape for name, shape in shapes.items() if name in served}
 
 
 class LoRALinear(nn.Module):
@@ -208,10 +219,11 @@ class LoRAModel:
         device = model_device(model)
         self.context = LoRAContext(dense_allowed=dense and device.type == "cpu")
         self.shapes = module_shapes(model)
+        self.targets = served_targets(model)
         self.num_layers = len(model.layers)
         self.wrappers: dict[tuple[int, str], LoRALinear] = {}
         for index, layer in enumerate(model.layers):
-            for target in TARGETS:
+            for target in self.targets:
                 block = getattr(layer, target.block)
                 shapes = [self.shapes[name] for name in target.modules]
                 wrapper = LoRALinear(
@@ -231,5 +243,5 @@ class LoRAModel:
         """Load ``adapter`` into ``slot`` of every wrapper (None: clear it)."""
         modules = adapter.modules if adapter is not None else {}
         for (index, attribute), wrapper in self.wrappers.items():
-            target = next(t for t in TARGETS if t.attribute == attribute)
+            target = next(t for t in self.targets if t.attribute == attribute)
             wrapper.set_slot(slot, [modules.get((index, name)) for name in target.modules])

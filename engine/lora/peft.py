@@ -148,13 +148,15 @@ def load_adapter(
         tensors = load_file(folder / WEIGHTS_FILE)
     except (OSError, SafetensorError) as error:
         raise _refuse(f"{WEIGHTS_FILE} cannot be read: {error}") from None
+    served = [*shapes, *(f for f, names in FUSED_MODULES.items() if set(names) <= set(shapes))]
+    why = "" if len(shapes) == len(TARGET_MODULES) else "; a MoE model's MLPs take no adapters"
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
-        if match is None:
+        if match is None or match.group(2) not in served:
             raise _refuse(
                 f"weight {key!r} adapts a module this engine does not serve LoRA on (only "
-                f"{', '.join((*TARGET_MODULES, *FUSED_MODULES))} of the decoder layers)"
+                f"{', '.join(served)} of the decoder layers{why})"
             )
         layer, module, side, kind = match.groups()
         if int(layer) >= num_layers:

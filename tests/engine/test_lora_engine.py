@@ -293,3 +293,28 @@ def test_speculative_drafts_take_their_requests_adapters(
         core.proposer = core.scheduler.proposer = None
     assert proposer.stats.num_accepted_tokens > 0
     _check_tokens(outputs, adapters, names, len(prompts))
+
+
+def test_moe_adapters_on_attention_match_peft_and_expert_targets_are_refused(
+    tmp_path, smollm2_dir, prompts
+):
+    """On a MoE model (Qwen2-MoE: a dense layer, then experts and a shared expert) LoRA adapts
+    the attention projections: PEFT's merged model's tokens. An adapter of an MLP projection is
+    refused, naming it, when it is loaded (PEFT put one on the shared expert's down_proj)."""
+    from tiny_models import save_moe
+
+    base = save_moe(tmp_path / "moe", smollm2_dir, "qwen2_moe")
+    spec = AdapterSpec(8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=7)
+    merged = make_adapter(base, tmp_path / "attention", spec)
+    expected = greedy_generate(merged, prompts, MAX_TOKENS)
+    assert expected != hf_greedy(base, prompts, MAX_TOKENS)  # the adapter changes the tokens
+    core = lora_core(base, {"attention": tmp_path / "attention"})
+    outputs = run_to_completion(core, _requests(prompts, ["attention"]))
+    assert [outputs[f"attention-{i}"].token_ids for i in range(len(prompts))] == expected
+    make_adapter(base, tmp_path / "mlp", AdapterSpec(4, 8, ("q_proj", "down_proj"), seed=8))
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"down_proj.*\(only q_proj, k_proj, v_proj, o_proj, qkv_proj of the decoder "
+        "layers; a MoE",
+    ):
+        core.load_lora_adapter("mlp", str(tmp_path / "mlp"))
