@@ -107,7 +107,7 @@ export PYTHONPATH="$PYTHONPATH:$root/tests/gpu"  # the device_sample plugin
 stage versions 30 "$python" tests/gpu/device_info.py "$work/versions.json"
 pytest_stage kernels 130 -n "$workers" "${kernel_tests[@]}" tests/kernels/test_triton_attention.py \
   tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_lora.py \
-  tests/kernels/test_triton_ops.py tests/kernels/test_triton_sampling.py
+  tests/kernels/test_triton_ops.py tests/kernels/test_triton_sampling.py tests/kernels/test_moe.py
 pytest_stage engine 75 tests/engine/test_gpu_engine.py
 pytest_stage graphs 75 "${graph_tests[@]}"
 pytest_stage staging 45 tests/engine/test_staging_race_gpu.py
