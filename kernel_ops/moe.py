@@ -27,6 +27,10 @@ dispatcher.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -103,28 +107,91 @@ def fused_experts_torch(
 ) -> torch.Tensor:
     """The twin of ``fused_experts``: pairs grouped by expert, two matmuls per expert with
     tokens, one scatter-add in float32. One host sync (the per-expert counts)."""
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(rows, w13[index])), w2[index])
+
+    return grouped_experts(hidden, topk_weights, topk_ids, w13.shape[0], expert)
+
+
+def grouped_experts(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``fused_experts`` with each expert a function: ``expert(e, rows [n, H]) -> [n, H]`` (the
+    CPU's experts held as packed or quantized linear layers, one per expert and projection).
+    The (token, slot) pairs are grouped by expert, ``expert`` called once for each expert with
+    pairs, the weighted rows added back in float32 with one ``index_add_``."""
     num_tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.reshape(-1)
     # [T*k] pair indices (t * k + j), grouped by expert; the dropped ones (-1) sort first
     order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids.long() + 1, minlength=w13.shape[0] + 1).tolist()
+    counts = torch.bincount(ids.long() + 1, minlength=num_experts + 1).tolist()
     order = order[counts[0] :]
     tokens = order // top_k
     x = hidden.index_select(0, tokens)  # [N, H], N = pairs kept
     y = torch.empty(x.shape[0], hidden_size, dtype=torch.float32, device=hidden.device)
     start = 0
-    for expert, count in enumerate(counts[1:]):
+    for index, count in enumerate(counts[1:]):
         if count == 0:
             continue
         end = start + count
-        gate_up = F.linear(x[start:end], w13[expert])  # [n, 2I]
-        y[start:end] = F.linear(silu_and_mul(gate_up), w2[expert])  # rounded, then widened
+        y[start:end] = expert(index, x[start:end])  # rounded, then widened
         start = end
     y.mul_(topk_weights.reshape(-1)[order].float()[:, None])
     out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)
+
+
+class ExpertLayers(Protocol):
+    """Experts held one linear layer per expert and projection (``grouped_experts``' form)."""
+
+    num_experts: int
+
+    def expert(self, index: int, rows: torch.Tensor) -> torch.Tensor: ...
+
+
+# name -> experts, for the operation below (a compiled graph holds the name, not the module)
+_EXPERT_LAYERS: weakref.WeakValueDictionary[str, ExpertLayers] = weakref.WeakValueDictionary()
+
+
+def register_expert_layers(experts: ExpertLayers) -> str:
+    """The name under which ``experts_by_layer`` finds ``experts`` while they live."""
+    name = f"experts-{id(experts)}"
+    _EXPERT_LAYERS[name] = experts
+    return name
+
+
+def experts_by_layer(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: str
+) -> torch.Tensor:
+    """``grouped_experts`` over the experts registered as ``layer``; under ``torch.compile`` one
+    opaque operation (``torch.ops.llmrpc.experts_by_layer``), as ``fused_experts`` is."""
+    if torch.compiler.is_compiling():
+        return _experts_by_layer_op(hidden, topk_weights, topk_ids, layer)
+    return _by_layer(hidden, topk_weights, topk_ids, layer)
+
+
+def _by_layer(hidden, topk_weights, topk_ids, layer: str) -> torch.Tensor:
+    experts = _EXPERT_LAYERS[layer]
+    return grouped_experts(hidden, topk_weights, topk_ids, experts.num_experts, experts.expert)
+
+
+@torch.library.custom_op("llmrpc::experts_by_layer", mutates_args=())
+def _experts_by_layer_op(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: str
+) -> torch.Tensor:
+    return _by_layer(hidden, topk_weights, topk_ids, layer)
+
+
+@_experts_by_layer_op.register_fake
+def _(hidden, topk_weights, topk_ids, layer):
+    return torch.empty_like(hidden)
 
 
 def _check(hidden, w13, w2, topk_weights, topk_ids, backend) -> None:

@@ -23,8 +23,9 @@ from llmrpc.engine.lora.manager import build_lora_manager, resolve_adapter
 from llmrpc.engine.lora.types import LORA_OFF
 from llmrpc.engine.memory import release_free_memory
 from llmrpc.engine.metrics import RateMeter
-from llmrpc.engine.models import LlamaForCausalLM, build_model, model_class
+from llmrpc.engine.models import LlamaForCausalLM, build_model, model_class, unstack_experts
 from llmrpc.engine.models.llama import layer_windows
+from llmrpc.engine.models.moe import FusedExperts
 from llmrpc.engine.models.rotary import rope_parameters
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.output.output_processor import OutputProcessor
@@ -196,6 +197,11 @@ def check_batch_invariant(model, attention_backend: str, kv_in_model_dtype: bool
         raise ValueError(
             "--batch-invariant with an fp8 KV cache needs --attention-backend triton: the C++ "
             "decode kernel, which the torch backend needs for it, reads the model's dtype only"
+        )
+    if any(isinstance(module, FusedExperts) for module in model.modules()):
+        raise ValueError(
+            "--batch-invariant does not cover MoE models: the router's matmul and the experts' "
+            "grouping by step run kernels whose sums depend on the batch"
         )
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear | PackedLinear | QuantizedLinear):
@@ -509,6 +515,8 @@ class EngineCore:
         if self.device.type != "cpu":
             return model.to(self.device)
         if not isinstance(model, TransformersForCausalLM):  # whose code may read .weight
+            if self.attention_backend == "torch":  # the Triton path keeps them fused
+                unstack_experts(model)  # packed as the linear layers they become
             kernels = plan_linear_kernels(
                 model, loader.cache_root() / "kernels", uniform=config.batch_invariant
             )

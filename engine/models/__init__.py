@@ -17,6 +17,7 @@ from llmrpc.engine.models.moe import (
     OlmoeForCausalLM,
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
+    unstack_experts,
 )
 from llmrpc.engine.models.qwen import Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
@@ -82,5 +83,6 @@ def build_model(
     if weights is not None:
         model.load_weights(weights)
     if quantization is not None:
+        unstack_experts(model)  # quantized as the linear layers they become
         model = quantization.apply(model, hf_config, dtype)
     return model.to(dtype).eval().requires_grad_(False)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from llmrpc.engine.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
-from llmrpc.kernels.moe import fused_experts, route
+from llmrpc.kernels.elementwise import silu_and_mul
+from llmrpc.kernels.moe import experts_by_layer, fused_experts, register_expert_layers, route
 
 
 class Router(nn.Linear):
@@ -38,7 +39,12 @@ class Router(nn.Linear):
 
 class FusedExperts(nn.Module):
     """The experts' weights, fused; this rank holds experts ``[first, first + num_experts)`` of
-    ``total_experts`` (all of them but under expert parallelism)."""
+    ``total_experts`` (all of them but under expert parallelism).
+
+    On the CPU's torch path (``unstack_experts``) each expert's projections become linear layers
+    of their own (``gate_up[e]``, ``down[e]``), so that the CPU's packing (the kernel measured
+    fastest for their shape, ``kernel_ops/linear_tuning.py``) and ``--quantization`` take them as
+    they take every other linear layer."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -49,13 +55,45 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         nn.init.normal_(self.w13, std=0.02)
         nn.init.normal_(self.w2, std=0.02)
+        self.gate_up: nn.ModuleList | None = None  # set by unstack
+        self.down: nn.ModuleList | None = None
+        self.layer_name = ""
+
+    def unstack(self) -> None:
+        """Each expert's projections as linear layers over views of the fused weights, which
+        are dropped (so their memory goes once every view is packed or quantized)."""
+        w13, w2 = self.w13.detach(), self.w2.detach()
+        del self.w13, self.w2
+        self.gate_up = nn.ModuleList(_linear(w13[e]) for e in range(self.num_experts))
+        self.down = nn.ModuleList(_linear(w2[e]) for e in range(self.num_experts))
+        self.layer_name = register_expert_layers(self)
+
+    def expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``index`` (unstacked) on ``rows [n, H]``."""
+        return self.down[index](silu_and_mul(self.gate_up[index](rows)))
 
     def forward(self, x, topk_weights, topk_ids, backend: str) -> torch.Tensor:
         if self.num_experts != self.total_experts:  # ids of experts held elsewhere: -1
             local = topk_ids - self.first_expert
             held = (local >= 0) & (local < self.num_experts)
             topk_ids = torch.where(held, local, torch.full_like(local, -1))
+        if self.gate_up is not None:
+            return experts_by_layer(x, topk_weights, topk_ids, self.layer_name)
         return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, backend)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+def unstack_experts(model: nn.Module) -> int:
+    """Unstack every ``FusedExperts`` of ``model`` (see its docstring); how many."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts) and m.gate_up is None]
+    for module in experts:
+        module.unstack()
+    return len(experts)
 
 
 class SparseMoeBlock(nn.Module):

@@ -69,7 +69,7 @@ class Shard:
     def __init__(self, config, comm: Collectives, device: torch.device) -> None:
         from llmrpc.engine.core import engine_core as core
         from llmrpc.engine.loading import loader
-        from llmrpc.engine.models import build_model
+        from llmrpc.engine.models import build_model, unstack_experts
         from llmrpc.engine.runner.device import HostStaging
 
         self.config, self.comm, self.device = config, comm, device
@@ -91,6 +91,8 @@ class Shard:
             from llmrpc.kernels.linear import pack_linear_layers
             from llmrpc.kernels.linear_tuning import layouts, plan_linear_kernels
 
+            if self._attention_backend() == "torch":  # as rank 0 (engine_core._load_model)
+                unstack_experts(model)
             # the same shard shapes as rank 0's: its measurements, where it has cached them
             plan = plan_linear_kernels(
                 model, loader.cache_root() / "kernels", uniform=model_config.batch_invariant

@@ -41,6 +41,17 @@ _GGUF_LAYER_TENSORS = {
     "ffn_gate": ("mlp.gate_up_proj", 0),
     "ffn_up": ("mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", 0),
+    # Qwen2-MoE's shared expert
+    "ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0),
+    "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1),
+    "ffn_down_shexp": ("mlp.shared_expert.down_proj", 0),
+}
+# A MoE layer's experts, one tensor [E, out, in] each -> (each expert's module under
+# layers.N.mlp.experts, as engine/models/moe.FusedExperts.unstack makes them; shard)
+_GGUF_EXPERT_TENSORS = {
+    "ffn_gate_exps": ("gate_up", 0),
+    "ffn_up_exps": ("gate_up", 1),
+    "ffn_down_exps": ("down", 0),
 }
 # The GGML types served from their blocks, and the bytes of one block (32 weights; 256 for _K)
 BLOCK_BYTES = {
@@ -200,10 +211,8 @@ def quantize_model_from_gguf(
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     parts: dict[str, dict[int, object]] = {}
     for tensor in reader.tensors:
-        target = _gguf_target(tensor.name)
-        if target is not None:
-            module, shard = target
-            parts.setdefault(module, {})[shard] = tensor
+        for module, shard, part in _gguf_targets(tensor):
+            parts.setdefault(module, {})[shard] = part
     served, kept = Counter(), Counter()
     for module_name, shards in parts.items():
         types = "+".join(sorted({t.tensor_type.name for t in shards.values()}))
@@ -237,18 +246,37 @@ def _counts(counter: Counter) -> str:
     return ", ".join(f"{count} {types}" for types, count in sorted(counter.items()))
 
 
-def _gguf_target(name: str) -> tuple[str, int] | None:
+@dataclass(frozen=True)
+class _Expert:
+    """One expert's slice of a GGUF tensor of experts, read as a tensor of its own."""
+
+    tensor_type: object
+    data: np.ndarray
+
+
+def _gguf_targets(tensor) -> list[tuple[str, int, object]]:
+    """``(our module, shard, the tensor or its slice)`` for each module the tensor feeds."""
+    name = tensor.name
     if name == "token_embd.weight":
-        return "embed_tokens", 0
+        return [("embed_tokens", 0, tensor)]
     if name == "output.weight":
-        return "lm_head", 0
+        return [("lm_head", 0, tensor)]
     prefix, _, rest = name.partition(".")
     layer, _, rest = rest.partition(".")
-    tensor, _, suffix = rest.partition(".")
-    if prefix != "blk" or suffix != "weight" or tensor not in _GGUF_LAYER_TENSORS:
-        return None
-    module, shard = _GGUF_LAYER_TENSORS[tensor]
-    return f"layers.{int(layer)}.{module}", shard
+    kind, _, suffix = rest.partition(".")
+    if prefix != "blk" or suffix != "weight":
+        return []
+    if kind in _GGUF_EXPERT_TENSORS:
+        module, shard = _GGUF_EXPERT_TENSORS[kind]
+        data = np.asarray(tensor.data)  # [E, out, in's blocks]
+        return [
+            (f"layers.{int(layer)}.mlp.experts.{module}.{e}", shard, _Expert(tensor.tensor_type, d))
+            for e, d in enumerate(data)
+        ]
+    if kind not in _GGUF_LAYER_TENSORS:
+        return []
+    module, shard = _GGUF_LAYER_TENSORS[kind]
+    return [(f"layers.{int(layer)}.{module}", shard, tensor)]
 
 
 def _module_blocks(module_name, shards, architecture: str, hf_config) -> _Blocks | None:

@@ -92,6 +92,10 @@ def fake_quantized_transformers(model_dir: Path, method: str, dtype: torch.dtype
         for module in model.modules():
             if type(module) is nn.Linear:
                 module.weight.copy_(FAKE[method](module.weight, dtype))
+        for name, param in model.named_parameters():  # MoE experts: [E, out, in], each a layer
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                for expert in param:
+                    expert.copy_(FAKE[method](expert, dtype))
     return model
 
 
@@ -265,6 +269,24 @@ def test_float32_greedy_equals_transformers_with_the_same_quantization(family_di
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_transformers_implementation_is_quantized_the_same_way(tiny_llama_dir, method):
     check_quantized_greedy(tiny_llama_dir, method, model_impl="transformers")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_moe_experts_are_quantized_each_as_its_layers(tmp_path, smollm2_dir, method):
+    """Mixtral's experts: each expert's gate/up and down quantized as linear layers are (the
+    router kept in float): Transformers' greedy tokens with the same dequantized weights."""
+    from tiny_models import save_moe
+
+    from llmrpc.engine.models.moe import Router
+
+    model_dir = save_moe(tmp_path, smollm2_dir, "mixtral")
+    check_quantized_greedy(model_dir, method)
+    model = quantized_core(model_dir, method).runner.model
+    kind = Int8Linear if method == "int8" else Int4Linear
+    quantized = [m for m in model.modules() if type(m) is kind]
+    assert len(quantized) == 2 * (2 + 2 * 4) + 1  # per layer q|k|v, o, 4 experts x 2; lm_head
+    assert [n for n, _ in model.named_parameters() if "experts" in n] == []  # no float expert
+    assert {type(m) for n, m in model.named_modules() if n.endswith("mlp.gate")} == {Router}
 
 
 def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto") -> None:
@@ -451,6 +473,96 @@ def test_gguf_written_here_is_served_from_its_blocks(tiny_llama_dir, tmp_path):
         for name, weight in expected.items():
             if ".mlp.down_proj." not in name:
                 state[name].copy_(weight)
+    prompts = prompt_ids(core)
+    assert engine_greedy(core, prompts, 12) == greedy_generate(reference, prompts, 12)
+
+
+# A Qwen2-MoE file as llama.cpp writes one: each layer's experts in one tensor [E, out, in], the
+# shared expert's projections apart (layer 0 is dense: ffn_gate/up/down).
+MOE_GGUF_TYPES = {
+    "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
+    "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1",
+    "ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1",  # int4 both: gate_up as int4
+    "ffn_down_exps": "Q5_0",  # int8 codes
+    "ffn_gate_shexp": "Q8_0", "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q4_1",
+}  # fmt: skip
+MOE_HF_NAMES = {
+    **HF_NAMES,
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}  # fmt: skip
+
+
+def _write_moe_gguf(path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+    """The MoE model's linear weights in ``MOE_GGUF_TYPES``; the dequantized weight of each
+    checkpoint name."""
+    config = loader.load_hf_config(model_dir)
+    floats = dict(loader.iter_weights(model_dir))
+    writer = gguf.GGUFWriter(str(path), "qwen2moe")
+    expected = {}
+    for layer in range(config.num_hidden_layers):
+        for short, hf in MOE_HF_NAMES.items():
+            experts = "{e}" in hf
+            names = [f"model.layers.{layer}.{hf.format(e=e)}.weight"
+                     for e in range(config.num_experts if experts else 1)]  # fmt: skip
+            if names[0] not in floats:  # a dense layer's tensors, or a sparse one's
+                continue
+            weight = np.stack([floats[name].numpy() for name in names])
+            qtype = gguf.GGMLQuantizationType[MOE_GGUF_TYPES[short]]
+            blocks = gguf.quants.quantize(weight if experts else weight[0], qtype)
+            writer.add_tensor(f"blk.{layer}.{short}.weight", blocks, raw_dtype=qtype)
+            stored = gguf.quants.dequantize(blocks, qtype).reshape(weight.shape)
+            expected |= {name: torch.from_numpy(w) for name, w in zip(names, stored, strict=True)}
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def test_gguf_of_a_moe_model_serves_its_experts_from_their_blocks(tmp_path, smollm2_dir):
+    """Each expert of each layer's [E, out, in] tensor packed from its own blocks (gate and up,
+    both 4-bit, as int4; down, Q5_0, as int8 codes), dequantizing exactly to gguf's own
+    dequantization; the shared expert and the dense layer as a dense model's; float32 greedy
+    tokens equal Transformers' model holding the same weights."""
+    from tiny_models import save_moe
+
+    model_dir = save_moe(tmp_path / "moe", smollm2_dir, "qwen2_moe", moe_intermediate_size=64)
+    path = tmp_path / "moe.gguf"
+    expected = _write_moe_gguf(path, model_dir)
+    config = loader.load_hf_config(model_dir)
+    plan = QuantizationPlan("gguf", path)
+    model = build_model(config, torch.float32, loader.iter_weights(model_dir), quantization=plan)
+    experts = model.layers[1].mlp.experts
+    for e in range(config.num_experts):
+        gate_up, down = experts.gate_up[e], experts.down[e]
+        assert isinstance(gate_up, Int4Linear) and isinstance(down, Q8BlockLinear | Q8Linear)
+        prefix = f"model.layers.1.mlp.experts.{e}"
+        weight = torch.cat([expected[f"{prefix}.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(gate_up.dequantize(torch.float32), weight)
+        assert torch.equal(down.dequantize(torch.float32), expected[f"{prefix}.down_proj.weight"])
+    shared = model.layers[1].mlp.shared_expert
+    assert isinstance(shared.gate_up_proj, QuantizedLinear)
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)  # the dense layer's Q4_1
+    assert [n for n, _ in model.named_parameters() if "experts" in n] == []
+
+    core = make_core(model_dir, "float32")
+    core.model = core.runner.model = model
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        state = reference.state_dict()
+        for name, weight in expected.items():
+            if ".experts." not in name:
+                state[name].copy_(weight)
+        for layer in reference.model.layers[1:]:
+            fused = layer.mlp.experts
+            for e in range(config.num_experts):
+                prefix = f"model.layers.1.mlp.experts.{e}"
+                gate_up = [expected[f"{prefix}.{p}_proj.weight"] for p in ("gate", "up")]
+                fused.gate_up_proj[e].copy_(torch.cat(gate_up))
+                fused.down_proj[e].copy_(expected[f"{prefix}.down_proj.weight"])
     prompts = prompt_ids(core)
     assert engine_greedy(core, prompts, 12) == greedy_generate(reference, prompts, 12)
 
