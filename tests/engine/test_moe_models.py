@@ -7,7 +7,7 @@ Transformers 5 holds in memory), with dense and sparse layers mixed where the co
 from __future__ import annotations
 
 import pytest
-from engine_utils import hf_greedy, make_core
+from engine_utils import hf_greedy, make_core, run_to_completion
 from test_greedy_matches_transformers import check_under_pressure
 from tiny_models import MOE_FAMILIES, save_moe
 
@@ -78,3 +78,58 @@ def test_sparse_layers_follow_the_config(tmp_path, smollm2_dir):
     assert isinstance(model, MoeForCausalLM)
     sparse = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse == [1, 5]
+
+
+def test_compiled_and_speculative_steps_of_a_moe_model(tmp_path, smollm2_dir):
+    """The experts under -O3 (one opaque operation in the compiled decode step) and under
+    speculative decoding (several rows of one request verified in a step; drafts that follow
+    the expected tokens, one made wrong in every other proposal): Transformers' greedy tokens."""
+    import random
+
+    from test_spec_decode import NGRAM, _RowsFree
+
+    from llmrpc.engine.config import CompilationConfig
+    from llmrpc.engine.request import SamplingParams
+    from llmrpc.engine.spec_decode.config import SpeculativeConfig
+    from llmrpc.engine.spec_decode.ngram import NgramProposer
+
+    model_dir = save_moe(tmp_path, smollm2_dir, "qwen3_moe")
+    core = make_core(model_dir, compilation=CompilationConfig({"level": 3}))
+    prompts = [core.tokenizer.encode("one two three one two"), [5, 6, 7], list(range(5, 40))]
+    expected = hf_greedy(model_dir, prompts, 24)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
+    compiled = core.runner.compiled_decode
+    assert compiled is not None and compiled.failure is None  # compiled at load
+    calls, forward = [0], compiled._forward
+
+    def counting(*args):
+        calls[0] += 1
+        return forward(*args)
+
+    compiled._forward = counting
+    outputs = run_to_completion(core, requests)
+    assert [outputs[f"r{i}"].token_ids for i in range(3)] == expected
+    assert calls[0] >= 20 and compiled.failure is None  # decode steps ran the compiled graph
+
+    class Foreseeing(NgramProposer):
+        """Drafts of the expected next tokens, every other proposal with one made wrong."""
+
+        rng = random.Random(4)
+
+        def propose(self, request, max_drafts: int, batch_size: int) -> list[int]:
+            k = self.num_drafts(request, max_drafts, batch_size)
+            index = prompts.index(list(request.prompt_token_ids))
+            done = len(request.all_token_ids) - len(prompts[index])
+            drafts = expected[index][done : done + k]
+            if drafts and self.rng.random() < 0.5:
+                drafts[self.rng.randrange(len(drafts))] += 1
+            return drafts
+
+    spec = make_core(model_dir)
+    spec.proposer = spec.scheduler.proposer = Foreseeing(SpeculativeConfig(NGRAM))
+    spec.proposer.cost = _RowsFree()
+    outputs = run_to_completion(spec, requests)
+    assert [outputs[f"r{i}"].token_ids for i in range(3)] == expected
+    stats = spec.proposer.stats
+    assert stats.accepted_per_pos[2] > 0 and stats.num_drafts > stats.accepted_per_pos[0]
