@@ -153,6 +153,25 @@ class TransformersForCausalLM(nn.Module):
             setattr(module, name, original.to(getattr(module, name).device))
         return self
 
+    def _load_converted(self, state: dict[str, torch.Tensor]) -> set[str]:
+        """Load ``state`` through Transformers' own checkpoint conversions for this model; the
+        model's names it set. A name no conversion takes is refused, naming it."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(self.model))
+        info = convert_and_load_state_dict_in_model(self.model, state, config)[0]
+        if info.unexpected_keys:
+            raise ValueError(
+                f"unexpected weight {sorted(info.unexpected_keys)[0]!r} in the checkpoint"
+            )
+        problems = [*info.error_msgs, *map(str, info.conversion_errors.values())]
+        problems += [f"{name}: shape mismatch" for name in info.mismatched_keys]
+        if problems:
+            raise ValueError(f"checkpoint weights could not be converted: {problems[0]}")
+        return set(self.model.state_dict()) - set(info.missing_keys)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.get_output_embeddings()(hidden).float()
         if self.logit_softcap:  # Gemma-style final soft-capping, done in the HF head's forward
@@ -160,18 +179,22 @@ class TransformersForCausalLM(nn.Module):
         return logits  # [num_selected_tokens, vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors by their Transformers names; tied weights share one tensor."""
+        """Copy checkpoint tensors by their Transformers names; tied weights share one tensor.
+        Names the model does not hold go through the conversions Transformers applies when it
+        loads a checkpoint (a MoE's per-expert weights stacked into its fused ones)."""
         targets = self.model.state_dict(keep_vars=True)  # both names of a tied weight
         prefix = f"{self.model.base_model_prefix}."
         ignored = self.model._keys_to_ignore_on_load_unexpected or []
         loaded: set[int] = set()
+        converted: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
             # Older checkpoints (GPT-2 on the hub) leave out the base model's prefix.
             target = targets.get(name, targets.get(prefix + name))
             if target is None:
                 if any(re.search(pattern, name) for pattern in ignored):
                     continue  # buffers old checkpoints carry, e.g. GPT-2's causal "attn.bias"
-                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+                converted[name] = tensor
+                continue
             if target.shape != tensor.shape:  # copy_ would broadcast silently
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -180,6 +203,12 @@ class TransformersForCausalLM(nn.Module):
             with torch.no_grad():
                 target.copy_(tensor)
             loaded.add(id(target))
-        missing = [n for n, p in self.model.named_parameters() if id(p) not in loaded]
+        # the conversion sets new parameters: those it set are known by name
+        by_conversion = self._load_converted(converted) if converted else set()
+        missing = [
+            n
+            for n, p in self.model.named_parameters()
+            if id(p) not in loaded and n not in by_conversion
+        ]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")

@@ -34,6 +34,7 @@ def make_core(
     kv_cache_dtype: str = "auto",
     speculative: dict | None = None,  # --speculative-config
     disable_sliding_window: bool = False,
+    model_impl: str = "auto",
     **scheduler,
 ) -> EngineCore:
     return EngineCore(
@@ -46,6 +47,7 @@ def make_core(
                 device=device,
                 batch_invariant=batch_invariant,
                 disable_sliding_window=disable_sliding_window,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 num_gpu_blocks_override=num_blocks,

@@ -7,6 +7,7 @@ Transformers 5 holds in memory), with dense and sparse layers mixed where the co
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_utils import hf_greedy, make_core, run_to_completion
 from test_greedy_matches_transformers import check_under_pressure
 from tiny_models import MOE_FAMILIES, save_moe
@@ -133,3 +134,27 @@ def test_compiled_and_speculative_steps_of_a_moe_model(tmp_path, smollm2_dir):
     assert [outputs[f"r{i}"].token_ids for i in range(3)] == expected
     stats = spec.proposer.stats
     assert stats.accepted_per_pos[2] > 0 and stats.num_drafts > stats.accepted_per_pos[0]
+
+
+def test_the_transformers_fallback_loads_per_expert_checkpoints(tmp_path, smollm2_dir):
+    """--model-impl transformers on a checkpoint whose experts Transformers stacks as it loads
+    (Mixtral's block_sparse_moe.experts.N.w1|w2|w3): its own conversion, its greedy tokens; a
+    weight no conversion takes is named."""
+    from safetensors.torch import load_file, save_file
+
+    from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
+    from llmrpc.engine.request import SamplingParams
+
+    model_dir = save_moe(tmp_path, smollm2_dir, "mixtral")
+    core = make_core(model_dir, model_impl="transformers")
+    assert isinstance(core.runner.model, TransformersForCausalLM)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = run_to_completion(core, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    assert [outputs[f"r{i}"].token_ids for i in range(2)] == hf_greedy(model_dir, prompts, 8)
+    path = next(model_dir.glob("*.safetensors"))
+    weights = load_file(path)
+    weights["model.layers.0.block_sparse_moe.experts.0.w9.weight"] = torch.zeros(2, 2)
+    save_file(weights, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected weight '.*experts\.0\.w9\.weight'"):
+        make_core(model_dir, model_impl="transformers")
