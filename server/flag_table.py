@@ -476,8 +476,9 @@ _PARALLELISM = _group(
           "than ranks), MLP features and vocabulary, and its heads' part of the KV cache; every "
           "step costs two all-reduces per layer. MoE models: each rank holds its share of every "
           "expert's features (or, with --enable-expert-parallel, its share of the experts). "
-          "Native Llama-family and MoE models whose heads split evenly (not OLMoE); refused with --enable-lora, --runner pooling, --quantization, --model-impl "
-          "transformers, -O1..3, --enable-sleep-mode. Each rank takes its share of the cores "
+          "Native Llama-family and MoE models whose heads split evenly (not OLMoE); refused "
+          "with --enable-lora, --runner pooling, --quantization, --model-impl transformers, "
+          "-O1..3, --enable-sleep-mode. Each rank takes its share of the cores "
           "(OMP_NUM_THREADS each, if set). A rank that dies stops the server. The NCCL path is "
           "untested here (no GPU in this build's tests)."),
     refused(("--pipeline-parallel-size", "-pp"), 1, int,
