@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak attack proofs gpu-check device-carry device-venv
+.PHONY: install serve test lint protos soak attack proofs bench-moe gpu-check device-carry device-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,16 @@ attack: install
 # perplexity served from its blocks.
 proofs: install
 	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py tests/engine/test_gemma3_gguf.py
+
+# Not part of `make test`: the Mixture-of-Experts measurements (about 3 minutes on 2 cores): a MoE
+# block against the dense MLP of the same active parameters, then a Mixtral-shaped model of random
+# weights (8 experts, top-2, SmolLM2-135M's sizes) against Transformers' static batch at 32 prompts.
+MOE_DIR ?= /tmp/llmrpc-moe-bench
+bench-moe: install
+	$(BIN)/python tests/bench/moe_bench.py layer
+	$(BIN)/python tests/bench/moe_bench.py save $(MOE_DIR)
+	$(BIN)/llmrpc bench throughput --model $(MOE_DIR) --dtype bfloat16 --num-prompts 32 \
+	  --input-len 128 --output-len 128 --baseline transformers $(ARGS)
 
 # The GPU machine's packages: what its image has that we use (tests/gpu/image-packages.txt) and the
 # wheels that travel (tests/gpu/carry-packages.txt), one list for both Pythons.
