@@ -28,7 +28,6 @@ graphs of ``engine/runner/cuda_graphs.py`` capture the compiled forward.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -128,9 +127,16 @@ class CompiledDecode:
         if self.max_rows is not None and input_ids.shape[0] > self.max_rows:
             return None  # quantized layers dequantize for so many rows: eager
         _mark_unbacked(input_ids, positions, metadata)
-        stance = torch.compiler.set_stance("fail_on_recompile") if self._warm else None
+        # Warm, nothing compiles again. Compiling, no size is made dynamic by what another
+        # model's compile of the same code saw (dynamo keeps that per code object, across
+        # torch.compile calls): that made inductor's C++ wrapper check sizes it never declared
+        # (a CppCompileError, seen compiling a MoE model after a dense one in one process).
+        if self._warm:
+            context = torch.compiler.set_stance("fail_on_recompile")
+        else:
+            context = torch._dynamo.config.patch(automatic_dynamic_shapes=False)
         try:
-            with stance or contextlib.nullcontext():
+            with context:
                 return self._forward(input_ids, positions, kv_caches, metadata)
         except Exception as error:  # noqa: BLE001 - any failure: eager from now on
             self._fail(error)

@@ -159,9 +159,9 @@ def test_a_compile_that_fails_is_logged_once_and_the_engine_runs_eager(
 ):
     original = LlamaMLP.forward
 
-    def breaking_forward(self, x):
+    def breaking_forward(self, x, backend="torch"):
         torch._dynamo.graph_break()  # a no-op in eager; compiling with fullgraph=True fails
-        return original(self, x)
+        return original(self, x, backend)
 
     monkeypatch.setattr(LlamaMLP, "forward", breaking_forward)
     with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.compilation"):
