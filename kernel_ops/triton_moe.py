@@ -196,6 +196,13 @@ def fused_experts(
     return summed.to(hidden.dtype)
 
 
+def token_counts_for_every_block_m(num_experts: int, top_k: int) -> list[int]:
+    """The fewest tokens whose step launches each ``BLOCK_M`` variant (16, 32, 64) of the
+    kernels, for a start-up warm-up (engine/runner/kernel_warm_up.py)."""
+    per_expert = (1, 17, 33)  # the fewest pairs per expert that _block_m takes to 16, 32, 64
+    return [-(-pairs * num_experts // top_k) for pairs in per_expert]
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Pairs per block: 16 (``tl.dot``'s least) when experts get a few pairs each (decode), up
     to 64 when they get many (prefill), so padding stays a small part of the work."""

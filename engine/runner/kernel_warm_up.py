@@ -1,16 +1,17 @@
 """The Triton kernels' variants compiled at start-up rather than at a user's request, and the
 folder Triton keeps them in.
 
-Triton compiles a kernel the first time it is launched with a new variant: new constexprs,
-argument types, or an integer argument it specialises on (1, a multiple of 16). On a GPU that
-compile takes a second or more, and the request that needs it waits. The kernels take what
-changes from step to step (token counts, table widths, the decode split count) as plain runtime
-arguments, so the steps of one model need few variants: the KV store's, the decode kernels',
-one prefill kernel per tile size, the elementwise kernels' of each call site and the sampling
-kernel's. ``warm_up_triton_kernels`` launches each of them once, on CUDA with the triton
-backend, before the engine reports ready; ``triton_cache_dir`` keeps what Triton compiled in
-the model cache folder, so that a restart loads it instead of compiling again. LoRA's kernels
-(``--enable-lora``) are not warmed up: they compile at the first request with an adapter.
+Triton compiles a kernel the first time it is launched with a new variant: new constexprs, argument
+types, or an integer argument it specialises on (1, a multiple of 16). On a GPU that compile takes
+a second or more, and the request that needs it waits. The kernels take what changes from step to
+step (token counts, table widths, the decode split count) as plain runtime arguments, so the steps
+of one model need few variants: the KV store's, the decode kernels', one prefill kernel per tile
+size, the elementwise kernels' of each call site, the sampling kernel's, and a MoE model's experts
+kernels at each block size (a prefill long enough for each). ``warm_up_triton_kernels`` launches
+each of them once, on CUDA with the triton backend, before the engine reports ready;
+``triton_cache_dir`` keeps what Triton compiled in the model cache folder, so that a restart loads
+it instead of compiling again. LoRA's kernels (``--enable-lora``) are not warmed up: they compile
+at the first request with an adapter.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def warm_up_triton_kernels(
 
     started = time.monotonic()
     device = model_device(model)
-    for num_tokens in (n for n in _PREFILL_LENGTHS if n <= min(max_query_len, max_model_len)):
+    lengths = sorted({*_PREFILL_LENGTHS, *_experts_lengths(model)})
+    for num_tokens in (n for n in lengths if n <= min(max_query_len, max_model_len)):
         input_ids, positions, metadata = _prefill_step(num_tokens, block_size, device)
         model(input_ids, positions, kv_caches, metadata)
     width = 2 * blocks_per_iteration(block_size)  # two loop iterations: more than one split
@@ -91,6 +93,17 @@ def warm_up_triton_kernels(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("Triton kernels compiled or loaded in %.1f s", time.monotonic() - started)
+
+
+def _experts_lengths(model: nn.Module) -> list[int]:
+    """Prompt chunks that launch the fused experts' kernels at each of their block sizes."""
+    from llmrpc.engine.models.moe import SparseMoeBlock
+    from llmrpc.kernels.triton_moe import token_counts_for_every_block_m
+
+    block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+    if block is None:
+        return []
+    return token_counts_for_every_block_m(block.experts.num_experts, block.top_k)
 
 
 def _prefill_step(num_tokens: int, block_size: int, device: torch.device):

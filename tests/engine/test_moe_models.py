@@ -158,3 +158,9 @@ def test_the_transformers_fallback_loads_per_expert_checkpoints(tmp_path, smollm
     save_file(weights, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected weight '.*experts\.0\.w9\.weight'"):
         make_core(model_dir, model_impl="transformers")
+
+
+def test_batch_invariant_mode_refuses_moe_models_in_one_line(tmp_path, smollm2_dir):
+    model_dir = save_moe(tmp_path, smollm2_dir, "mixtral")
+    with pytest.raises(ValueError, match=r"^--batch-invariant does not cover MoE models"):
+        make_core(model_dir, "bfloat16", batch_invariant=True)

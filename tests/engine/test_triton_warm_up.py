@@ -60,6 +60,31 @@ def test_no_step_needs_a_kernel_variant_the_warm_up_did_not_compile(tiny_llama_d
         assert keys <= warm[name], f"{name}: {len(keys - warm[name])} variant(s) compiled late"
 
 
+@pytest.mark.skipif(not interpreting(), reason="records the compiles of the interpreter's launches")
+def test_a_moe_models_steps_need_no_experts_kernel_variant_the_warm_up_did_not_compile(
+    tmp_path, smollm2_dir
+):
+    """Qwen3-MoE (8 experts, top-2): steps of 1 to 256 tokens take the experts' kernels at
+    blocks of 16, 32 and 64 pairs; the warm-up compiled each."""
+    from tiny_models import save_moe
+
+    model_dir = save_moe(tmp_path, smollm2_dir, "qwen3_moe")
+    core = make_core(
+        model_dir, attention_backend="triton", max_num_batched_tokens=256, max_num_seqs=8
+    )
+    runner = core.runner
+    with recorded_compile_keys() as warm:
+        warm_up_triton_kernels(runner.model, runner.kv_caches, runner.block_size, 256, 512)
+    with recorded_compile_keys() as served:  # one at a time: steps of 1, 70 and 256 tokens
+        for prompt in ([7], list(range(100, 170)), list(range(300, 700))):
+            run_to_completion(core, {"r": (prompt, _params(2))})
+    experts = {"_gate_up_kernel", "_down_kernel"}
+    assert experts <= set(served)
+    assert len(served["_gate_up_kernel"]) == 3  # a step at each block size
+    for name, keys in served.items():
+        assert keys <= warm[name], f"{name}: {len(keys - warm[name])} variant(s) compiled late"
+
+
 def test_triton_keeps_its_kernels_in_the_model_cache_folder(tiny_llama_dir, tmp_path, monkeypatch):
     """Unset, $TRITON_CACHE_DIR is set at the engine's start to the triton folder of the model
     cache ($LLMRPC_CACHE_DIR here); a folder the user set stays."""
