@@ -2,7 +2,7 @@
 check's dry run). The same comparisons the CPU
 suite makes, natively: greedy tokens token-exact against Transformers on SmolLM2 in float32 on
 both attention backends, and the Triton backend's tokens equal to the torch backend's in a batch
-with chunked prefill, a prefix hit and preemption."""
+with chunked prefill, a prefix hit and preemption; a MoE model's tokens against Transformers'."""
 
 from __future__ import annotations
 
@@ -72,3 +72,19 @@ def test_triton_and_torch_backends_agree_on_cuda_under_pressure(tiny_llama_dir):
         assert outputs["hit"].num_cached_tokens == 32
         results[backend] = {k: o.token_ids for k, o in outputs.items()}
     assert results["triton"] == results["torch"]
+
+
+def test_a_moe_model_on_cuda_matches_transformers(tmp_path, smollm2_dir):
+    """Qwen2-MoE (routed experts, a shared one, a dense layer) with the fused experts' Triton
+    kernels compiled for the device: float32 greedy tokens equal Transformers' on the CPU."""
+    from engine_utils import hf_greedy
+    from tiny_models import save_moe
+
+    model_dir = save_moe(tmp_path, smollm2_dir, "qwen2_moe")
+    core = make_core(model_dir, device=DEVICE, attention_backend="triton",
+                     max_num_batched_tokens=32)  # fmt: skip
+    prompts = [core.tokenizer.encode(text) for text in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = run_to_completion(core, {str(i): (p, params) for i, p in enumerate(prompts)})
+    expected = hf_greedy(model_dir, prompts, 16)
+    assert [outputs[str(i)].token_ids for i in range(len(prompts))] == expected
