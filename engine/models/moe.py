@@ -2,11 +2,11 @@
 
 Each is its dense sibling's attention (Llama's; Qwen2's q/k/v biases; Qwen3's per-head q/k norms;
 OLMoE's norms over the whole q and k projections, and its ``clip_qkv``) with the MLP of some or all
-layers a sparse block: a router (``gate``, kept in the model's dtype, never packed or quantized,
-since a rounded router sends tokens to other experts), softmax over the experts in float32, the
-top k, renormalised where the config says (Mixtral always; the others by ``norm_topk_prob``), and
-the experts computed by ``llmrpc.kernels.moe.fused_experts`` (tokens grouped by expert, one matmul
-per projection per expert hit). Qwen2-MoE adds a shared expert, gated by ``sigmoid(x w)``.
+layers a sparse block: a router (``gate``, computed in float32, never packed or quantized, since a
+rounded router sends tokens to other experts), softmax over the experts in float32, the top k,
+renormalised where the config says (Mixtral always; the others by ``norm_topk_prob``), and the
+experts computed by ``llmrpc.kernels.moe.fused_experts`` (tokens grouped by expert, one matmul per
+projection per expert hit). Qwen2-MoE adds a shared expert, gated by ``sigmoid(x w)``.
 
 Experts are held fused: ``w13 [E, 2I, H]`` (each expert's gate rows, then its up rows) and
 ``w2 [E, H, I]``, as Transformers 5 holds them (``experts.gate_up_proj``, ``experts.down_proj``).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmrpc.engine.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
@@ -33,8 +34,18 @@ from llmrpc.kernels.moe import experts_by_layer, fused_experts, register_expert_
 
 
 class Router(nn.Linear):
-    """The router's logits ``[T, E]``: a linear layer that quantization and CPU packing leave
-    as it is (they take plain ``nn.Linear`` only)."""
+    """The router's logits ``[T, E]``, in float32: its weight stays float32 whatever the model's
+    dtype (a bfloat16 checkpoint's weight exactly), the hidden states are widened, and the sums
+    are never rounded to 16 bits, so the top k are those of the exact logits. Quantization and CPU
+    packing leave it as it is (they take plain ``nn.Linear`` only)."""
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.weight.data = self.weight.data.float()  # .to(dtype) moves it, never narrows it
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
 
 
 class FusedExperts(nn.Module):
@@ -123,7 +134,7 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, topk_weights, topk_ids, backend)
         if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x))
+            gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
             out = out + gate * self.shared_expert(x)
         if self.comm is not None:
             self.comm.all_reduce(out)

@@ -164,3 +164,22 @@ def test_batch_invariant_mode_refuses_moe_models_in_one_line(tmp_path, smollm2_d
     model_dir = save_moe(tmp_path, smollm2_dir, "mixtral")
     with pytest.raises(ValueError, match=r"^--batch-invariant does not cover MoE models"):
         make_core(model_dir, "bfloat16", batch_invariant=True)
+
+
+def test_routers_compute_in_float32_in_a_bfloat16_model(tmp_path, smollm2_dir):
+    """In bfloat16 the router's weight stays float32 and its logits are the float32 sums of the
+    widened hidden states (not rounded to 16 bits); the model serves (Qwen2-MoE: its shared
+    expert's gate too) with every other weight in bfloat16."""
+    from llmrpc.engine.request import SamplingParams
+
+    model_dir = save_moe(tmp_path, smollm2_dir, "qwen2_moe")
+    core = make_core(model_dir, "bfloat16")
+    block = core.runner.model.layers[1].mlp
+    assert block.gate.weight.dtype == block.shared_expert_gate.weight.dtype == torch.float32
+    x = torch.randn(5, block.gate.in_features, dtype=torch.bfloat16)
+    exact = (x.double() @ block.gate.weight.double().T).float()
+    torch.testing.assert_close(block.gate(x), exact, rtol=1e-6, atol=1e-6)
+    assert block(x).dtype == torch.bfloat16
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = run_to_completion(core, {"r": ([5, 6, 7, 8], params)})
+    assert len(outputs["r"].token_ids) == 8
