@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak attack proofs bench-moe gpu-check device-carry device-venv
+.PHONY: install serve test lint protos soak attack proofs bench-moe gpu-check device-carry device-venv \
+	oip-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +32,8 @@ lint: install
 # Two workers, each taking whole test files (a file's servers and fixtures stay in one process): in
 # one process tests/clients kept about one of 2 cores busy (233 s of CPU in 219 s), its tests waiting
 # on servers and child processes; on a clean clone the suite took 14:58 in two workers, 28:17 in one.
-test: lint device-venv
-	LLMRPC_REQUIRE_DEVICE_DRY_RUN=1 $(BIN)/pytest -n 2 --dist loadfile
+test: lint device-venv oip-venv
+	LLMRPC_REQUIRE_DEVICE_DRY_RUN=1 LLMRPC_REQUIRE_OIP_CLIENTS=1 $(BIN)/pytest -n 2 --dist loadfile
 
 protos: install
 	$(BIN)/python protos/generate.py
@@ -85,6 +86,17 @@ download_wheels = $(BIN)/python -m pip download --quiet --no-deps --only-binary=
 	touch $@
 
 device-carry: .device-carry/.filled
+
+# .venv-oip: the Open Inference Protocol's own clients (tritonclient, kserve), which need
+# protobuf<7 beside our 7, for tests/gateway/test_kserve_clients.py.
+OIP_VENV := .venv-oip
+$(OIP_VENV)/.installed: tests/gateway/oip-client-requirements.txt
+	rm -rf $(OIP_VENV)
+	$(PYTHON) -m venv $(OIP_VENV)
+	$(OIP_VENV)/bin/python -m pip install --quiet -r tests/gateway/oip-client-requirements.txt
+	touch $@
+
+oip-venv: $(OIP_VENV)/.installed
 
 # .venv-device: only the image's packages we use (torch the local CPU wheel), no system site
 # packages; its wheels/ holds the carried list as cp311 wheels, which the dry run installs.

@@ -57,6 +57,26 @@ class AsyncClient(ClientBase):
         finally:
             call.cancel()
 
+    async def kserve_call(self, method: str, request, *, timeout=None, request_id=None):
+        """One unary call of KServe v2's ``inference.GRPCInferenceService`` (``"ModelInfer"``,
+        ``"ModelMetadata"``...) with its request message; its response message."""
+        stub_method = getattr(self._kserve, method)
+        return await self._call(stub_method, request, lambda reply: reply, timeout, request_id)
+
+    async def kserve_stream(self, request, *, timeout=None, request_id=None) -> AsyncIterator:
+        """KServe v2's ``ModelStreamInfer`` with one request: its ``ModelStreamInferResponse``s."""
+        deadline = deadline_of(self.options.timeout if timeout is None else timeout)
+        call = self._kserve.ModelStreamInfer(
+            iter([request]), timeout=remaining(deadline), metadata=self.options.metadata(request_id)
+        )
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as rpc_error:
+            raise from_rpc_error(rpc_error, request_id) from None
+        finally:
+            call.cancel()  # a no-op once the call ended; aborts it if the caller stopped early
+
     async def _call(self, method, request, convert, timeout, request_id=None):
         deadline = deadline_of(self.options.timeout if timeout is None else timeout)
         metadata = self.options.metadata(request_id)

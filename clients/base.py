@@ -24,6 +24,7 @@ from llmrpc.clients import requests, types
 from llmrpc.clients.connection import ConnectionOptions, RetryPolicy
 from llmrpc.clients.embedding import Embeddings, EmbedInput, embed_request, embeddings_from_proto
 from llmrpc.clients.requests import ChatMessages, ChatOptions, Prompt
+from llmrpc.kserve import grpc_predict_v2_pb2_grpc
 from llmrpc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -78,6 +79,7 @@ class ClientBase:
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._embedding = embedding_pb2_grpc.EmbeddingServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._kserve = grpc_predict_v2_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     @property
     def target(self) -> str:

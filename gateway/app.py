@@ -1,5 +1,5 @@
-"""The gateway's FastAPI application: the OpenAI routes over the gRPC replicas, with the
-middleware its settings ask for.
+"""The gateway's FastAPI application: the OpenAI routes (and KServe v2's) over the gRPC
+replicas, with the middleware its settings ask for.
 
 Middleware order, outermost first: CORS (so preflights and error replies carry its headers),
 the header-count limit, request ids, tracing (``--otlp-traces-endpoint``), API keys (so no body
@@ -16,7 +16,15 @@ from types import SimpleNamespace
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from llmrpc.gateway import chat, completions, embeddings, lora_routes, responses_api, routes
+from llmrpc.gateway import (
+    chat,
+    completions,
+    embeddings,
+    kserve_routes,
+    lora_routes,
+    responses_api,
+    routes,
+)
 from llmrpc.gateway.body_limit import BodyLimitMiddleware
 from llmrpc.gateway.errors import install_handlers
 from llmrpc.gateway.middleware import (
@@ -39,6 +47,7 @@ ROUTERS = (
     responses_api.router,
     lora_routes.router,
     routes.router,
+    kserve_routes.router,  # KServe v2 / Open Inference Protocol, Triton's generate extension
 )
 
 

@@ -60,6 +60,11 @@ def error_type(status: int) -> str:
     return "server_error"
 
 
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status answering a gRPC status (500 for those not listed)."""
+    return _HTTP_STATUS.get(code, 500)
+
+
 class OpenAIError(HTTPException):
     """An error answered in OpenAI's envelope with this HTTP status. An HTTPException, so
     FastAPI passes it on as it is when it comes from reading the body (``json_body``)."""

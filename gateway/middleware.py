@@ -19,7 +19,10 @@ from llmrpc.gateway.state import REQUEST_ID_HEADER, GatewayState
 from llmrpc.v1.headers import bearer_key, request_id_problem
 
 # Answered without an API key: probes and scrapers carry none.
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# (KServe v2's health routes are probes as /health is.)
+OPEN_PATHS = frozenset(
+    {"/health", "/ping", "/version", "/metrics", "/v2/health/live", "/v2/health/ready"}
+)
 # Requests counted by --enable-server-load-tracking.
 LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # X-Request-Id: at most 128 characters, half the gRPC bound, leaving room for the "-N" suffix

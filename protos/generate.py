@@ -2,6 +2,7 @@
 
     python protos/generate.py                        write *_pb2.py, *_pb2.pyi, *_pb2_grpc.py
                                                      beside the protos in protos/llmrpc/v1/
+                                                     and in protos/llmrpc/kserve/
     python protos/generate.py --check                exit 1, listing them, if the committed stubs
                                                      differ from freshly generated ones
     python protos/generate.py --descriptor-set PATH  write a FileDescriptorSet (with imports and
@@ -10,6 +11,9 @@
 Protos import each other as "llmrpc/v1/x.proto" relative to protos/, so protoc emits
 `from llmrpc.v1 import x_pb2`, matching the import package that pyproject.toml maps to
 protos/llmrpc/v1. google/api protos come from the installed googleapis-common-protos wheel.
+The foreign protocols served beside it (KServe v2 / the Open Inference Protocol, package
+`inference`, in protos/llmrpc/kserve/ -> llmrpc.kserve) are generated the same way; the
+descriptor set (Envoy's transcoder) holds the v1 API alone.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from pathlib import Path
 
 PROTOS_DIR = Path(__file__).resolve().parent
 API_DIR = PROTOS_DIR / "llmrpc" / "v1"
+KSERVE_DIR = PROTOS_DIR / "llmrpc" / "kserve"
+STUB_DIRS = (API_DIR, KSERVE_DIR)  # every folder of protos whose stubs are committed
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
-def proto_files() -> list[str]:
-    """The API's .proto files, relative to protos/ (the names protoc records)."""
-    return sorted(p.relative_to(PROTOS_DIR).as_posix() for p in API_DIR.glob("*.proto"))
+def proto_files(dirs: tuple[Path, ...] = STUB_DIRS) -> list[str]:
+    """The .proto files in ``dirs``, relative to protos/ (the names protoc records)."""
+    found = (p for directory in dirs for p in directory.glob("*.proto"))
+    return sorted(p.relative_to(PROTOS_DIR).as_posix() for p in found)
 
 
 def googleapis_include() -> Path:
@@ -55,17 +62,17 @@ def include_paths() -> list[Path]:
     return [PROTOS_DIR, grpc_tools_include(), googleapis_include()]
 
 
-def run_protoc(out_args: list[str]) -> None:
+def run_protoc(out_args: list[str], dirs: tuple[Path, ...] = STUB_DIRS) -> None:
     args = [sys.executable, "-m", "grpc_tools.protoc"]
     args += [f"-I{path}" for path in include_paths()]
-    args += out_args + proto_files()
+    args += out_args + proto_files(dirs)
     result = subprocess.run(args, cwd=PROTOS_DIR, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"protoc failed ({result.returncode}):\n{result.stderr}")
 
 
 def generate_into(out_dir: Path) -> None:
-    """Writes the stubs under out_dir/llmrpc/v1/."""
+    """Writes the stubs under out_dir/llmrpc/v1/ and out_dir/llmrpc/kserve/."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = str(out_dir)
     run_protoc([f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"])
@@ -85,10 +92,10 @@ def differing_files(fresh_dir: Path, committed_dir: Path = API_DIR) -> list[str]
     return sorted(differing)
 
 
-def sync(fresh_dir: Path, names: list[str]) -> None:
-    """Makes API_DIR's generated files match fresh_dir for the given names."""
+def sync(fresh_dir: Path, names: list[str], committed_dir: Path = API_DIR) -> None:
+    """Makes committed_dir's generated files match fresh_dir for the given names."""
     for name in names:
-        source, target = fresh_dir / name, API_DIR / name
+        source, target = fresh_dir / name, committed_dir / name
         if source.exists():
             shutil.copyfile(source, target)
         else:
@@ -99,7 +106,8 @@ def write_descriptor_set(path: Path) -> None:
     """A FileDescriptorSet of the API with its imports and comments."""
     path.parent.mkdir(parents=True, exist_ok=True)
     run_protoc(
-        [f"--descriptor_set_out={path.resolve()}", "--include_imports", "--include_source_info"]
+        [f"--descriptor_set_out={path.resolve()}", "--include_imports", "--include_source_info"],
+        (API_DIR,),
     )
 
 
@@ -115,18 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="llmrpc-protos-") as tmp:
         generate_into(Path(tmp))
-        fresh_dir = Path(tmp) / "llmrpc" / "v1"
-        differing = differing_files(fresh_dir)
-        if args.check:
-            for name in differing:
-                print(f"out of date: {(API_DIR / name).relative_to(PROTOS_DIR.parent)}")
-            if differing:
-                print("run: python protos/generate.py", file=sys.stderr)
-            return 1 if differing else 0
-        sync(fresh_dir, differing)
-    for name in differing:
-        print(f"wrote {(API_DIR / name).relative_to(PROTOS_DIR.parent)}")
-    return 0
+        differing = []  # paths of stubs, relative to the repository
+        for committed_dir in STUB_DIRS:
+            fresh_dir = Path(tmp) / committed_dir.relative_to(PROTOS_DIR)
+            names = differing_files(fresh_dir, committed_dir)
+            differing += [(committed_dir / name).relative_to(PROTOS_DIR.parent) for name in names]
+            if not args.check:
+                sync(fresh_dir, names, committed_dir)
+    for path in differing:
+        print(f"{'out of date' if args.check else 'wrote'}: {path}")
+    if args.check and differing:
+        print("run: python protos/generate.py", file=sys.stderr)
+    return 1 if args.check and differing else 0
 
 
 if __name__ == "__main__":

@@ -30,12 +30,14 @@ from llmrpc.engine.client.async_engine import AsyncEngine, EngineClient
 from llmrpc.engine.client.data_parallel import DataParallelClient
 from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import EngineConfig
+from llmrpc.kserve import grpc_predict_v2_pb2_grpc
 from llmrpc.server import model_paths, reflection
 from llmrpc.server.admin import AdminServicer
 from llmrpc.server.auth import KeyRing, RequestOwners
 from llmrpc.server.embedding import EmbeddingServicer
 from llmrpc.server.health import HEALTH_SERVICE_NAME, Health
 from llmrpc.server.interceptors import ApiKeyInterceptor, CallsInFlight, RequestContextInterceptor
+from llmrpc.server.kserve import InferenceServicer
 from llmrpc.server.limits import AdmissionControl, channel_options
 from llmrpc.server.logs import install_request_id_records, log_stats_forever
 from llmrpc.server.loopback import HandlerRegistry, LoopbackChannel
@@ -263,14 +265,19 @@ def _on_the_network(interceptors: list, limits) -> list:
 
 def _add_services(servers, state: ServerState, health: Health) -> None:
     """The services, on the network server and the in-process channel's registry alike."""
+    generation = GenerationServicer(state)
     services = (
-        (generation_pb2_grpc.add_GenerationServiceServicer_to_server, GenerationServicer(state)),
+        (generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation),
         (
             tokenization_pb2_grpc.add_TokenizationServiceServicer_to_server,
             TokenizationServicer(state),
         ),
         (admin_pb2_grpc.add_AdminServiceServicer_to_server, AdminServicer(state)),
         (embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server, EmbeddingServicer(state)),
+        (
+            grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            InferenceServicer(state, generation, health),
+        ),
     )
     for server in servers:
         for add, servicer in services:

@@ -54,14 +54,18 @@ class Health:
     def __init__(self, services: tuple[str, ...]) -> None:
         self.servicer = _HealthServicer()
         self.services = ("", *services)
+        self.serving = False  # what the server reports now (ServerReady of KServe v2 too)
+        self._shut_down = False
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for all; Watch streams see the change at once."""
+        self.serving = serving and not self._shut_down
         for service in self.services:
             await self.servicer.set(service, SERVING if serving else NOT_SERVING)
 
     async def shut_down(self) -> None:
         """NOT_SERVING for good: later ``set_serving`` calls change nothing."""
+        self.serving, self._shut_down = False, True
         await self.servicer.enter_graceful_shutdown()
 
     def end_watches(self) -> None:

@@ -12,8 +12,9 @@ new message for every response, and the clients one for every request).
 Each call runs in a task of its own, as grpc.aio runs a handler: cancelling the call (the
 client closes its stream, or its deadline passes) cancels that task, which aborts the engine
 request. Streamed responses wait in a short queue, so a slow reader holds the servicer back as
-flow control would. Unary-unary and unary-stream methods are served; those are all the
-gateway's client calls.
+flow control would. Unary-unary, unary-stream and stream-stream methods are served (the
+last with the requests given as an iterable: KServe v2's ModelStreamInfer, which the gateway's
+generate_stream route calls with one request).
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ class LoopbackChannel:
     def unary_stream(self, method: str, *_codecs, **_options):
         return functools.partial(_Call, self, method, True)
 
+    def stream_stream(self, method: str, *_codecs, **_options):
+        return functools.partial(_Call, self, method, True)
+
     async def _lookup(self, details: _CallDetails):
         for generic in self._registry.handlers:
             handler = generic.service(details)
@@ -216,6 +220,9 @@ class LoopbackChannel:
             else:  # a coroutine handler writing through the context
                 await responses
             return None
+        if handler.stream_stream is not None:  # ``request``: the iterable of requests
+            await handler.stream_stream(_requests(request), context)
+            return None
         raise _abort(context, grpc.StatusCode.UNIMPLEMENTED, f"{method}: not served in-process")
 
     async def stop(self, grace: float | None) -> None:
@@ -231,6 +238,11 @@ class LoopbackChannel:
         """Cancel the calls in flight (a client closing its channel)."""
         for call in list(self._calls):
             call.cancel()
+
+
+async def _requests(requests) -> AsyncIterator:
+    for request in requests:
+        yield request
 
 
 def _bind(interceptor, continuation):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmrpc.engine.lora.types import MAX_LORA_NAME_CHARS
+from llmrpc.kserve import grpc_predict_v2_pb2
 from llmrpc.server.auth import RequestOwners
 from llmrpc.server.errors import NotFound, Unavailable
 from llmrpc.server.limits import AdmissionControl
@@ -26,6 +27,7 @@ SERVICE_NAMES = tuple(
         (tokenization_pb2, "TokenizationService"),
         (admin_pb2, "AdminService"),
         (embedding_pb2, "EmbeddingService"),
+        (grpc_predict_v2_pb2, "GRPCInferenceService"),  # KServe v2 (server/kserve.py)
     )
 )
 

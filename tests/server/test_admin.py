@@ -30,6 +30,7 @@ V1_SERVICES = {
     "llmrpc.v1.TokenizationService",
     "llmrpc.v1.AdminService",
     "llmrpc.v1.EmbeddingService",
+    "inference.GRPCInferenceService",  # KServe v2, on the same port
 }
 
 

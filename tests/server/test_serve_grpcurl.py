@@ -129,6 +129,7 @@ def test_list_shows_every_service(grpcurl, address):
         "grpc.health.v1.Health",
         "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
+        "inference.GRPCInferenceService",
         "llmrpc.v1.AdminService",
         "llmrpc.v1.EmbeddingService",
         "llmrpc.v1.GenerationService",
