@@ -12,24 +12,10 @@ from __future__ import annotations
 
 import struct
 
-from llmrpc.common.oip_bytes import join_elements, split_elements
+from llmrpc.common.oip_bytes import NUMERIC, join_elements, split_elements
 from llmrpc.kserve import grpc_predict_v2_pb2 as pb
 
 MAX_ELEMENTS = 1024  # elements of one tensor over REST: prompts, parameters
-# datatype -> (its contents field, its raw element format)
-NUMERIC = {
-    "BOOL": ("bool_contents", "?"),
-    "INT8": ("int_contents", "b"),
-    "INT16": ("int_contents", "h"),
-    "INT32": ("int_contents", "i"),
-    "INT64": ("int64_contents", "q"),
-    "UINT8": ("uint_contents", "B"),
-    "UINT16": ("uint_contents", "H"),
-    "UINT32": ("uint_contents", "I"),
-    "UINT64": ("uint64_contents", "Q"),
-    "FP32": ("fp32_contents", "f"),
-    "FP64": ("fp64_contents", "d"),
-}
 
 
 def set_parameters(target, parameters, where: str) -> None:

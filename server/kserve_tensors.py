@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from llmrpc.common.oip_bytes import join_elements, split_elements
+from llmrpc.common.oip_bytes import NUMERIC, join_elements, split_elements
 from llmrpc.kserve import grpc_predict_v2_pb2 as pb
 from llmrpc.server.errors import InvalidArgument
 from llmrpc.server.kserve_request import (
@@ -21,20 +21,6 @@ from llmrpc.server.kserve_request import (
     sampling_parameters,
 )
 
-# datatype -> (its contents field, its raw element format)
-_NUMERIC = {
-    "BOOL": ("bool_contents", "?"),
-    "INT8": ("int_contents", "b"),
-    "INT16": ("int_contents", "h"),
-    "INT32": ("int_contents", "i"),
-    "INT64": ("int64_contents", "q"),
-    "UINT8": ("uint_contents", "B"),
-    "UINT16": ("uint_contents", "H"),
-    "UINT32": ("uint_contents", "I"),
-    "UINT64": ("uint64_contents", "Q"),
-    "FP32": ("fp32_contents", "f"),
-    "FP64": ("fp64_contents", "d"),
-}
 MAX_SHAPE_DIMS = 8
 
 
@@ -54,9 +40,9 @@ def _elements(request: pb.ModelInferRequest, index: int) -> list:
             return split_elements(raw)
         except ValueError as error:
             raise InvalidArgument(where, str(error)) from None
-    if tensor.datatype not in _NUMERIC:
+    if tensor.datatype not in NUMERIC:
         raise InvalidArgument(f"{where}.datatype", f"unknown datatype {tensor.datatype!r}")
-    contents, element = _NUMERIC[tensor.datatype]
+    contents, element = NUMERIC[tensor.datatype]
     if raw is None:
         return list(getattr(tensor.contents, contents))
     size = struct.calcsize(element)
@@ -124,6 +110,6 @@ def infer_response(
         if datatype == "BYTES":
             response.raw_output_contents.append(join_elements(elements))
         else:
-            packed = struct.pack(f"<{len(elements)}{_NUMERIC[datatype][1]}", *elements)
+            packed = struct.pack(f"<{len(elements)}{NUMERIC[datatype][1]}", *elements)
             response.raw_output_contents.append(packed)
     return response
