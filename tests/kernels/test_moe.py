@@ -309,3 +309,27 @@ def test_triton_layout_contract_errors_name_the_argument(device):
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             fused_experts(*args, backend="triton")
+
+
+def test_one_tokens_short_path_adds_as_the_grouping_does():
+    """A single token skips the grouping (``grouped_experts``' one-token path): with experts
+    whose rows do not depend on each other, its output equals its row in a batch bit for bit,
+    in float32 with four experts a token and a dropped slot (added in slot order rather than
+    by expert id, every row differs here; bfloat16's rounding of the sum would hide it)."""
+    from llmrpc.kernels.moe import grouped_experts
+
+    torch.manual_seed(0)
+    hidden_size, num_experts = 4096, 8
+    scales = torch.randn(num_experts, hidden_size)
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        return rows * scales[index]  # row by row: a row's result ignores the others
+
+    hidden = torch.randn(4, hidden_size)
+    weights, ids = route(torch.randn(4, num_experts), 4, renormalize=True)
+    ids[2, 1] = -1
+    batch = grouped_experts(hidden, weights, ids, num_experts, expert)
+    for row in range(4):
+        alone = grouped_experts(hidden[row : row + 1], weights[row : row + 1],
+                                ids[row : row + 1], num_experts, expert)  # fmt: skip
+        assert torch.equal(alone[0], batch[row]), row
