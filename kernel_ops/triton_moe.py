@@ -199,8 +199,10 @@ def fused_experts(
 def token_counts_for_every_block_m(num_experts: int, top_k: int) -> list[int]:
     """The fewest tokens whose step launches each ``BLOCK_M`` variant (16, 32, 64) of the
     kernels, for a start-up warm-up (engine/runner/kernel_warm_up.py)."""
-    per_expert = (1, 17, 33)  # the fewest pairs per expert that _block_m takes to 16, 32, 64
-    return [-(-pairs * num_experts // top_k) for pairs in per_expert]
+    counts: dict[int, int] = {}  # block size -> the fewest pairs per expert that _block_m gives it
+    for pairs in range(1, 65):
+        counts.setdefault(_block_m(pairs * num_experts, num_experts), pairs)
+    return [-(-pairs * num_experts // top_k) for pairs in counts.values()]
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:

@@ -105,7 +105,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         infer = read_infer_request(request)
         if infer.flag("stream"):
             raise InvalidArgument("stream", "ModelInfer answers once: stream with ModelStreamInfer")
-        self.state.admission.check_prompts(len(infer.prompts), TEXT_INPUT)
         return await self._infer(request, infer, model, context)
 
     @handle_errors
@@ -162,7 +161,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return name or served[0]
 
     async def _infer(self, request, infer: InferRequest, model: str, context):
-        """One response for all of ``infer``'s prompts, generated side by side."""
+        """One response for all of ``infer``'s prompts, generated side by side (at most
+        --max-prompts-per-request, on ModelInfer and ModelStreamInfer alike)."""
+        self.state.admission.check_prompts(len(infer.prompts), TEXT_INPUT)
         runs = [
             self._generate(infer, prompt, model, context, index)
             for index, prompt in enumerate(infer.prompts)

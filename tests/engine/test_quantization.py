@@ -280,8 +280,7 @@ def test_moe_experts_are_quantized_each_as_its_layers(tmp_path, smollm2_dir, met
     from llmrpc.engine.models.moe import Router
 
     model_dir = save_moe(tmp_path, smollm2_dir, "mixtral")
-    check_quantized_greedy(model_dir, method)
-    model = quantized_core(model_dir, method).runner.model
+    model = check_quantized_greedy(model_dir, method).runner.model
     kind = Int8Linear if method == "int8" else Int4Linear
     quantized = [m for m in model.modules() if type(m) is kind]
     assert len(quantized) == 2 * (2 + 2 * 4) + 1  # per layer q|k|v, o, 4 experts x 2; lm_head
@@ -289,13 +288,14 @@ def test_moe_experts_are_quantized_each_as_its_layers(tmp_path, smollm2_dir, met
     assert {type(m) for n, m in model.named_modules() if n.endswith("mlp.gate")} == {Router}
 
 
-def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto") -> None:
+def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto") -> EngineCore:
     core = quantized_core(model_dir, method, model_impl=model_impl)
     prompts = prompt_ids(core)
     ours = engine_greedy(core, prompts, 12)
     reference = fake_quantized_transformers(model_dir, method, torch.float32)
     assert ours == greedy_generate(reference, prompts, 12)
     assert not [m for m in core.runner.model.modules() if type(m) is nn.Linear]
+    return core
 
 
 def test_bfloat16_packed_kernels_keep_perplexity_of_the_same_quantization(smollm2_dir):

@@ -14,6 +14,7 @@ from engine_pace import num_live_requests, restore_speed, slow_down
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_utils import field_violations, wait_until
 
+from llmrpc.common.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from llmrpc.common.oip_bytes import join_elements, split_elements
 from llmrpc.kserve import grpc_predict_v2_pb2 as pb
 from llmrpc.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -219,3 +220,18 @@ async def test_calls_run_side_by_side_on_one_stream(inference, model):
         if m.infer_response.parameters["triton_final_response"].bool_param
     }
     assert finals == {"r0", "r1", "r2"}
+
+
+async def test_more_prompts_than_a_request_may_hold_are_refused_on_both_calls(inference, model):
+    """--max-prompts-per-request (its default here) bounds ModelInfer and each ModelStreamInfer
+    request alike."""
+    too_many = ["Hi"] * (DEFAULT_MAX_PROMPTS_PER_REQUEST + 1)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await inference.ModelInfer(text_request(model, *too_many, max_tokens=1))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(caught.value) == ["text_input"]
+    request = text_request(model, *too_many, max_tokens=1)
+    messages = [m async for m in inference.ModelStreamInfer(iter([request]))]
+    assert [m.error_message.split(":")[:2] for m in messages] == [
+        ["INVALID_ARGUMENT", " text_input"]
+    ]
