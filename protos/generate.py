@@ -2,7 +2,8 @@
 
     python protos/generate.py                        write *_pb2.py, *_pb2.pyi, *_pb2_grpc.py
                                                      beside the protos in protos/llmrpc/v1/
-                                                     and in protos/llmrpc/kserve/
+                                                     and in protos/llmrpc/kserve/ and
+                                                     protos/llmrpc/vllm_engine/
     python protos/generate.py --check                exit 1, listing them, if the committed stubs
                                                      differ from freshly generated ones
     python protos/generate.py --descriptor-set PATH  write a FileDescriptorSet (with imports and
@@ -12,8 +13,10 @@ Protos import each other as "llmrpc/v1/x.proto" relative to protos/, so protoc e
 `from llmrpc.v1 import x_pb2`, matching the import package that pyproject.toml maps to
 protos/llmrpc/v1. google/api protos come from the installed googleapis-common-protos wheel.
 The foreign protocols served beside it (KServe v2 / the Open Inference Protocol, package
-`inference`, in protos/llmrpc/kserve/ -> llmrpc.kserve) are generated the same way; the
-descriptor set (Envoy's transcoder) holds the v1 API alone.
+`inference`, in protos/llmrpc/kserve/ -> llmrpc.kserve; vLLM's engine service as the smg router
+calls it, packages `vllm.grpc.engine` and `smg.grpc.common`, in protos/llmrpc/vllm_engine/ ->
+llmrpc.vllm_engine) are generated the same way; the descriptor set (Envoy's transcoder) holds
+the v1 API alone.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from pathlib import Path
 PROTOS_DIR = Path(__file__).resolve().parent
 API_DIR = PROTOS_DIR / "llmrpc" / "v1"
 KSERVE_DIR = PROTOS_DIR / "llmrpc" / "kserve"
-STUB_DIRS = (API_DIR, KSERVE_DIR)  # every folder of protos whose stubs are committed
+VLLM_ENGINE_DIR = PROTOS_DIR / "llmrpc" / "vllm_engine"
+STUB_DIRS = (API_DIR, KSERVE_DIR, VLLM_ENGINE_DIR)  # every folder of protos whose stubs are committed
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -72,7 +76,7 @@ def run_protoc(out_args: list[str], dirs: tuple[Path, ...] = STUB_DIRS) -> None:
 
 
 def generate_into(out_dir: Path) -> None:
-    """Writes the stubs under out_dir/llmrpc/v1/ and out_dir/llmrpc/kserve/."""
+    """Writes the stubs under out_dir/llmrpc/ (v1/, kserve/, vllm_engine/)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = str(out_dir)
     run_protoc([f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"])
