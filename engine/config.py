@@ -108,6 +108,51 @@ class ModelConfig:
             )
 
 
+# --kv-events-config: the keys of vLLM's KVEventsConfig this build takes, and their defaults
+KV_EVENTS_DEFAULTS = {
+    "enable_kv_cache_events": False,
+    "buffer_steps": 10_000,
+    "max_queue_size": 100_000,
+}
+# the keys of its ZeroMQ publisher, which this build does not have
+_KV_EVENTS_ZMQ_KEYS = ("publisher", "endpoint", "replay_endpoint", "hwm", "topic")
+KV_EVENTS_OVER_GRPC = (
+    "this build publishes KV events on its gRPC port only "
+    "(vllm.grpc.engine.VllmEngine/SubscribeKvEvents), not over ZeroMQ"
+)
+
+
+def check_kv_events_config(config: dict | None, enable_prefix_caching: bool) -> None:
+    """``--kv-events-config``: ``enable_kv_cache_events`` (a boolean), ``buffer_steps`` (event
+    batches kept for a subscriber that resumes) and ``max_queue_size`` (batches a subscriber may
+    fall behind before its stream ends with DATA_LOSS), positive integers; the ZeroMQ
+    publisher's keys are refused by name. ValueError naming the flag."""
+    if config is None:
+        return
+    for key in config:
+        if key in _KV_EVENTS_ZMQ_KEYS:
+            raise ValueError(f"--kv-events-config: {key!r}: {KV_EVENTS_OVER_GRPC}; leave it unset")
+        if key not in KV_EVENTS_DEFAULTS:
+            raise ValueError(
+                f"--kv-events-config: unknown key {key!r}; this build takes "
+                f"{', '.join(map(repr, KV_EVENTS_DEFAULTS))}"
+            )
+    enabled = config.get("enable_kv_cache_events", False)
+    if type(enabled) is not bool:
+        raise ValueError(
+            f"--kv-events-config: enable_kv_cache_events must be true or false, got {enabled!r}"
+        )
+    for key in ("buffer_steps", "max_queue_size"):
+        value = config.get(key, KV_EVENTS_DEFAULTS[key])
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"--kv-events-config: {key} must be a positive integer, got {value!r}")
+    if enabled and not enable_prefix_caching:
+        raise ValueError(
+            "--kv-events-config: enable_kv_cache_events reports the prefix cache's blocks, and "
+            "--no-enable-prefix-caching turns the prefix cache off"
+        )
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: ``--block-size`` and its size in host memory (``--kv-cache-memory``)."""
@@ -119,10 +164,13 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"
+    # --kv-events-config: vLLM's KVEventsConfig as a JSON object (check_kv_events_config)
+    kv_events_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        check_kv_events_config(self.kv_events_config, self.enable_prefix_caching)
         if self.cache_dtype == "fp8_inc":
             raise ValueError(
                 "--kv-cache-dtype fp8_inc is for Intel Gaudi devices; use fp8 (fp8_e4m3) or "
@@ -143,6 +191,15 @@ class CacheConfig:
             raise ValueError(
                 f"--num-gpu-blocks-override must be at least 2, got {self.num_gpu_blocks_override}"
             )
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether the prefix cache's changes are recorded and published."""
+        return bool((self.kv_events_config or {}).get("enable_kv_cache_events"))
+
+    def kv_events_setting(self, key: str) -> int:
+        """``buffer_steps`` or ``max_queue_size`` of --kv-events-config, or its default."""
+        return (self.kv_events_config or {}).get(key, KV_EVENTS_DEFAULTS[key])
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ dataclasses; never a pickled object.
 Frontend to core: ``AddRequest``, ``Abort``, ``Call`` (a utility: ``reset_prefix_cache``,
 ``sleep``, ``wake_up``, LoRA's, and those engine plug-ins register), ``Shutdown``. Core to frontend:
 ``Ready`` (once loaded), ``Outputs`` (each step), ``Result`` (of a command that asked for one),
-``Figures`` (while idle), ``Log`` (a log record of the engine process), ``Fatal`` (loading failed or
-the step loop died).
+``Figures`` (while idle), ``KVEvents`` (the prefix cache's changes, after the step or command that
+made them, with --kv-events-config), ``Log`` (a log record of the engine process), ``Fatal``
+(loading failed or the step loop died).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import msgspec
 
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_types import EngineStateError, EngineStats, ModelInfo
+from llmrpc.engine.kv_events import KVEvent
 from llmrpc.engine.lora.types import LoRAAdapterExistsError, LoRAAdapterNotFoundError
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
@@ -155,6 +157,13 @@ class Figures(msgspec.Struct, tag=True, array_like=True):
     snapshot: Snapshot
 
 
+class KVEvents(msgspec.Struct, tag=True, array_like=True):
+    """The prefix cache's changes since the previous ``KVEvents``, in order."""
+
+    events: list[KVEvent]
+    timestamp: float  # time.time() when taken
+
+
 class Log(msgspec.Struct, tag=True, array_like=True):
     """A log record of the engine process, re-emitted by the frontend's logging."""
 
@@ -174,7 +183,7 @@ class Fatal(msgspec.Struct, tag=True, array_like=True):
     while_loading: bool
 
 
-FromCore = Union[Ready, Outputs, Result, Figures, Log, Fatal]  # noqa: UP007
+FromCore = Union[Ready, Outputs, Result, Figures, KVEvents, Log, Fatal]  # noqa: UP007
 
 
 class Startup(msgspec.Struct, array_like=True):

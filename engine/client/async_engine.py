@@ -33,6 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
+from llmrpc.engine.client.kv_events import KVEventLog
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core import plugins
 from llmrpc.engine.core.process import STATS_REFRESH_S, EngineLoop
@@ -43,6 +44,7 @@ from llmrpc.engine.messages import (
     Call,
     EngineDeadError,
     Figures,
+    KVEvents,
     Outputs,
     Result,
     Shutdown,
@@ -122,6 +124,10 @@ class EngineClient:
         self.stall_timeout_s: float | None = None  # None: never stalled
         self._beat_at = self._busy_since = time.monotonic()
         self._slow_calls: set[int] = set()  # ids of SLOW_UTILITIES calls not yet answered
+        # --kv-events-config: the prefix cache's events (shared by a data-parallel client's
+        # engines, each batch with its engine's rank); None: not recorded
+        self.kv_event_log: KVEventLog | None = None
+        self.dp_rank: int | None = None
 
     # --- what a subclass provides -------------------------------------------------------------
 
@@ -312,6 +318,8 @@ class EngineClient:
                 )
         elif isinstance(message, Figures):
             self._snapshot = message.snapshot
+        elif isinstance(message, KVEvents) and self.kv_event_log is not None:
+            self.kv_event_log.append(message.events, message.timestamp, self.dp_rank)
 
     def _handle_all(self, batch: list) -> None:
         for message in batch:
@@ -333,6 +341,8 @@ class EngineClient:
             return
         self.dead_error = error
         self._fail_pending(EngineDeadError(f"the engine stopped: {error}"))
+        if self.kv_event_log is not None:
+            self.kv_event_log.end(error)
         for callback in self.on_dead:
             callback(error)
 
@@ -361,6 +371,7 @@ class AsyncEngine(EngineClient):
     async def create(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model on the engine's own thread, then run the step loop there."""
         engine = cls()
+        engine.kv_event_log = KVEventLog.for_config(config)
         loaded: concurrent.futures.Future = concurrent.futures.Future()
         engine._loop = asyncio.get_running_loop()
         engine._thread = threading.Thread(

@@ -22,6 +22,7 @@ already sets it. On CUDA each engine sees one device of its own through
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -30,6 +31,7 @@ import os
 from collections.abc import AsyncIterator, Iterable
 
 from llmrpc.engine.client.dp_balance import LoadBalancer
+from llmrpc.engine.client.kv_events import KVEventLog
 from llmrpc.engine.client.process import EngineProcessClient
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core_types import EngineStats, ModelInfo
@@ -37,6 +39,12 @@ from llmrpc.engine.messages import EngineDeadError
 from llmrpc.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The engine a caller's request must run on (its rank), for requests started in this context;
+# None: the balancer chooses. vLLM's engine service sets it from GenerateRequest.data_parallel_rank.
+pinned_rank: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "llmrpc_pinned_rank", default=None
+)
 
 
 def cpu_shares(num_engines: int, cores: int) -> list[int]:
@@ -78,6 +86,8 @@ class DataParallelClient:
         self.on_dead: list = []  # callbacks run on the event loop when an engine dies
         for index, engine in enumerate(engines):
             engine.on_dead.append(lambda error, index=index: self._engine_died(index, error))
+        # --kv-events-config: one log for all the engines (share_kv_event_log)
+        self.kv_event_log: KVEventLog | None = None
 
     @classmethod
     async def create(cls, config: EngineConfig, num_engines: int) -> DataParallelClient:
@@ -107,7 +117,15 @@ class DataParallelClient:
             raise
         cache = config.cache
         balancer = LoadBalancer(num_engines, cache.block_size, cache.enable_prefix_caching)
-        return cls(engines, balancer)
+        client = cls(engines, balancer)
+        client.share_kv_event_log(KVEventLog.for_config(config))
+        return client
+
+    def share_kv_event_log(self, log: KVEventLog | None) -> None:
+        """Every engine's prefix-cache events into ``log``, each batch with its engine's rank."""
+        self.kv_event_log = log
+        for index, engine in enumerate(self.engines):
+            engine.kv_event_log, engine.dp_rank = log, index
 
     # --- facts -------------------------------------------------------------------------------
 
@@ -186,13 +204,20 @@ class DataParallelClient:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """As ``EngineClient.generate``, on the engine the balancer chooses."""
+        """As ``EngineClient.generate``, on the engine the balancer chooses (``pinned_rank``'s,
+        where set)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._owners:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        stalls = self.engine_stalls
-        index = self.balancer.choose(prompt_token_ids, [i for i, s in enumerate(stalls) if s])
+        index = pinned_rank.get()
+        if index is None:
+            stalls = self.engine_stalls
+            index = self.balancer.choose(prompt_token_ids, [i for i, s in enumerate(stalls) if s])
+        elif not 0 <= index < len(self.engines):
+            raise InvalidRequestError(
+                "data_parallel_rank", f"must be in [0, {len(self.engines)}), got {index}"
+            )
         self._owners[request_id] = index
         self.balancer.started(index, params.n)
         try:
@@ -289,6 +314,8 @@ class DataParallelClient:
         if self.dead_error is not None:
             return
         self.dead_error = EngineDeadError(f"data-parallel engine {index}: {error}")
+        if self.kv_event_log is not None:
+            self.kv_event_log.end(self.dead_error)
         for callback in self.on_dead:
             callback(self.dead_error)
 

@@ -35,6 +35,7 @@ import msgspec
 import zmq
 
 from llmrpc.engine.client.async_engine import EngineClient
+from llmrpc.engine.client.kv_events import KVEventLog
 from llmrpc.engine.config import EngineConfig
 from llmrpc.engine.core.process import IDLE_TRIM_INTERVAL_S
 from llmrpc.engine.memory import release_free_memory
@@ -92,6 +93,7 @@ class EngineProcessClient(EngineClient):
         until its model is loaded; raises what loading raised there (a ``ValueError`` naming a
         flag stays one)."""
         client = cls()
+        client.kv_event_log = KVEventLog.for_config(config)
         client._loop = asyncio.get_running_loop()
         client._ready = client._loop.create_future()
         try:

@@ -372,6 +372,7 @@ class EngineCore:
             cache_config.enable_prefix_caching,
             cache_config.prefix_caching_hash_algo,
             kv_window_of(self.model),
+            record_events=cache_config.kv_events,
         )
         scheduler_config = self.pooling.scheduler_config(config.scheduler, self.max_model_len)
         # --speculative-config: the drafts' proposer and its counters (None: no speculation)
@@ -997,6 +998,11 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""
         return self.kv_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list:
+        """The prefix cache's changes since the last call (``engine/kv_events.py``; [] unless
+        --kv-events-config enables them)."""
+        return self.kv_manager.take_events()
 
     def sleep(self, level: int) -> None:
         """Free memory while idle: level 1 drops the KV cache, level 2 the weights too."""

@@ -38,6 +38,7 @@ from llmrpc.engine.messages import (
     Call,
     Fatal,
     Figures,
+    KVEvents,
     Log,
     Outputs,
     Ready,
@@ -90,6 +91,7 @@ class EngineLoop:
             if core.has_unfinished_requests:
                 outputs = core.step()
                 self._send(Outputs(outputs, self.snapshot()))
+                self._send_kv_events()
                 busy = True
                 continue
             self._send(Figures(self.snapshot()))  # idle: throughput figures decay
@@ -110,15 +112,23 @@ class EngineLoop:
             self._apply(message)
         return True
 
+    def _send_kv_events(self) -> None:
+        """The prefix cache's changes since the last send, if any (--kv-events-config)."""
+        events = self.core.take_kv_events()
+        if events:
+            self._send(KVEvents(events, time.time()))
+
     def _apply(self, message) -> None:
         try:
             value = self._run_command(message)
         except Exception as error:  # noqa: BLE001 - returned to the caller
+            self._send_kv_events()
             if message.call_id:
                 self._send(Result(message.call_id, self.snapshot(), error=self._wrap_error(error)))
             else:
                 logger.warning("a command without a caller failed: %r", error)
             return
+        self._send_kv_events()
         if message.call_id:
             try:
                 self._send(Result(message.call_id, self.snapshot(), value))

@@ -2,7 +2,8 @@
 
 Pure Python and deterministic. A block is identified by its ``block_id``, the row of the KV cache
 tensors it stands for. A full block is keyed by a hash chained over all blocks before it, so equal
-hashes mean equal prefixes; the block's own tokens are kept and checked on every hit.
+hashes mean equal prefixes; the block's own tokens are kept and checked on every hit. With
+``record_events`` the cache's changes are kept as ``engine.kv_events`` events until taken.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import cbor2
 
+from llmrpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from llmrpc.engine.request import Request
 
 
@@ -105,11 +107,15 @@ BLOCK_HASHERS = {
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, record_events: bool = False
+    ) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVBlock] = {}
+        # the cache's changes not yet taken (take_events); None: not recorded
+        self.events: list[KVEvent] | None = [] if record_events and enable_caching else None
 
     @property
     def num_blocks(self) -> int:
@@ -151,14 +157,17 @@ class BlockPool:
 
     def cache_block(
         self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]
-    ) -> None:
+    ) -> bool:
+        """Enter a full block in the prefix cache; whether it was entered (False: caching is
+        off, the block is cached already, or another block holds the same content)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:  # same content computed twice: keep the first copy
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block
+        return True
 
     def uncache_block(self, block: KVBlock) -> None:
         """Forget one block's cached content (its KV was never written)."""
@@ -168,12 +177,29 @@ class BlockPool:
         """Forget all cached blocks; refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        events, self.events = self.events, None  # one AllBlocksCleared, not a removal each
         for block in self.blocks:
             self._evict(block)
+        self.events = events
+        if events is not None:
+            events.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call (none when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
+            if self.events is not None:
+                last = self.events[-1] if self.events else None
+                if isinstance(last, BlockRemoved):  # removals in a row: one event
+                    last.block_hashes.append(block.block_hash)
+                else:
+                    self.events.append(BlockRemoved([block.block_hash]))
             del self.cached[block.block_hash]
             block.block_hash = None
             block.token_ids = ()
@@ -196,6 +222,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "builtin",
         window: int | None = None,
+        record_events: bool = False,
     ) -> None:
         if hash_algo not in BLOCK_HASHERS:
             raise ValueError(
@@ -203,7 +230,7 @@ class KVCacheManager:
             )
         self.hash_block = BLOCK_HASHERS[hash_algo]
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.window = window
         # a request's blocks in table order; None where one was released outside the window
         self.req_blocks: dict[str, list[KVBlock | None]] = {}
@@ -306,10 +333,39 @@ class KVCacheManager:
         self.update_block_hashes(request)
         size = self.block_size
         first = self.num_cached_blocks.get(request.request_id, 0)
+        run: list[int] = []  # indices of the blocks just cached, in a row
         for index in range(first, num_tokens // size):
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
-            self.pool.cache_block(blocks[index], request.block_hashes[index], tokens)
+            if self.pool.cache_block(blocks[index], request.block_hashes[index], tokens):
+                run.append(index)
+            elif run:
+                self._record_stored(request, run)
+                run = []
+        if run:
+            self._record_stored(request, run)
         self.num_cached_blocks[request.request_id] = max(first, num_tokens // size)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """A ``BlockStored`` event for the request's consecutive blocks at ``indices``."""
+        events = self.pool.events
+        if events is None:
+            return
+        size, first = self.block_size, indices[0]
+        lora = request.lora
+        events.append(
+            BlockStored(
+                block_hashes=[request.block_hashes[index] for index in indices],
+                parent_block_hash=request.block_hashes[first - 1] if first else None,
+                token_ids=list(request.all_token_ids[first * size : (indices[-1] + 1) * size]),
+                block_size=size,
+                lora_id=lora.lora_id if lora is not None else None,
+                lora_name=lora.name if lora is not None else None,
+            )
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call ([] unless ``record_events``)."""
+        return self.pool.take_events()
 
     def free(self, request: Request) -> None:
         """Release a request's blocks; its tail blocks are evicted first.
