@@ -20,6 +20,19 @@ _RUNNERS = {  # the engine's ModelInfo.runner -> GetModelInfoResponse.Runner
 }
 
 
+def abortable(state: ServerState, request_ids: list[str], field: str = "request_ids") -> list[str]:
+    """Those of ``request_ids`` the caller may abort: any for an admin, else its own (to it,
+    another caller's request is not found). InvalidArgument naming ``field`` past
+    MAX_ABORT_REQUEST_IDS."""
+    if len(request_ids) > MAX_ABORT_REQUEST_IDS:
+        count = len(request_ids)
+        raise InvalidArgument(field, f"at most {MAX_ABORT_REQUEST_IDS}, got {count}")
+    caller = caller_var.get()
+    if caller.admin:
+        return request_ids
+    return state.owners.owned_by(request_ids, caller.key_digest)
+
+
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -73,22 +86,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @handle_errors
     async def Abort(self, request, context):
-        request_ids = self._abortable(list(request.request_ids))
+        request_ids = abortable(self.state, list(request.request_ids))
         aborted = await self.state.require_engine().abort(request_ids)
         if aborted:
             logger.info("aborted %d request(s): %s", len(aborted), ", ".join(aborted))
         return admin_pb2.AbortResponse(aborted_request_ids=aborted)
-
-    def _abortable(self, request_ids: list[str]) -> list[str]:
-        """Those of ``request_ids`` the caller may abort: any for an admin, else its own (to it,
-        another caller's request is not found)."""
-        if len(request_ids) > MAX_ABORT_REQUEST_IDS:
-            count = len(request_ids)
-            raise InvalidArgument("request_ids", f"at most {MAX_ABORT_REQUEST_IDS}, got {count}")
-        caller = caller_var.get()
-        if caller.admin:
-            return request_ids
-        return self.state.owners.owned_by(request_ids, caller.key_digest)
 
     @handle_errors
     async def GetLoad(self, request, context):

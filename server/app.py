@@ -51,12 +51,14 @@ from llmrpc.server.state import SERVICE_NAMES, ServerState
 from llmrpc.server.tls import server_credentials
 from llmrpc.server.tokenization import Tokenization, tokenizer_path
 from llmrpc.server.tracing import ServerTracing
+from llmrpc.server.vllm_engine import VllmEngineServicer
 from llmrpc.v1 import (
     admin_pb2_grpc,
     embedding_pb2_grpc,
     generation_pb2_grpc,
     tokenization_pb2_grpc,
 )
+from llmrpc.vllm_engine import vllm_engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ class RunningServer:
             await engine.shutdown()
             raise
         self.state.tokenization = tokenization
+        self.state.tokenizer_path = tokenizer_path(engine_config, engine.model_info)
         self.state.engine = engine
         engine.on_dead.append(self._on_engine_dead)
         self.state.effective_config.update(_engine_facts(engine.model_info))
@@ -266,6 +269,7 @@ def _on_the_network(interceptors: list, limits) -> list:
 def _add_services(servers, state: ServerState, health: Health) -> None:
     """The services, on the network server and the in-process channel's registry alike."""
     generation = GenerationServicer(state)
+    embedding = EmbeddingServicer(state)
     services = (
         (generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation),
         (
@@ -273,10 +277,14 @@ def _add_services(servers, state: ServerState, health: Health) -> None:
             TokenizationServicer(state),
         ),
         (admin_pb2_grpc.add_AdminServiceServicer_to_server, AdminServicer(state)),
-        (embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server, EmbeddingServicer(state)),
+        (embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server, embedding),
         (
             grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
             InferenceServicer(state, generation, health),
+        ),
+        (
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server,
+            VllmEngineServicer(state, generation, embedding, health),
         ),
     )
     for server in servers:

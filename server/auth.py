@@ -35,8 +35,21 @@ OPEN_ADMIN_METHODS = frozenset(
 )
 
 
+# Admin-only RPCs of the foreign services: vLLM's engine service's prefix-cache flush (the v1
+# API's ResetPrefixCache) and profiler calls.
+FOREIGN_ADMIN_METHODS = frozenset(
+    {
+        "/vllm.grpc.engine.VllmEngine/FlushCache",
+        "/vllm.grpc.engine.VllmEngine/StartProfile",
+        "/vllm.grpc.engine.VllmEngine/StopProfile",
+    }
+)
+
+
 def needs_admin(method: str) -> bool:
     """Whether ``/package.Service/Method`` is an admin-only RPC."""
+    if method in FOREIGN_ADMIN_METHODS:
+        return True
     service, _, name = method.strip("/").partition("/")
     return service == _ADMIN_SERVICE.full_name and name not in OPEN_ADMIN_METHODS
 

@@ -38,6 +38,10 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
 
     @handle_errors
     async def Embed(self, request, context):
+        return await self._embed(request, context)
+
+    async def _embed(self, request, context) -> embedding_pb2.EmbedResponse:
+        """Embed, its errors raised as ``ServiceError``s (vLLM's engine service calls it too)."""
         engine = self.state.require_engine()
         model = self.state.model_name(request.model)
         self._check(request, engine.model_info)

@@ -117,6 +117,25 @@ class ResourceExhausted(ServiceError):
         super().__init__(message, (retry,))
 
 
+class OutOfRange(ServiceError):
+    """A position past what the server has (a KV event batch it no longer keeps)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DataLoss(ServiceError):
+    """What the client was streamed has gaps it cannot be given back (a KV event subscriber
+    that fell behind)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unimplemented(ServiceError):
+    """An RPC of a foreign service this server does not provide (a profiler, KV events off)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Internal(ServiceError):
     """A failure inside the server: a bug, never the client's doing."""
 

@@ -73,6 +73,16 @@ COMPILATION_HELP = (
     "capture the compiled forward. A failure raised in Python is logged once, then steps run "
     "eager; a fault on the device is not recovered from (CUDA's error is sticky)."
 )
+KV_EVENTS_HELP = (
+    "The prefix cache's events, vLLM's JSON: {\"enable_kv_cache_events\": true} records each "
+    "block entering the cache (its chained hash and tokens), leaving it, and a whole-cache "
+    "reset, and serves them on the gRPC port by vllm.grpc.engine.VllmEngine/SubscribeKvEvents "
+    "(the smg router's cache-aware routing reads them). buffer_steps (default 10000): batches "
+    "kept for a subscriber that resumes from a batch number; max_queue_size (default 100000): "
+    "batches a subscriber may fall behind before its stream ends with DATA_LOSS. There is no "
+    "ZeroMQ publisher: publisher, endpoint, replay_endpoint, hwm and topic are refused. "
+    "docs/api.md: smg."
+)
 SPECULATIVE_HELP = (
     "Speculative decoding, vLLM's JSON (or dotted keys: --speculative-config.method ngram): "
     '{"method": "ngram", "num_speculative_tokens": K} proposes, after a decoding request\'s '
@@ -676,7 +686,8 @@ _OTHER = _group(
     works("--speculative-config", None, json_object, "speculative.config", SPECULATIVE_HELP,
           metavar="JSON"),
     refused("--kv-transfer-config", None, json_object, KV_TRANSFER),
-    refused("--kv-events-config", None, json_object, KV_TRANSFER),
+    works("--kv-events-config", None, json_object, "cache.kv_events_config", KV_EVENTS_HELP,
+          metavar="JSON"),
     works(("--compilation-config", "-O"), {}, compilation_config, "compilation.config",
           COMPILATION_HELP, metavar="LEVEL|JSON"),
     inert("--additional-config", {}, json_object, "configures other hardware platforms"),

@@ -56,6 +56,8 @@ class Health:
         self.services = ("", *services)
         self.serving = False  # what the server reports now (ServerReady of KServe v2 too)
         self._shut_down = False
+        # set once the server starts stopping: streams that would never end (KV events) end
+        self.stopping = asyncio.Event()
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for all; Watch streams see the change at once."""
@@ -66,6 +68,7 @@ class Health:
     async def shut_down(self) -> None:
         """NOT_SERVING for good: later ``set_serving`` calls change nothing."""
         self.serving, self._shut_down = False, True
+        self.stopping.set()
         await self.servicer.enter_graceful_shutdown()
 
     def end_watches(self) -> None:

@@ -66,19 +66,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GenerateStream(self, request, context):
         await self._generate(request, context, stream_to=context)
 
-    async def _generate(self, request, context, stream_to=None):
-        """Run one request to its end; with ``stream_to``, write each delta as it comes.
-        Returns the outputs and how chat outputs are read (None: as they are)."""
+    async def _generate(self, request, context, stream_to=None, on_output=None):
+        """Run one request to its end; with ``stream_to``, write each delta as it comes; with
+        ``on_output``, await ``on_output(prompt_token_ids, delta)`` for each engine output (the
+        services that answer in their own messages: ``vllm_engine``). Returns the outputs and
+        how chat outputs are read (None: as they are)."""
         engine = self.state.require_engine()
         model, adapter = self.state.model_target(request.model, request.lora)
         try:
-            return await self._run(request, context, engine, (model, adapter), stream_to)
+            target = (model, adapter)
+            return await self._run(request, context, engine, target, stream_to, on_output)
         except NotFound as error:
             if adapter is not None and error.field == "lora":  # no adapter of ``model``'s name
                 raise await self.state.adapter_not_found(engine, request.model) from None
             raise
 
-    async def _run(self, request, context, engine, target: tuple[str, str | None], stream_to):
+    async def _run(self, request, context, engine, target, stream_to, on_output=None):
         # A place in the queue first: a request waiting for a tokenizer worker waits too.
         num_samples = max(request.sampling.n, 1) if request.sampling.HasField("n") else 1
         admission = self.state.admission
@@ -99,6 +102,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         traced.engine_spans(output)
                     _raise_engine_failure(output)
                     outputs_so_far.add(output)
+                    if on_output is not None:
+                        await on_output(prompt, output)
                     if stream_to is not None:
                         response = outputs_so_far.stream_response(output)
                         if parsing is not None:

@@ -15,6 +15,7 @@ from llmrpc.server.limits import AdmissionControl
 from llmrpc.server.output_parsing import OutputParsers
 from llmrpc.server.settings import LogConfig
 from llmrpc.v1 import admin_pb2, embedding_pb2, generation_pb2, tokenization_pb2
+from llmrpc.vllm_engine import vllm_engine_pb2
 
 if TYPE_CHECKING:
     from llmrpc.server.tokenization import Tokenization
@@ -28,6 +29,7 @@ SERVICE_NAMES = tuple(
         (admin_pb2, "AdminService"),
         (embedding_pb2, "EmbeddingService"),
         (grpc_predict_v2_pb2, "GRPCInferenceService"),  # KServe v2 (server/kserve.py)
+        (vllm_engine_pb2, "VllmEngine"),  # vLLM's, as the smg router calls it (vllm_engine.py)
     )
 )
 
@@ -54,6 +56,7 @@ class ServerState:
     output_parsers: OutputParsers = field(default_factory=OutputParsers)  # tools, reasoning
     lora_enabled: bool = False  # --enable-lora: ``model`` may name a loaded adapter
     tokenization: Tokenization | None = None  # set before ``engine``: an engine has one
+    tokenizer_path: str | None = None  # the folder (or name) the tokenizer was loaded from
     engine: object | None = None
 
     def require_engine(self):

@@ -31,6 +31,7 @@ V1_SERVICES = {
     "llmrpc.v1.AdminService",
     "llmrpc.v1.EmbeddingService",
     "inference.GRPCInferenceService",  # KServe v2, on the same port
+    "vllm.grpc.engine.VllmEngine",  # vLLM's engine service, as the smg router calls it
 }
 
 
