@@ -3,8 +3,12 @@ handed to each subscriber (``--kv-events-config``; the gRPC servicer of
 ``vllm.grpc.engine.VllmEngine/SubscribeKvEvents`` is its reader, ``server/vllm_engine.py``).
 
 Each ``KVEvents`` message of an engine core (the events of one step or command) becomes one
-``KVEventBatch``, numbered 1, 2, 3... in the order they arrive, across the engines of a
-data-parallel client (each batch says its engine's rank). The last ``buffer_steps`` batches are
+``KVEventBatch``, numbered one after the other in the order they arrive, across the engines of
+a data-parallel client (each batch says its engine's rank). The first number is the time the
+log was made, in microseconds since the epoch: a server started later at the same address
+numbers above an earlier one's, so a subscriber that resumes across a restart is refused (it
+holds the earlier server's blocks) rather than taking the new batches for ones it has seen and
+skipping them. The last ``buffer_steps`` batches are
 kept, so a subscriber that lost its stream resumes where it left off (``start``); one that asks
 for batches no longer kept, or for numbers this log has not reached (another server's numbering),
 gets ``ReplayUnavailable``. A subscriber that falls ``max_queue_size`` batches behind is dropped
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,7 +92,7 @@ class KVEventLog:
         self._history: collections.deque[KVEventBatch] = collections.deque(maxlen=buffer_steps)
         self._max_queue_size = max_queue_size
         self._subscribers: set[Subscription] = set()
-        self.next_sequence_number = 1
+        self.next_sequence_number = time.time_ns() // 1000
         self.ended: BaseException | None = None
 
     @classmethod

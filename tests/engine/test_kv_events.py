@@ -5,6 +5,7 @@ of the flag."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -78,18 +79,24 @@ def test_lora_blocks_say_their_adapter_and_nothing_is_recorded_unless_asked():
 
 
 async def test_the_log_numbers_batches_replays_and_drops_a_subscriber_behind():
+    earlier = KVEventLog(buffer_steps=3, max_queue_size=2)
+    time.sleep(0.001)
     log = KVEventLog(buffer_steps=3, max_queue_size=2)
-    for n in range(4):  # batches 1..4; 1 falls out of the buffer of 3
+    first = log.next_sequence_number
+    assert first > earlier.next_sequence_number > 0  # a later log numbers above an earlier one
+    for n in range(4):  # batches first..first+3; the first falls out of the buffer of 3
         log.append([AllBlocksCleared()], float(n), dp_rank=None)
-    with log.subscribe(2) as replayed:
-        assert [b.sequence_number for b in await replayed.next_batches()] == [2, 3, 4]
-    for start in (1, 6):  # no longer kept; ahead of this log (another server's numbering)
+    with log.subscribe(first + 1) as replayed:
+        numbers = [b.sequence_number for b in await replayed.next_batches()]
+        assert numbers == [first + 1, first + 2, first + 3]
+    # no longer kept; ahead of this log; an earlier server's number
+    for start in (first, first + 5, earlier.next_sequence_number):
         with pytest.raises(ReplayUnavailable), log.subscribe(start):
             pass
-    with log.subscribe(5) as live:  # the next one: nothing to replay
+    with log.subscribe(first + 4) as live:  # the next one: nothing to replay
         log.append([], 5.0, dp_rank=1)
         (batch,) = await live.next_batches()
-        assert (batch.sequence_number, batch.dp_rank) == (5, 1)
+        assert (batch.sequence_number, batch.dp_rank) == (first + 4, 1)
         for n in range(3):  # a third unread batch is one more than max_queue_size
             log.append([], 6.0 + n)
         with pytest.raises(SubscriberBehind):

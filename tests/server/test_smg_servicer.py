@@ -288,7 +288,7 @@ async def test_kv_events_evictions_and_batch_numbers_out_of_reach(vllm, server, 
                 removed.extend(event.removed.block_hashes)
     assert set(removed[:prompt_blocks]) <= stored
     events.cancel()
-    for start in (1, 10**9):  # out of the buffer of 20; ahead of this server's numbering
+    for start in (1, 2**62):  # out of the buffer of 20; ahead of this server's numbering
         with pytest.raises(grpc.aio.AioRpcError) as error:
             call = vllm.SubscribeKvEvents(
                 common_pb2.SubscribeKvEventsRequest(start_sequence_number=start)
