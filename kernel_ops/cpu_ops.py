@@ -43,7 +43,7 @@ _SOURCES = [
     _CSRC / "int4_linear.cpp",
     _CSRC / "linear.cpp",  # packed_linear, for torch.compile (engine/runner/compilation.py)
 ]
-_HEADERS = [_CSRC / "vec_utils.h"]
+_HEADERS = [_CSRC / "kernel_threads.h", _CSRC / "vec_utils.h"]
 # torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>
 _CAPABILITY_FLAGS = {
     "AVX512": [
@@ -104,6 +104,12 @@ def load() -> bool:
                 _state["error"] or type(error).__name__,
             )
         return bool(_state["loaded"])
+
+
+def set_kernel_threads(count: int) -> None:
+    """Run the heavy kernels (linear layers, decode attention) on ``count`` threads whatever
+    torch's count is (0: torch's); see ``csrc/kernel_threads.h``. Needs the kernels loaded."""
+    torch.ops.llmrpc_cpu.set_kernel_threads(count)
 
 
 def compile_flags() -> list[str]:

@@ -264,6 +264,9 @@ class EngineCore:
         configure_engine_threads()
         triton_cache_dir()  # compiled kernels kept in the model cache folder, unless set
         self.thread_budget: ThreadBudget | None = None
+        # a compiled engine's budget moves its kernels' threads alone (csrc/kernel_threads.h)
+        self._budget_kernels_only = False
+        self._kernel_threads = 0
         self.linear_kernels: dict[str, LayerChoice] = {}  # shape -> measured choice (CPU)
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
@@ -659,26 +662,36 @@ class EngineCore:
     def use_idle_cores(self) -> bool:
         """Let each step also take the core left to the frontend while the rest of the machine
         leaves it idle (``engine/runner/threads.py``). Only for an engine in its own process: the
-        budget counts this process's CPU time as the engine's. Returns whether it applies
-        (not where ``OMP_NUM_THREADS`` fixes the count, on one core, or for a compiled step:
-        torch.compile guards its graph on the thread count, and a change would end it)."""
+        budget counts this process's CPU time as the engine's. Returns whether it applies (not
+        where ``OMP_NUM_THREADS`` fixes the count, or on one core). torch.compile guards its
+        graph on torch's thread count, and a change would end it: an engine whose step is
+        compiled gives the core to its own kernels alone (linear layers, decode attention), which
+        take their count apart from torch's."""
         if self.parallel is not None:  # the ranks share the cores, a fixed share each
             return False
-        if self.runner.compiled_decode is not None:
+        compiled = self.runner.compiled_decode is not None
+        if compiled and not cpu_ops.loaded():
             logger.info(
                 "engine: %s, fixed: the compiled step's graph holds for that count",
                 cpu_threads(torch.get_num_threads()),
             )
             return False
         self.thread_budget = idle_core_budget()
-        if self.thread_budget is not None:
-            logger.info(
-                "engine: %s while the rest of the machine uses half a core or more, "
-                "%d while it uses less",
-                cpu_threads(self.thread_budget.threads),
-                self.thread_budget.cores,
-            )
-        return self.thread_budget is not None
+        if self.thread_budget is None:
+            return False
+        self._budget_kernels_only = compiled
+        logger.info(
+            "engine: %s%s while the rest of the machine uses half a core or more, %d while it "
+            "uses less%s",
+            "the linear layers' and attention's kernels on " if compiled else "",
+            cpu_threads(self.thread_budget.threads),
+            self.thread_budget.cores,
+            f"; torch's other operations on {cpu_threads(torch.get_num_threads())}, fixed: the "
+            "compiled step's graph holds for that count"
+            if compiled
+            else "",
+        )
+        return True
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -718,7 +731,11 @@ class EngineCore:
         )
         if self.thread_budget is not None:
             threads = self.thread_budget.threads_now()
-            if threads != torch.get_num_threads():
+            if self._budget_kernels_only:
+                if threads != self._kernel_threads:
+                    cpu_ops.set_kernel_threads(threads)
+                    self._kernel_threads = threads
+            elif threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         return _StepPlan(scheduled, ended, self.grammar_step.start(scheduled.scheduled))
 

@@ -12,9 +12,10 @@ An engine in its own process (the server's default) also takes that last core wh
 else uses it (``ThreadBudget``): before each step it checks, at most every quarter second, how
 much CPU the rest of the machine (the frontend, clients, anything else; the hypervisor's steal
 included) used since the last check, and computes with every core while that was under half a
-core, with one fewer otherwise (not for a compiled step: its graph holds for one thread
-count). On 2 cores with the packaged model in bfloat16, a 40-token prefill took 24 ms on two
-threads and 37 ms on one; beside one busy process, 60 ms on two and 39 ms on one.
+core, with one fewer otherwise. A compiled step's graph holds for torch's thread count, so
+there the budget moves only our kernels' own count (``kernel_ops/csrc/kernel_threads.h``). On 2
+cores with the packaged model in bfloat16, a 40-token prefill took 24 ms on two threads and 37 ms
+on one; beside one busy process, 60 ms on two and 39 ms on one.
 """
 
 from __future__ import annotations

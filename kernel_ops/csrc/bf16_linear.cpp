@@ -45,6 +45,8 @@
 #include <optional>
 #include <vector>
 
+#include "kernel_threads.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -410,6 +412,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   // No rows (a step that pools and takes no logits) fall in the first bucket: whichever kernel
   // it names, there is nothing to compute.
   if (rows == 0) return y;
+  const llmrpc_cpu::KernelThreadsScope threads;
   TORCH_CHECK(kernel != 2 || rows == 1, "bf16_linear: the one-row kernel takes one row, not ",
               rows);
 #if defined(__AVX512BF16__)

@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernel_threads.h"
 #include "vec_utils.h"
 
 namespace {
@@ -299,6 +300,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
     }
   }
   auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
+  const llmrpc_cpu::KernelThreadsScope threads;
   switch (query.scalar_type()) {
     case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
     case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, lens, scale, out); break;

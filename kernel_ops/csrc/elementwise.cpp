@@ -5,7 +5,8 @@
 //
 // Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}, with
 // parallel_team_size: how many threads at::parallel_for, which every kernel here divides its work
-// with, runs on (1 when the extension was built without OpenMP, whatever torch was told).
+// with, runs on (1 when the extension was built without OpenMP, whatever torch was told), and
+// set_kernel_threads / kernel_team_size: the heavy kernels' own count (kernel_threads.h).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernel_threads.h"
 #include "vec_utils.h"
 
 namespace llmrpc_cpu {
@@ -238,11 +240,24 @@ int64_t parallel_team_size() {
   return count;
 }
 
+// The team a heavy kernel (kernel_threads.h) would run on now.
+int64_t kernel_team_size() {
+  const KernelThreadsScope threads;
+  return parallel_team_size();
+}
+
+void set_kernel_threads(int64_t count) {
+  TORCH_CHECK(count >= 0, "set_kernel_threads: count must be 0 (torch's) or more, got ", count);
+  kernel_threads().store(count, std::memory_order_relaxed);
+}
+
 }  // namespace
 }  // namespace llmrpc_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
   m.def("parallel_team_size() -> int", &llmrpc_cpu::parallel_team_size);
+  m.def("kernel_team_size() -> int", &llmrpc_cpu::kernel_team_size);
+  m.def("set_kernel_threads(int count) -> ()", &llmrpc_cpu::set_kernel_threads);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");

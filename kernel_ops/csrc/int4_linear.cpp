@@ -36,6 +36,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernel_threads.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
@@ -269,6 +271,7 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
                        : ": scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
   TORCH_CHECK(!zeros || pairs, name, ": zeros=True takes scales [out / 16, in / 32, 2, 16]");
   auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
+  const llmrpc_cpu::KernelThreadsScope threads;
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   if (!q8) {
     blocked_linear<Scales::kInt4>(x, weight, scales, y);

@@ -11,6 +11,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "kernel_threads.h"
+
 namespace llmrpc_cpu {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
@@ -23,6 +25,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             c10::string_view, c10::List<std::optional<at::Scalar>>,
                             std::optional<c10::string_view>)>();
+  const KernelThreadsScope threads;  // oneDNN reads the calling thread's OpenMP team size
   return linear.call(x, packed_weight, bias, "none", c10::List<std::optional<at::Scalar>>(),
                      std::nullopt);
 }

@@ -146,12 +146,44 @@ def test_speculative_verify_steps_run_the_compiled_graph(tiny_llama_dir, monkeyp
     assert core.runner.compiled_decode.failure is None
 
 
-def test_a_compiled_engine_keeps_its_thread_count(tiny_llama_dir):
-    """torch.compile guards the graph on torch's thread count: a change ends the compiled step
-    (the engine runs eager from then on), so a compiled engine does not take the idle core."""
-    core = make_core(tiny_llama_dir, compilation=COMPILED)
-    assert core.runner.compiled_decode is not None
-    assert not core.use_idle_cores() and core.thread_budget is None
+def test_a_compiled_engine_gives_the_idle_core_to_its_kernels_alone(
+    tiny_llama_dir, dtype, eager_outputs, monkeypatch
+):
+    """torch.compile guards the graph on torch's thread count: a change would end the compiled
+    step. So a compiled engine's budget moves its own kernels' count (linear layers, decode
+    attention) and leaves torch's as it was: the steps run the graph compiled at load, on two
+    threads for the kernels while the rest of the machine is idle, and give eager's tokens."""
+    from llmrpc.engine.runner.threads import ThreadBudget
+    from llmrpc.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("the CPU kernels are not built here")
+    clock = {"now": 100.0, "own": 40.0}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the count the graph is compiled for
+    core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
+    monkeypatch.setattr(
+        "llmrpc.engine.core.engine_core.idle_core_budget",
+        lambda: ThreadBudget(2, clock=lambda: clock["now"], machine=lambda: 5000.0 + clock["own"],
+                             own=lambda: clock["own"]),
+    )  # fmt: skip
+    calls = count_compiled_calls(core, monkeypatch)
+    try:
+        assert core.use_idle_cores()
+        core.add_request("warm", [5, 6, 7], _params(3))
+        run_to_completion(core, {})
+        assert torch.ops.llmrpc_cpu.kernel_team_size() == 1  # nothing measured yet: one thread
+        clock["now"] += 0.3
+        clock["own"] += 0.3  # the rest of the machine idle since the last check
+        outputs, num_steps = run_mixed_workload(core)
+        assert torch.ops.llmrpc_cpu.kernel_team_size() == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        cpu_ops.set_kernel_threads(0)
+        torch.set_num_threads(threads)
+    assert_same_outputs(outputs, eager_outputs, TOLERANCE)
+    assert core.runner.compiled_decode.failure is None
+    assert calls[0] >= num_steps - 1  # every decode step ran the graph compiled at load
 
 
 def test_a_compile_that_fails_is_logged_once_and_the_engine_runs_eager(
