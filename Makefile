@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos soak attack proofs bench-moe gpu-check device-carry device-venv \
-	oip-venv
+.PHONY: install serve test lint protos soak attack proofs smg-proof bench-moe gpu-check device-carry \
+	device-venv oip-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ attack: install
 # perplexity served from its blocks.
 proofs: install
 	LLMRPC_FULL_PROOFS=1 $(BIN)/pytest tests/engine/test_batch_invariance.py tests/engine/test_gemma3_gguf.py
+
+# Not part of `make test`: a worker killed mid-run behind the smg router (about a minute on 2
+# cores): two `llmrpc serve` processes over gRPC, one SIGKILLed under a run of concurrent requests;
+# every request succeeds and the router's retry counter shows it retried the killed ones.
+smg-proof: install
+	LLMRPC_SMG_PROOF=1 $(BIN)/pytest tests/gateway/test_smg_failover.py
 
 # Not part of `make test`: the Mixture-of-Experts measurements (about 3 minutes on 2 cores): a MoE
 # block against the dense MLP of the same active parameters, then a Mixtral-shaped model of random

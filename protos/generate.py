@@ -35,7 +35,8 @@ PROTOS_DIR = Path(__file__).resolve().parent
 API_DIR = PROTOS_DIR / "llmrpc" / "v1"
 KSERVE_DIR = PROTOS_DIR / "llmrpc" / "kserve"
 VLLM_ENGINE_DIR = PROTOS_DIR / "llmrpc" / "vllm_engine"
-STUB_DIRS = (API_DIR, KSERVE_DIR, VLLM_ENGINE_DIR)  # every folder of protos whose stubs are committed
+# every folder of protos whose stubs are committed
+STUB_DIRS = (API_DIR, KSERVE_DIR, VLLM_ENGINE_DIR)
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 

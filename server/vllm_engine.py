@@ -333,6 +333,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         if self.health.stopping.is_set():
             raise Unavailable("the server is stopping")
         stopping = asyncio.ensure_future(self.health.stopping.wait())
+        reading: asyncio.Future | None = None
         next_event_id = 1
         try:
             with _subscription_errors(), log.subscribe(request.start_sequence_number) as events:
@@ -345,13 +346,14 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                     reading = asyncio.ensure_future(events.next_batches())
                     await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)
                     if not reading.done():  # the server is stopping: the stream ends (OK)
-                        reading.cancel()
                         return
                     for batch in reading.result():
                         await context.write(event_batch(batch, next_event_id))
                         next_event_id += len(batch.events)
-        finally:
-            stopping.cancel()
+        finally:  # the call ended, was cancelled, or the server stops
+            for waiting in (stopping, reading):
+                if waiting is not None:
+                    waiting.cancel()
 
     # --- helpers -----------------------------------------------------------------------------
 
