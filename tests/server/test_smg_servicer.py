@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.server.app import start_server
 from llmrpc.server.settings import FrontendConfig
-from llmrpc.v1 import generation_pb2
+from llmrpc.v1 import embedding_pb2, embedding_pb2_grpc, generation_pb2
 from llmrpc.vllm_engine import common_pb2
 from llmrpc.vllm_engine import vllm_engine_pb2 as pb
 from llmrpc.vllm_engine import vllm_engine_pb2_grpc as pb_grpc
@@ -331,3 +331,19 @@ async def test_a_server_without_events_and_with_keys(tiny_llama_dir, tokenizer):
             assert "--kv-events-config" in error.value.details()
     finally:
         await running.stop(grace=0)
+
+
+async def test_embed_is_the_embedding_services_vector(vllm, channel, tokenizer):
+    ids = tokenizer.encode("Shepherds route sheep.")
+    answer = await vllm.Embed(
+        pb.EmbedRequest(request_id="e-1", tokenized=pb.TokenizedInput(input_ids=ids))
+    )
+    v1 = await embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+        embedding_pb2.EmbedRequest(inputs=[{"token_ids": {"ids": ids}}])
+    )
+    assert list(answer.embedding) == list(v1.results[0].embedding) and answer.embedding
+    assert (answer.prompt_tokens, answer.embedding_dim) == (len(ids), len(answer.embedding))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await vllm.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[10**6])))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(error.value) == ["tokenized.input_ids"]
