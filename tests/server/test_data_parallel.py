@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -33,6 +34,8 @@ from llmrpc.engine.loading import loader
 from llmrpc.engine.request import SamplingParams
 from llmrpc.server import app, options, servicers
 from llmrpc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
+from llmrpc.vllm_engine import common_pb2 as vllm_common_pb2
+from llmrpc.vllm_engine import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -68,7 +71,12 @@ async def dp(tiny_llama_dir: Path):
             lambda path: TOKENIZER_LOADS.append(str(path)) or real_load(path),
         )
         frontend = frontend_config("process", data_parallel_size=2)
-        serving = asyncio.ensure_future(app.serve(tiny_engine_config(tiny_llama_dir), frontend))
+        config = tiny_engine_config(tiny_llama_dir)  # with the prefix cache's events
+        events = {"enable_kv_cache_events": True}
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, kv_events_config=events)
+        )
+        serving = asyncio.ensure_future(app.serve(config, frontend))
         await wait_until(lambda: servers and servers[0].port, timeout=60, what="the bind")
         running = servers[0]
         async with grpc.aio.insecure_channel(running.address) as channel:
@@ -195,6 +203,34 @@ async def test_get_load_adds_both_engines_figures(admin, engine):
     assert load.num_kv_blocks == 2 * NUM_KV_BLOCKS
     assert [each.num_kv_blocks for each in load.engines] == [NUM_KV_BLOCKS] * 2
     assert [s.num_total_blocks for s in engine.engine_stats] == [NUM_KV_BLOCKS] * 2
+
+
+async def test_vllm_engine_service_pins_ranks_and_reports_both(channel, engine):
+    """vLLM's engine service (the smg router's way in): data_parallel_rank pins a request to
+    that engine, whose KV events say its rank; loads and facts cover both engines."""
+    vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    info = await vllm.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
+    assert info.data_parallel_size == 2
+    loads = await vllm.GetLoads(vllm_engine_pb2.GetLoadsRequest())
+    assert [load.dp_rank for load in loads.loads] == [0, 1] and loads.dp_rank_count == 2
+    events = vllm.SubscribeKvEvents(vllm_common_pb2.SubscribeKvEventsRequest())
+    await events.initial_metadata()
+    for rank in (1, 0):
+        request = vllm_engine_pb2.GenerateRequest(
+            tokenized={"input_ids": list(range(500 + rank, 540 + rank))},
+            sampling_params={"temperature": 0.0, "max_tokens": 2},
+            data_parallel_rank=rank,
+        )
+        (done,) = [r async for r in vllm.Generate(request)]
+        assert done.complete.completion_tokens == 2
+        batch = await asyncio.wait_for(events.read(), timeout=30)
+        stored = [e.stored for e in batch.events if e.HasField("stored")]
+        assert batch.dp_rank == rank and stored[0].blocks[0].token_ids[0] == 500 + rank
+    events.cancel()
+    request = vllm_engine_pb2.GenerateRequest(tokenized={"input_ids": [1]}, data_parallel_rank=2)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await vllm.Generate(request).read()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_data_parallel_flags_that_cannot_work_here_are_refused_with_the_way_out():
