@@ -56,11 +56,11 @@ def _rotary(x, cos, sin) -> None:
     return None
 
 
-def _int4_linear(x, weight, scales_zeros):
+def _int4_linear(x, weight, scales_zeros, tiles_from=0):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))  # weight: [out / 16, in / 32, 8, 32]
 
 
-def _q8_linear(x, weight, scales, zeros=False):
+def _q8_linear(x, weight, scales, zeros=False, tiles_from=0):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))
 
 

@@ -64,6 +64,10 @@ class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` packed; subclasses say how it is packed."""
 
     dense_above: int
+    # Rows from which the packed call runs the AMX tile path (dequantized a few blocks at a
+    # time, then bfloat16 tiles: kernel_ops/csrc/int4_linear.cpp) instead of the integer dot
+    # products: set at load by engine/quantization/tuning.py where it measured faster; 0: never.
+    tiles_from: int = 0
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -90,9 +94,15 @@ class QuantizedLinear(nn.Module):
             y = F.linear(rows, self.dequantize(dtype), self.bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` by the packed kernel: ``x`` is ``[rows, in_features]`` in ``self.dtype``."""
+    def packed_matmul(self, x: torch.Tensor, tiles_from: int | None = None) -> torch.Tensor:
+        """``x W^T`` by the packed kernel: ``x`` is ``[rows, in_features]`` in ``self.dtype``;
+        ``tiles_from`` (None: ``self.tiles_from``) where the layer has the tile path."""
         raise NotImplementedError
+
+    @property
+    def has_tiles(self) -> bool:
+        """Whether ``packed_matmul`` can take the AMX tile path (``tiles_from``)."""
+        return False
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight ``[out_features, in_features]`` the packed one stands for, in ``dtype``."""
@@ -132,7 +142,7 @@ class Int8Linear(QuantizedLinear):
     def dtype(self) -> torch.dtype:
         return self.scales.dtype
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_matmul(self, x: torch.Tensor, tiles_from: int | None = None) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
@@ -205,10 +215,17 @@ class Int4Linear(QuantizedLinear):
     def dtype(self) -> torch.dtype:
         return self.scales_and_zeros.dtype
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def has_tiles(self) -> bool:
+        return self.blocked and tiles_available()
+
+    def packed_matmul(self, x: torch.Tensor, tiles_from: int | None = None) -> torch.Tensor:
         if self.blocked:
             return torch.ops.llmrpc_cpu.int4_linear(
-                x.contiguous(), self.qweight, self.scales_and_zeros
+                x.contiguous(),
+                self.qweight,
+                self.scales_and_zeros,
+                self.tiles_from if tiles_from is None else tiles_from,
             )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.qweight, GROUP_SIZE, self.scales_and_zeros
@@ -336,6 +353,13 @@ def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return qweight.view(-1)[index].view(ids.shape[0], groups, chunks, 2)
 
 
+@functools.cache
+def tiles_available() -> bool:
+    """Whether the blocked kernels' AMX tile path exists here (the build has it, the CPU has
+    AMX-BF16 and Linux granted the tiles)."""
+    return blocked_kernel_available() and torch.ops.llmrpc_cpu.int4_tiles_supported()
+
+
 def blocked_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether our int4 kernel computes ``dtype`` here: bfloat16 only, with the CPU kernels
     built with AVX512-BF16 and VNNI."""
@@ -386,8 +410,8 @@ class Q8BlockLinear(Int4Linear):
         )
         return cls(packed, scales_and_zeros, bias, blocked)
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        both = super().packed_matmul(x)
+    def packed_matmul(self, x: torch.Tensor, tiles_from: int | None = None) -> torch.Tensor:
+        both = super().packed_matmul(x, tiles_from)
         return both[:, : self.out_features] + both[:, self.out_features :]
 
     def dequantize(self, dtype=None) -> torch.Tensor:
@@ -442,9 +466,17 @@ class Q8Linear(QuantizedLinear):
     def dtype(self) -> torch.dtype:
         return self.scales.dtype
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def has_tiles(self) -> bool:
+        return tiles_available()
+
+    def packed_matmul(self, x: torch.Tensor, tiles_from: int | None = None) -> torch.Tensor:
         return torch.ops.llmrpc_cpu.q8_linear.default(
-            x.contiguous(), self.qweight, self.scales, self.zeros
+            x.contiguous(),
+            self.qweight,
+            self.scales,
+            self.zeros,
+            self.tiles_from if tiles_from is None else tiles_from,
         )
 
     def _weights(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,10 @@
 """Up to how many rows a call each quantized layer runs its packed kernel: measured on this
 machine, per layer kind and shape, against the dense path (the weight dequantized for the call,
-then ``torch.nn.functional.linear``, oneDNN's matmul: AMX where the CPU has it).
+then ``torch.nn.functional.linear``, oneDNN's matmul: AMX where the CPU has it). Where the CPU
+has AMX tiles, the packed kernel's tile path (a few blocks dequantized at a time, then bfloat16
+tiles) is timed beside its integer dot products, and the layer takes it from the row count where
+the two cost the same (``tiles_from``, between the timed rows of the last bucket the dot
+products won and the first the tiles won, as two straight lines of cost against rows cross).
 
 A packed kernel reads the quantized weight once for all of a call's rows; the dense path pays a
 dequantization a call and then runs the library's matmul, which wins once enough rows share
@@ -51,7 +55,6 @@ BUDGET_S = 6.0
 # A larger layer (an embedding or head over a large vocabulary, read a few rows a call) is not
 # timed: its dequantization alone takes seconds. It keeps its kind's default.
 MAX_TIMED_BYTES = 64 * 2**20
-KERNELS = ("packed", "dense")
 EVERY_ROW_COUNT = 2**31 - 1  # dense_above where the packed kernel won every bucket timed
 
 
@@ -77,6 +80,12 @@ def _call_time(call: Callable[[], object], repeats: int = REPEATS) -> float:
     return fastest * 1e6
 
 
+def kernels(layer: QuantizedLinear) -> list[str]:
+    """The paths timed for ``layer``: its packed kernel's dot products, its tile path where it
+    has one, and the dense path."""
+    return ["packed", "tiles", "dense"] if layer.has_tiles else ["packed", "dense"]
+
+
 @torch.inference_mode()
 def time_layer(
     layer: QuantizedLinear, deadline: float, clock: Callable[[], float] = time.monotonic
@@ -86,9 +95,9 @@ def time_layer(
     the rows) plus the matmul's on the dequantized weight; where the packed call took less than
     the dequantization alone, the matmul is not timed and the dense time given is the
     dequantization's (a lower bound: a large embedding's dequantization takes most of a second).
-    Past the first bucket the packed path loses its place once 3x behind (its cost grows with
-    the rows faster than the matmul's)."""
-    times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in KERNELS}
+    Past the first bucket the packed kernel (the faster of its two paths) loses its place once 3x
+    behind (its cost grows with the rows faster than the matmul's)."""
+    times: dict[str, list[float | None]] = {k: [None] * len(ROW_BUCKETS) for k in kernels(layer)}
     if packed_bytes(layer) > MAX_TIMED_BYTES:
         return times, False
     weight = layer.dequantize(layer.dtype)  # a warm-up, and the matmul's weight
@@ -105,7 +114,12 @@ def time_layer(
         if clock() > deadline:
             return times, True
         x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
-        packed_us = _call_time(functools.partial(layer.packed_matmul, x)) if packed else None
+        packed_us = None
+        if packed:
+            times["packed"][index] = _call_time(functools.partial(layer.packed_matmul, x, 0))
+            if "tiles" in times:
+                times["tiles"][index] = _call_time(functools.partial(layer.packed_matmul, x, 1))
+            packed_us = _packed_time(times, index)
         if packed_us is not None and packed_us < dequantize_us:
             # the dequantization alone is slower: its time stands for the dense path's (a lower
             # bound), the matmul untimed
@@ -113,19 +127,30 @@ def time_layer(
         else:
             matmul_us = _call_time(functools.partial(F.linear, x, weight))
             times["dense"][index] = dequantize_us + matmul_us
-        times["packed"][index] = packed_us
         packed = packed_us is not None and packed_us <= 3 * times["dense"][index]
     return times, False
 
 
+def _packed_time(times: dict[str, list[float | None]], index: int) -> float | None:
+    """The faster of the packed kernel's paths in bucket ``index`` (None: neither timed)."""
+    timed = [times[k][index] for k in ("packed", "tiles") if k in times]
+    timed = [t for t in timed if t is not None]
+    return min(timed) if timed else None
+
+
 def choose(shape: str, num_layers: int, times: dict[str, list[float | None]]) -> LayerChoice:
-    """Packed for the leading buckets where it was timed faster, dense from the first where it
-    was not (or had dropped out); untimed buckets take the last timed bucket's choice."""
-    kernels, packed = [], True
-    for packed_us, dense_us in zip(times["packed"], times["dense"], strict=True):
+    """The packed kernel (its dot products, or its tiles where they were faster) for the leading
+    buckets where it was timed faster than dense, dense from the first where it was not (or had
+    dropped out); untimed buckets take the last timed bucket's choice."""
+    kernels, packed, path = [], True, "packed"
+    for index, dense_us in enumerate(times["dense"]):
         if dense_us is not None:
+            packed_us = _packed_time(times, index)
             packed = packed and packed_us is not None and packed_us <= dense_us
-        kernels.append("packed" if packed else "dense")
+            tiles_us = times.get("tiles", [None] * len(ROW_BUCKETS))[index]
+            if tiles_us is not None and tiles_us < times["packed"][index]:
+                path = "tiles"  # and past it: the tiles' cost grows slower with the rows
+        kernels.append(path if packed else "dense")
     return LayerChoice(shape, num_layers, "quantized", tuple(kernels), times)
 
 
@@ -133,10 +158,32 @@ def dense_above(choice: LayerChoice) -> int:
     """The last row of the leading buckets that run packed (every row count where all do)."""
     rows = 0
     for index, kernel in enumerate(choice.kernels):
-        if kernel != "packed":
+        if kernel == "dense":
             break
         rows = ROW_BUCKETS[index][1] or EVERY_ROW_COUNT
     return rows
+
+
+def tiles_from(choice: LayerChoice) -> int:
+    """The rows from which the packed kernel takes its tiles (0: never): where the two paths'
+    costs, each a straight line through its times at the timed rows of the last bucket the dot
+    products won and the first the tiles won, cross (the first bucket's lower end where the
+    tiles won from the first bucket, or the bucket before was not timed)."""
+    if "tiles" not in choice.kernels:
+        return 0
+    first = choice.kernels.index("tiles")
+    if first == 0:
+        return 1
+    times = choice.times_us
+    before = (times["packed"][first - 1], times["tiles"][first - 1])
+    after = (times["packed"][first], times["tiles"][first])
+    if None in before or None in after:
+        return ROW_BUCKETS[first][0]
+    low, high = TIMED_ROWS[first - 1], TIMED_ROWS[first]
+    # packed - tiles: <= 0 at `low` (the dot products as fast or faster), > 0 at `high`
+    gap_low, gap_high = before[0] - before[1], after[0] - after[1]
+    crossing = low + (high - low) * gap_low / (gap_low - gap_high)
+    return max(low + 1, min(high, math.ceil(crossing)))
 
 
 def default_choice(
@@ -165,7 +212,7 @@ def plan_quantized_kernels(
     by_size = sorted(groups.items(), key=lambda item: packed_bytes(item[1][0]))
     times = cached_or_timed(
         by_size,
-        lambda layers: list(KERNELS),
+        lambda layers: kernels(layers[0]),
         lambda layers, kernels, deadline, clock: time_layer(layers[0], deadline, clock),
         {**machine_key(), "layers": "quantized"},
         cache_folder,
@@ -181,4 +228,5 @@ def plan_quantized_kernels(
         plan[shape] = choice = choose(shape, len(layers), times[shape])
         for layer in layers:
             layer.dense_above = dense_above(choice)
+            layer.tiles_from = tiles_from(choice)
     return plan

@@ -45,6 +45,7 @@
 #include <optional>
 #include <vector>
 
+#include "amx_bf16.h"
 #include "kernel_threads.h"
 
 #if defined(__AVX512BF16__)
@@ -448,6 +449,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace
+
+namespace llmrpc_cpu {
+
+bool amx_bf16_available() { return amx_supported(); }
+
+void amx_bf16_blocks(const at::BFloat16* weight, int64_t pairs, int64_t num_blocks,
+                     const at::BFloat16* x, at::BFloat16* y, int64_t ldy, int64_t rows) {
+#if defined(LLMRPC_AMX_BF16)
+  const Operands o{weight, x, nullptr, y, pairs, pairs * 32, pairs * 2, ldy};
+  amx_blocks_rows(o, rows, 0, num_blocks);
+#else
+  TORCH_CHECK(false, "amx_bf16_blocks: this build has no AMX tile kernel");
+#endif
+}
+
+}  // namespace llmrpc_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, int[] kernel_by_bucket=[]) -> Tensor");

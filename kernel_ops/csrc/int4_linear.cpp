@@ -24,9 +24,10 @@
 // - [blocks, groups, 2, 16] without: one d for each half of 16 inputs (GGUF's Q6_K), each half
 //   adding its own d * dx * dot - 128 * d * dx * sum(q) over its 16 inputs.
 //
-// Registered as torch.ops.llmrpc_cpu.int4_linear and q8_linear; int4_linear_supported() says
+// Registered as torch.ops.llmrpc_cpu.int4_linear and q8_linear (their tiles_from: the rows from
+// which a call takes the tile path described below; 0 never); int4_linear_supported() says
 // whether this build has the kernels (AVX512-BF16 and AVX512-VNNI; elsewhere the engine keeps
-// torch's kernels).
+// torch's kernels), int4_tiles_supported() whether it has the tile path (and AMX-BF16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,6 +37,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_bf16.h"
 #include "kernel_threads.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -237,7 +239,110 @@ void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Ten
     }
   });
 }
+
+// The tile path: a few blocks at a time dequantized into bfloat16 pair lines (bf16_linear.cpp's
+// blocked layout: line p of a group holds inputs 2p and 2p + 1 of the block's 16 outputs, output
+// j / 2 at position j), W = u * scale + (zero - offset * scale) in float32 rounded once, then
+// AMX's bfloat16 tiles over every row (amx_bf16.h). The dequantization is paid once a call
+// whatever the rows, each further row costs far less than with the dot products above (30
+// layers of SmolLM2's shapes, one thread, Intel Xeon with AMX: 17 against 4-7 ms at 1 row, level
+// at about 16, 21 against 33 ms at 32 rows, 42 against 139 at 128); which path serves which rows
+// is measured at load (engine/quantization/tuning.py). The activations stay in bfloat16 (not
+// quantized to int8), so its outputs are the dense path's (dequantize, then matmul) up to the
+// order of the sums. An int4 chunk c gives lines 2c (low nibbles, inputs 4c and 4c + 1) and
+// 2c + 1 (high nibbles); an int8 chunk p is line p.
+constexpr int64_t kTileBlocks = 8;  // blocks dequantized at a time: 8 x 16 outputs
+
+template <Scales kScales>
+void dequantize_block(const uint8_t* weight, const at::BFloat16* scales, int64_t groups,
+                      at::BFloat16* lines) {
+  constexpr bool kQ8 = kIsQ8<kScales>;
+  constexpr bool kZeros = kScales == Scales::kInt4 || kScales == Scales::kQ8Zeros;
+  constexpr int64_t kBytes = kQ8 ? 2 * kGroupBytes : kGroupBytes;
+  constexpr int64_t kScalesPerGroup = kScales == Scales::kQ8 ? kBlockOutputs : 2 * kBlockOutputs;
+  const __m512 offset = _mm512_set1_ps(kQ8 ? 128.f : 8.f);
+  // positions 0-15 of a line are outputs 0-7 (two inputs each), 16-31 outputs 8-15
+  const __m512i first_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i last_outputs =
+      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* chunks = weight + g * kBytes;
+    const at::BFloat16* group_scales = scales + g * kScalesPerGroup;
+    // [half][first or last 16 positions]: Q6_K's halves of 16 inputs have a scale each
+    __m512 scale[2][2], shift[2][2];
+    for (int half = 0; half < 2; ++half) {
+      const bool second = kScales == Scales::kQ8Halves && half == 1;
+      const __m512 d = load_bf16x16(group_scales + (second ? kBlockOutputs : 0));
+      const __m512 zero =
+          kZeros ? load_bf16x16(group_scales + kBlockOutputs) : _mm512_setzero_ps();
+      const __m512 shifted = _mm512_fnmadd_ps(offset, d, zero);  // zero - offset * d
+      scale[half][0] = _mm512_permutexvar_ps(first_outputs, d);
+      scale[half][1] = _mm512_permutexvar_ps(last_outputs, d);
+      shift[half][0] = _mm512_permutexvar_ps(first_outputs, shifted);
+      shift[half][1] = _mm512_permutexvar_ps(last_outputs, shifted);
+    }
+    at::BFloat16* out = lines + g * 16 * 32;
+    // one line from its 32 codes as two vectors of 16 (positions 0-15 and 16-31)
+    const auto line = [&](int64_t p, __m512i first, __m512i last, int half) {
+      const __m512bh values = _mm512_cvtne2ps_pbh(
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(last), scale[half][1], shift[half][1]),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), scale[half][0], shift[half][0]));
+      _mm512_storeu_si512(out + 32 * p, reinterpret_cast<__m512i>(values));
+    };
+    for (int64_t c = 0; c < (kQ8 ? 16 : 8); ++c) {
+      const uint8_t* bytes = chunks + 32 * c;
+      const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      const __m512i last = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+      if constexpr (kQ8) {
+        line(c, first, last, c >= 8 ? 1 : 0);
+      } else {  // the low nibbles are line 2c, the high ones line 2c + 1
+        const __m512i nibble = _mm512_set1_epi32(0x0F);
+        line(2 * c, _mm512_and_si512(first, nibble), _mm512_and_si512(last, nibble), 0);
+        line(2 * c + 1, _mm512_srli_epi32(first, 4), _mm512_srli_epi32(last, 4), 0);
+      }
+    }
+  }
+}
+
+template <Scales kScales>
+void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                  at::Tensor& y) {
+  constexpr bool kQ8 = kIsQ8<kScales>;
+  const int64_t rows = x.size(0), blocks = weight.size(0), groups = weight.size(1);
+  const int64_t pairs = groups * kGroup / 2, block_lines = pairs * 32;
+  const int64_t block_bytes = groups * (kQ8 ? 2 : 1) * kGroupBytes;
+  const int64_t block_scales = scales.numel() / blocks;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const at::BFloat16* sc = scales.data_ptr<at::BFloat16>();
+  const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  const int64_t ldy = blocks * kBlockOutputs;
+  at::parallel_for(0, (blocks + kTileBlocks - 1) / kTileBlocks, 1, [&](int64_t begin, int64_t end) {
+    // each thread's lines, kept between calls rather than allocated and zeroed in each
+    thread_local std::vector<at::BFloat16> lines;
+    if (static_cast<int64_t>(lines.size()) < kTileBlocks * block_lines) {
+      lines.resize(kTileBlocks * block_lines);
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = t * kTileBlocks, count = std::min(kTileBlocks, blocks - first);
+      for (int64_t i = 0; i < count; ++i) {
+        dequantize_block<kScales>(w + (first + i) * block_bytes, sc + (first + i) * block_scales,
+                                  groups, lines.data() + i * block_lines);
+      }
+      llmrpc_cpu::amx_bf16_blocks(lines.data(), pairs, count, xs,
+                                  out + first * kBlockOutputs, ldy, rows);
+    }
+  });
+}
 #endif
+
+bool tiles_supported() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return llmrpc_cpu::amx_bf16_available();
+#else
+  return false;
+#endif
+}
 
 bool supported() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -249,7 +354,7 @@ bool supported() {
 
 // Checks the layouts the kernel reads (each message names the tensor and its shape), then runs it.
 at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                          bool q8, bool zeros) {
+                          bool q8, bool zeros, int64_t tiles_from) {
   const char* name = q8 ? "q8_linear" : "int4_linear";
   const int64_t chunks = q8 ? 16 : 8;
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
@@ -271,8 +376,24 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
                        : ": scales_zeros must be contiguous bfloat16 [out / 16, in / 32, 2, 16]");
   TORCH_CHECK(!zeros || pairs, name, ": zeros=True takes scales [out / 16, in / 32, 2, 16]");
   auto y = at::empty({x.size(0), blocks * kBlockOutputs}, x.options());
+  TORCH_CHECK(tiles_from >= 0, name, ": tiles_from must be 0 (never) or a row count, got ",
+              tiles_from);
   const llmrpc_cpu::KernelThreadsScope threads;
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if (tiles_from > 0 && x.size(0) >= tiles_from) {
+    TORCH_CHECK(tiles_supported(), name, ": tiles_from needs AMX-BF16 tiles, which this build or "
+                "CPU lacks");
+    if (!q8) {
+      tiled_linear<Scales::kInt4>(x, weight, scales, y);
+    } else if (!pairs) {
+      tiled_linear<Scales::kQ8>(x, weight, scales, y);
+    } else if (zeros) {
+      tiled_linear<Scales::kQ8Zeros>(x, weight, scales, y);
+    } else {
+      tiled_linear<Scales::kQ8Halves>(x, weight, scales, y);
+    }
+    return y;
+  }
   if (!q8) {
     blocked_linear<Scales::kInt4>(x, weight, scales, y);
   } else if (!pairs) {
@@ -287,21 +408,23 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const at::Tensor& scales_zeros) {
-  return checked_linear(x, weight, scales_zeros, false, true);
+                       const at::Tensor& scales_zeros, int64_t tiles_from) {
+  return checked_linear(x, weight, scales_zeros, false, true, tiles_from);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                     bool zeros) {
-  return checked_linear(x, weight, scales, true, zeros);
+                     bool zeros, int64_t tiles_from) {
+  return checked_linear(x, weight, scales, true, zeros, tiles_from);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
-  m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros) -> Tensor");
-  m.def("q8_linear(Tensor x, Tensor weight, Tensor scales, bool zeros=False) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int tiles_from=0) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor weight, Tensor scales, bool zeros=False, int tiles_from=0) "
+        "-> Tensor");
   m.def("int4_linear_supported() -> bool", &supported);
+  m.def("int4_tiles_supported() -> bool", &tiles_supported);
 }
 
 TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {

@@ -237,3 +237,45 @@ def test_q8_zeros_flag_needs_pairs_of_scales():
     layer = Q8Linear.from_blocks(q, d, None, torch.bfloat16)
     with pytest.raises(RuntimeError, match="zeros=True takes scales"):
         torch.ops.llmrpc_cpu.q8_linear(x, layer.qweight, layer.scales, True)
+
+
+def _q8_layer(layout: str, out_features: int, in_features: int, seed: int):
+    q, d, _ = _q8_case(out_features, in_features, 1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    if layout == "zeros":
+        zeros = torch.randn(out_features, in_features // GROUP_SIZE, generator=gen) * 0.1
+        return Q8Linear.from_blocks(q, d, None, torch.bfloat16, zeros=zeros)
+    if layout == "halves":
+        halves = torch.rand(out_features, in_features // 16, generator=gen) * 0.01 + 1e-4
+        return Q8Linear.from_blocks(q, halves, None, torch.bfloat16)
+    return Q8Linear.from_blocks(q, d, None, torch.bfloat16)
+
+
+@pytest.mark.skipif(not layers.tiles_available(), reason="the tile path needs AMX-BF16")
+@pytest.mark.parametrize("kind", ["int4", "q8", "zeros", "halves"])
+@pytest.mark.parametrize(
+    "out_features, in_features, rows",
+    [(16, 32, 1), (208, 96, 17), (48, 2112, 33), (144, 128, 40)],  # 2112: two passes of inputs
+)
+def test_tile_path_is_the_bfloat16_matmul_of_the_dequantized_weight(
+    kind, out_features, in_features, rows
+):
+    """The tile path (tiles_from) dequantizes each weight to bfloat16 and multiplies the inputs
+    unquantized: the float matmul of ``dequantize()``'s bfloat16 weight, within the output's
+    bfloat16 rounding and float32 sums; a row alone gets the bits it gets in the batch."""
+    if kind == "int4":
+        codes, scales, zeros, _ = _case(out_features, in_features, 1, seed=rows)
+        layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    else:
+        layer = _q8_layer(kind, out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    weight = layer.dequantize(torch.bfloat16).double()
+    exact = x.double() @ weight.T
+    y = layer.packed_matmul(x, tiles_from=1)
+    bound = 2**-8 * exact.abs() + 2**-20 * (x.double().abs() @ weight.abs().T)
+    assert ((y.double() - exact).abs() <= bound).all(), ((y.double() - exact).abs() - bound).max()
+    for row in (0, rows - 1):
+        assert torch.equal(layer.packed_matmul(x[row : row + 1], tiles_from=1), y[row : row + 1])
+    # below tiles_from the integer dot products run: other bits (the inputs quantized to int8)
+    if rows > 1:
+        assert not torch.equal(layer.packed_matmul(x, tiles_from=rows + 1), y)

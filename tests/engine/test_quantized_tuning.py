@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from llmrpc.engine.quantization import tuning
-from llmrpc.engine.quantization.layers import Int4Linear, blocked_kernel_available
+from llmrpc.engine.quantization.layers import (
+    Int4Linear,
+    blocked_kernel_available,
+    tiles_available,
+)
 from llmrpc.kernels.linear_tuning import ROW_BUCKETS
 
 N = len(ROW_BUCKETS)
@@ -41,6 +45,25 @@ def test_untimed_buckets_take_the_last_timed_choice():
     assert dropped.kernels == ("packed",) + ("dense",) * (N - 1)
 
 
+def test_the_tiles_from_the_first_bucket_they_win_and_their_start_where_the_costs_cross():
+    """Dot products 10 us at 8 rows, 34 at 32; tiles 17 and 22: the lines cross at 8 + 24 * 7 /
+    19 = 16.8 rows, so the tiles serve 17 rows and more, the packed kernel to 128 (dense past)."""
+    timed = {
+        "packed": [2, 10, 34, 130, None, None],
+        "tiles": [15, 17, 22, 40, None, None],
+        "dense": [50, 60, 70, 80, 100, None],
+    }
+    choice = tuning.choose("s", 1, timed)
+    assert choice.kernels == ("packed", "packed", "tiles", "tiles", "dense", "dense")
+    assert tuning.tiles_from(choice) == 17
+    assert tuning.dense_above(choice) == 128
+    # the tiles faster from one row: every call; never faster: never
+    timed["tiles"] = [1, 1, 1, 1, None, None]
+    assert tuning.tiles_from(tuning.choose("s", 1, timed)) == 1
+    timed["tiles"] = [30, 30, 40, 140, None, None]
+    assert tuning.tiles_from(tuning.choose("s", 1, timed)) == 0
+
+
 @pytest.mark.skipif(not blocked_kernel_available(), reason="needs the blocked int4 kernel")
 def test_a_model_is_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     """Two layers of one shape and one of another: two shapes timed, every layer's threshold set
@@ -58,13 +81,15 @@ def test_a_model_is_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     for module in model:
         choice = plan[tuning.shape_key(module)]
         assert module.dense_above == tuning.dense_above(choice)
+        assert module.tiles_from == tuning.tiles_from(choice)
         assert choice.times_us["packed"][0] is not None and choice.times_us["dense"][0] is not None
-    thresholds = [module.dense_above for module in model]
+        assert ("tiles" in choice.times_us) == tiles_available()
+    thresholds = [(module.dense_above, module.tiles_from) for module in model]
     for module in model:
-        module.dense_above = -1
+        module.dense_above, module.tiles_from = -1, -1
     monkeypatch.setattr(tuning, "time_layer", lambda *args: pytest.fail("timed again"))
     assert tuning.plan_quantized_kernels(model, tmp_path) == plan
-    assert [module.dense_above for module in model] == thresholds
+    assert [(module.dense_above, module.tiles_from) for module in model] == thresholds
 
 
 def test_float32_layers_are_not_timed(tmp_path):
