@@ -1,14 +1,17 @@
 """The commands of the README and of every page under docs/, run as written in a new shell
 against one live ``llmrpc serve``.
 
-Every ``sh`` and ``python`` block of README.md and docs/*.md is taken apart into commands; a
-command or snippet that several pages show is run once. The shell starts without the environment
-on PATH and runs the README's own line that enters it, then each command; Python blocks go to
-that shell's ``python``. A command must exit 0. The only ones not run are those that cannot be,
-each for a stated reason (``NOT_RUN``): they start a long-running server (the test starts the
-README's plain ``llmrpc serve`` itself), name a placeholder path, need a container runtime, or
-are ``make`` (which runs this very test). The pages' links must lead somewhere: every relative
-link names a file that exists, and a ``#fragment`` one of its headings.
+Every ``sh``, ``python`` and ``js`` block of README.md and docs/*.md is taken apart into
+commands; a command or snippet that several pages show is run once. The shell starts without the
+environment on PATH and runs the README's own line that enters it, then each command; Python
+blocks go to that shell's ``python`` (a block whose first line says ``# in .venv-oip`` to that
+environment's, where tritonclient lives), JavaScript blocks to ``node`` in node-client/ (after
+the page's ``npm ci`` there: shell commands run first). A command must exit 0. The only ones not
+run are those that cannot be, each for a stated reason (``NOT_RUN``): they start a long-running
+server (the test starts the README's plain ``llmrpc serve`` itself), name a placeholder path,
+need a container runtime, or are ``make`` (which runs this very test). The pages' links must
+lead somewhere: every relative link names a file that exists, and a ``#fragment`` one of its
+headings.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ START_TIMEOUT_S = 300
 COMMAND_TIMEOUT_S = 300
 # A new shell's PATH: the system's, without the environment's bin folder.
 VENV_BIN = ROOT / ".venv" / "bin"
+OIP_MARK = "# in .venv-oip"  # a Python block's first line: it runs in that environment
+OIP_PYTHON = ROOT / ".venv-oip" / "bin" / "python"
+NODE_FOLDER = ROOT / "node-client"
 SYSTEM_PATH = os.pathsep.join(
     part for part in os.environ.get("PATH", "").split(os.pathsep) if Path(part) != VENV_BIN
 )
@@ -75,7 +81,7 @@ def page_examples(pages=PAGES) -> tuple[list[str], list[str], list[str]]:
     run, snippets, skipped = [], [], []
     for page in pages:
         for language, body in _blocks(page.read_text()):
-            if language == "python":
+            if language == "python" and not body.startswith(OIP_MARK):
                 snippets.append(body)
             elif language == "sh":
                 for command in _shell_commands(body):
@@ -83,6 +89,18 @@ def page_examples(pages=PAGES) -> tuple[list[str], list[str], list[str]]:
                         continue
                     (skipped if _why_not_run(command) else run).append(command)
     return _once(run), _once(snippets), _once(skipped)
+
+
+def other_snippets(language: str, mark: str = "", pages=PAGES) -> list[str]:
+    """The ``language`` blocks of ``pages`` that start with ``mark``, each once."""
+    return _once(
+        [
+            body
+            for page in pages
+            for found, body in _blocks(page.read_text())
+            if found == language and body.startswith(mark)
+        ]
+    )
 
 
 def _once(items: list[str]) -> list[str]:
@@ -249,5 +267,25 @@ def _error_replies(output: str) -> list[dict]:
 @pytest.mark.parametrize("snippet", page_examples()[1])
 def test_python_runs_as_written(readme_server, snippet):
     result = _new_shell("python -", stdin=snippet)
+    assert result.returncode == 0, f"{snippet}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.stdout.strip(), f"the snippet printed nothing:\n{snippet}"
+
+
+@pytest.mark.parametrize("snippet", other_snippets("python", OIP_MARK))
+def test_python_in_the_oip_environment_runs_as_written(readme_server, snippet):
+    if not OIP_PYTHON.exists():
+        if os.environ.get("LLMRPC_REQUIRE_OIP_CLIENTS") == "1":
+            pytest.fail(".venv-oip is missing (make oip-venv)")
+        pytest.skip("no .venv-oip (make oip-venv): tritonclient is not installed")
+    result = _new_shell(f"{OIP_PYTHON} -", stdin=snippet)
+    assert result.returncode == 0, f"{snippet}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.stdout.strip(), f"the snippet printed nothing:\n{snippet}"
+
+
+@pytest.mark.parametrize("snippet", other_snippets("js"))
+def test_javascript_runs_as_written(readme_server, snippet):
+    """After the shell commands (``npm ci --prefix node-client`` among them), in node-client/."""
+    assert (NODE_FOLDER / "node_modules" / "@grpc" / "grpc-js").is_dir(), "npm ci has not run"
+    result = _new_shell(f"cd {NODE_FOLDER} && node --input-type=module -", stdin=snippet)
     assert result.returncode == 0, f"{snippet}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.strip(), f"the snippet printed nothing:\n{snippet}"
