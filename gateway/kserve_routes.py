@@ -11,7 +11,10 @@
 
 Each calls the server's ``inference.GRPCInferenceService``, which checks what it is given.
 Errors are ``{"error": "..."}`` with the gRPC status's HTTP status (an unknown model: 404, a
-bad parameter: 400 naming it). A client that leaves stops its request in the engine.
+bad parameter: 400 naming it). A client that leaves stops its request in the engine. Inferences
+are counted in the gateway's request metrics (``/metrics``) as its OpenAI requests are: the
+gateway asks the server for each prompt's token counts and finish reason too, and hands the
+client only the outputs it asked for.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from llmrpc.clients import LlmrpcError
 from llmrpc.gateway import kserve_json
 from llmrpc.gateway.errors import OpenAIError, http_status
 from llmrpc.gateway.json_body import OFF_LOOP_BYTES, parse
+from llmrpc.gateway.metrics import RequestTimer
 from llmrpc.gateway.sse import until_disconnect
 from llmrpc.gateway.state import gateway_of, request_id
 from llmrpc.kserve import grpc_predict_v2_pb2 as pb
@@ -36,6 +40,55 @@ from llmrpc.kserve import grpc_predict_v2_pb2 as pb
 router = APIRouter(include_in_schema=False)
 HEADER_LENGTH = "inference-header-content-length"
 _GENERATE_KEYS = ("text_input", "parameters", "id")
+
+
+# the outputs a request's metrics need -> the parameter that asks for each
+_COUNTED = {
+    "num_input_tokens": "return_num_input_tokens",
+    "num_output_tokens": "return_num_output_tokens",
+    "finish_reason": "return_finish_reason",
+}
+
+
+class _Counted:
+    """One inference's timer, and the outputs it added to the request for its counts."""
+
+    def __init__(self, request: Request, message: pb.ModelInferRequest) -> None:
+        self.timer = RequestTimer(gateway_of(request).metrics)
+        self.added: set[str] = set()
+        listed = {output.name for output in message.outputs}
+        inputs = {tensor.name for tensor in message.inputs}  # Triton's flags may come as inputs
+        for name, flag in _COUNTED.items():
+            if listed:
+                if name not in listed:  # a list of outputs: exactly those come back
+                    message.outputs.add(name=name)
+                    self.added.add(name)
+            elif flag not in inputs and not (
+                flag in message.parameters and message.parameters[flag].bool_param
+            ):
+                message.parameters[flag].bool_param = True
+                self.added.add(name)
+
+    def finish(self, reply: pb.ModelInferResponse) -> pb.ModelInferResponse:
+        """Records ``reply``'s counts; returns it without the outputs the client did not ask for."""
+        found = {o.name: kserve_json.output_elements(reply, i) for i, o in enumerate(reply.outputs)}
+        reasons = [str(reason) for reason in found.get("finish_reason", ())]
+        self.timer.finish(
+            sum(found.get("num_input_tokens", ())), sum(found.get("num_output_tokens", ())), reasons
+        )
+        return self.strip(reply)
+
+    def strip(self, reply: pb.ModelInferResponse) -> pb.ModelInferResponse:
+        if not self.added:
+            return reply
+        kept = [i for i, output in enumerate(reply.outputs) if output.name not in self.added]
+        outputs = [reply.outputs[i] for i in kept]
+        raw = [reply.raw_output_contents[i] for i in kept] if reply.raw_output_contents else []
+        del reply.outputs[:]
+        reply.outputs.extend(outputs)
+        del reply.raw_output_contents[:]
+        reply.raw_output_contents.extend(raw)
+        return reply
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -121,10 +174,12 @@ async def infer(model: str, request: Request):
         message = kserve_json.infer_request(model, body, raw[split:])
     except ValueError as error:
         return _error(400, str(error))
+    counted = _Counted(request, message)
     try:
         reply = await until_disconnect(request, _call(request, "ModelInfer", message))
     except LlmrpcError as error:
         return _from_grpc(error)
+    reply = counted.finish(reply)
     document, tail = kserve_json.infer_response(reply, kserve_json.binary_outputs(body))
     if not tail and not any("parameters" in o for o in document["outputs"]):
         return JSONResponse(document)
@@ -196,11 +251,12 @@ async def generate(model: str, request: Request):
         message = await _generate_request(model, request, stream=False)
     except ValueError as error:
         return _error(400, str(error))
+    counted = _Counted(request, message)
     try:
         reply = await until_disconnect(request, _call(request, "ModelInfer", message))
     except LlmrpcError as error:
         return _from_grpc(error)
-    return _generate_body(reply)
+    return _generate_body(counted.finish(reply))
 
 
 @router.post("/v2/models/{model}/generate_stream")
@@ -209,6 +265,7 @@ async def generate_stream(model: str, request: Request):
         message = await _generate_request(model, request, stream=True)
     except ValueError as error:
         return _error(400, str(error))
+    counted = _Counted(request, message)
     pool = gateway_of(request).pool
     replies = pool.stream("kserve_stream", message, request_id=request_id(request))
     try:  # the first reply before the status: an error before any text is the HTTP status
@@ -219,7 +276,7 @@ async def generate_stream(model: str, request: Request):
         first = None
     if first is not None and first.error_message:
         return _error(_status_of(first.error_message), first.error_message)
-    return StreamingResponse(_events(first, replies), media_type="text/event-stream")
+    return StreamingResponse(_events(first, replies, counted), media_type="text/event-stream")
 
 
 def _status_of(error_message: str) -> int:
@@ -229,14 +286,18 @@ def _status_of(error_message: str) -> int:
     return http_status(code)
 
 
-async def _events(first, replies):
+async def _events(first, replies, counted: _Counted):
     try:
         reply = first
         while reply is not None:
             if reply.error_message:
                 yield _event({"error": reply.error_message})
                 return
-            yield _event(_generate_body(reply.infer_response))
+            response = reply.infer_response
+            final = response.parameters["triton_final_response"].bool_param
+            counted.timer.tokens_arrived()
+            response = counted.finish(response) if final else counted.strip(response)
+            yield _event(_generate_body(response))
             reply = await anext(replies, None)
     except LlmrpcError as error:
         yield _event({"error": error.message})

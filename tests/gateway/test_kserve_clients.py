@@ -252,3 +252,50 @@ def test_envoy_routes_the_v2_paths_too():
     paths = set(route_paths())
     for path in ("/v2/health/ready", "/v2/models/{model}/infer", "/v2/models/{model}/generate"):
         assert path in paths
+
+
+def _counters(gateway) -> dict[str, float]:
+    """The gateway's request counters from /metrics: generation tokens, prompt tokens, requests
+    finished by length, and the latency histogram's count."""
+    text = httpx.get(gateway.url + "/metrics", timeout=30).text
+    wanted = {
+        "vllm:generation_tokens_total": "generated",
+        "vllm:prompt_tokens_total": "prompt",
+        "vllm:e2e_request_latency_seconds_count": "requests",
+    }
+    found = {"generated": 0.0, "prompt": 0.0, "requests": 0.0, "length": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        base = name.split("{")[0]
+        if base in wanted:
+            found[wanted[base]] += float(value)
+        elif base == "vllm:request_success_total" and 'finished_reason="length"' in name:
+            found["length"] += float(value)
+    return found
+
+
+def test_rest_inferences_count_in_the_gateways_metrics(served):
+    """Each /v2 inference counts as an OpenAI request does (tokens, finish reasons, latency),
+    and its client gets only the outputs it asked for."""
+    _, gateway = served
+    before = _counters(gateway)
+    generate = {"text_input": "Hello", "parameters": GREEDY}
+    assert set(post(gateway, f"/v2/models/{MODEL}/generate", generate).json()) == {
+        "model_name", "model_version", "text_output"
+    }  # fmt: skip
+    events = post(gateway, f"/v2/models/{MODEL}/generate_stream", generate).text.split("\n\n")
+    assert all(set(json.loads(e.removeprefix("data: "))) == {"model_name", "model_version",
+               "text_output"} for e in events[:-1])  # fmt: skip
+    infer = {
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [2], "data": ["A", "B"]}],
+        "parameters": GREEDY,
+        "outputs": [{"name": "text_output"}],
+    }
+    outputs = post(gateway, f"/v2/models/{MODEL}/infer", infer).json()["outputs"]
+    assert [o["name"] for o in outputs] == ["text_output"]
+    after = _counters(gateway)
+    # 4 prompts of 5 tokens each: one generate, one stream, two in the infer
+    assert after["generated"] - before["generated"] == 20
+    assert after["length"] - before["length"] == 4
+    assert after["requests"] - before["requests"] == 3  # one timing a call
+    assert after["prompt"] > before["prompt"]
