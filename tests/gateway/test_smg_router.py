@@ -28,13 +28,6 @@ BLOCK = 16  # the engine's default --block-size
 
 
 @pytest.fixture(scope="module")
-def server_loop() -> Iterator[ServerLoop]:
-    server_loop = ServerLoop()
-    yield server_loop
-    server_loop.close()
-
-
-@pytest.fixture(scope="module")
 def workers(server_loop: ServerLoop, tiny_llama_dir: Path) -> Iterator[list[Replica]]:
     """Two servers of the tiny model, engines on a thread (the test reads their caches)."""
     config = EngineConfig(
