@@ -134,6 +134,7 @@ def test_list_shows_every_service(grpcurl, address):
         "llmrpc.v1.EmbeddingService",
         "llmrpc.v1.GenerationService",
         "llmrpc.v1.TokenizationService",
+        "vllm.grpc.engine.VllmEngine",
     ]
 
 
