@@ -142,7 +142,7 @@ def choose(shape: str, num_layers: int, times: dict[str, list[float | None]]) ->
     """The packed kernel (its dot products, or its tiles where they were faster) for the leading
     buckets where it was timed faster than dense, dense from the first where it was not (or had
     dropped out); untimed buckets take the last timed bucket's choice."""
-    kernels, packed, path = [], True, "packed"
+    chosen, packed, path = [], True, "packed"
     for index, dense_us in enumerate(times["dense"]):
         if dense_us is not None:
             packed_us = _packed_time(times, index)
@@ -150,8 +150,8 @@ def choose(shape: str, num_layers: int, times: dict[str, list[float | None]]) ->
             tiles_us = times.get("tiles", [None] * len(ROW_BUCKETS))[index]
             if tiles_us is not None and tiles_us < times["packed"][index]:
                 path = "tiles"  # and past it: the tiles' cost grows slower with the rows
-        kernels.append(path if packed else "dense")
-    return LayerChoice(shape, num_layers, "quantized", tuple(kernels), times)
+        chosen.append(path if packed else "dense")
+    return LayerChoice(shape, num_layers, "quantized", tuple(chosen), times)
 
 
 def dense_above(choice: LayerChoice) -> int:

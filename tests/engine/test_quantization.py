@@ -638,7 +638,7 @@ def test_help_and_serving_page_state_what_the_code_does():
     # the help sends the reader to docs/serving.md for when each kernel runs
     assert "docs/serving.md says when each kernel runs" in " ".join(flag.help.split())
     page = " ".join((Path(__file__).parents[2] / "docs" / "serving.md").read_text().split())
-    assert "runs the packed kernel, and from how many its tile path, is measured at start-up" in page
+    assert "and from how many its tile path, is measured at start-up on the machine" in page
     assert "(`engine/quantization/tuning.py`" in page
     for block_type in BLOCK_BYTES:
         assert block_type in page
