@@ -146,6 +146,7 @@ def test_speculative_verify_steps_run_the_compiled_graph(tiny_llama_dir, monkeyp
     assert core.runner.compiled_decode.failure is None
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16"], indirect=True)  # the CPU's serving dtype
 def test_a_compiled_engine_gives_the_idle_core_to_its_kernels_alone(
     tiny_llama_dir, dtype, eager_outputs, monkeypatch
 ):
