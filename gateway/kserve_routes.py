@@ -105,6 +105,14 @@ async def _call(request: Request, method: str, message):
     )
 
 
+async def _counted_infer(request: Request, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    """ModelInfer, counted in the gateway's metrics; the reply holds the outputs the client
+    asked for. Raises LlmrpcError."""
+    counted = _Counted(request, message)
+    reply = await until_disconnect(request, _call(request, "ModelInfer", message))
+    return counted.finish(reply)
+
+
 async def _json(request: Request, body: bytes):
     try:
         if len(body) > OFF_LOOP_BYTES:
@@ -174,12 +182,10 @@ async def infer(model: str, request: Request):
         message = kserve_json.infer_request(model, body, raw[split:])
     except ValueError as error:
         return _error(400, str(error))
-    counted = _Counted(request, message)
     try:
-        reply = await until_disconnect(request, _call(request, "ModelInfer", message))
+        reply = await _counted_infer(request, message)
     except LlmrpcError as error:
         return _from_grpc(error)
-    reply = counted.finish(reply)
     document, tail = kserve_json.infer_response(reply, kserve_json.binary_outputs(body))
     if not tail and not any("parameters" in o for o in document["outputs"]):
         return JSONResponse(document)
@@ -251,12 +257,11 @@ async def generate(model: str, request: Request):
         message = await _generate_request(model, request, stream=False)
     except ValueError as error:
         return _error(400, str(error))
-    counted = _Counted(request, message)
     try:
-        reply = await until_disconnect(request, _call(request, "ModelInfer", message))
+        reply = await _counted_infer(request, message)
     except LlmrpcError as error:
         return _from_grpc(error)
-    return _generate_body(counted.finish(reply))
+    return _generate_body(reply)
 
 
 @router.post("/v2/models/{model}/generate_stream")

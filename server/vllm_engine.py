@@ -102,6 +102,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self.health = health  # server.health.Health
         self.started_at = time.monotonic()
         self.last_receive_timestamp = 0.0  # time.time() of the last Generate or Embed
+        # the tokenizer folder zipped, and its SHA-256, made by the first GetTokenizer
+        self._tokenizer_archive: asyncio.Task[tuple[bytes, str]] | None = None
 
     # --- generation --------------------------------------------------------------------------
 
@@ -292,8 +294,15 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             raise FailedPrecondition(
                 "tokenizer", "this server runs with --skip-tokenizer-init and has no tokenizer"
             )
-        archive = await asyncio.to_thread(_zip_tokenizer, Path(path))
-        digest = hashlib.sha256(archive).hexdigest()
+        if self._tokenizer_archive is None:  # zipped once: every router asks for the same files
+            self._tokenizer_archive = asyncio.ensure_future(
+                asyncio.to_thread(_zipped_tokenizer, Path(path))
+            )
+        try:
+            archive, digest = await asyncio.shield(self._tokenizer_archive)
+        except OSError:
+            self._tokenizer_archive = None  # the next call tries again
+            raise
         for start in range(0, len(archive), TOKENIZER_CHUNK_BYTES):
             end = start + TOKENIZER_CHUNK_BYTES
             last = end >= len(archive)
@@ -391,6 +400,12 @@ def _model_config(model_dir: str) -> dict:
         return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _zipped_tokenizer(folder: Path) -> tuple[bytes, str]:
+    """The folder zipped, and the archive's SHA-256 (hex)."""
+    archive = _zip_tokenizer(folder)
+    return archive, hashlib.sha256(archive).hexdigest()
 
 
 def _zip_tokenizer(folder: Path) -> bytes:
