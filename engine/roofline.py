@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from llmrpc.engine.runner.weight_arena import huge_page_buffer
+from llmrpc.engine.runner.host_memory import huge_page_buffer
 
 # Large enough to come from memory on any CPU (a last-level cache is at most a few hundred MB).
 _READ_BYTES = 1 << 30

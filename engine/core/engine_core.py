@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -423,6 +424,15 @@ class EngineCore:
         # still have made its deadline.
         self._peak_tokens_per_second = 0.0
         self.sleep_level = 0  # 0: awake; 1: KV cache dropped; 2: weights dropped too
+        # A host KV cache's pages faulted in ahead of use: the blocks handed out so far and as
+        # many again as two steps can take (their new tokens, a block per sequence).
+        margin = 2 * (
+            -(-scheduler_config.max_num_batched_tokens // block_size)
+            + scheduler_config.max_num_seqs
+        )
+        pool = weakref.ref(self.kv_manager.pool)  # the thread must not keep the engine alive
+        for runner in filter(None, (self.runner, self.draft and self.proposer.runner)):
+            runner.populate_ahead(lambda: None if (p := pool()) is None else p.high_water + margin)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s; attention backend %s",
             num_blocks,
@@ -679,6 +689,8 @@ class EngineCore:
         self.thread_budget = idle_core_budget()
         if self.thread_budget is None:
             return False
+        # the first reading now: the first step judges the machine since then, not by default
+        self.thread_budget.threads_now()
         self._budget_kernels_only = compiled
         logger.info(
             "engine: %s%s while the rest of the machine uses half a core or more, %d while it "

@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -21,6 +20,7 @@ from llmrpc.engine.runner.cuda_graphs import (
     DecodeGraphs,
 )
 from llmrpc.engine.runner.device import HostStaging, kv_blocks_for_device_memory, model_device
+from llmrpc.engine.runner.host_memory import PopulateAhead, host_zeros
 from llmrpc.engine.sched.scheduler import SchedulerOutput
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import FP8_DTYPES, AttentionMetadata, PrefillSeq
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 # row (32 prompts of 45 tokens: 1.7 ms a layer where one attention call per prompt took 3.7 ms);
 # longer ones take a causal attention call per chunk, whose work grows as context squared.
 _ROWS_AS_DECODES_MAX_CONTEXT = 256
-_ALIGNMENT = 64  # bytes: a host KV cache starts where torch's allocator would start it
 
 
 def kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -111,6 +110,8 @@ class ModelRunner:
         self._num_layers = hf_config.num_hidden_layers
         self._dtype = kv_cache_dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._populate_wanted: Callable[[], int | None] | None = None  # populate_ahead's
+        self._populating: PopulateAhead | None = None
         self.allocate_kv_cache()
 
     def allocate_kv_cache(self) -> None:
@@ -124,8 +125,21 @@ class ModelRunner:
             for _ in range(self._num_layers)
         ]
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        if self._populate_wanted is not None:
+            self.populate_ahead(self._populate_wanted)
+
+    def populate_ahead(self, wanted: Callable[[], int | None]) -> None:
+        """Fault in a host KV cache's first ``wanted()`` blocks off the step's path, and again
+        after each reallocation (``host_memory.PopulateAhead``); nothing on a device."""
+        self._populate_wanted = wanted
+        if self._device.type == "cpu" and self.kv_caches:
+            tensors = [tensor for pair in self.kv_caches for tensor in pair]
+            self._populating = PopulateAhead(tensors, wanted)
 
     def free_kv_cache(self) -> None:
+        if self._populating is not None:
+            self._populating.stop()
+            self._populating = None
         self.decode_graphs = None  # they hold the cache's addresses
         self.kv_caches = []
         self.kv_cache_bytes = 0
@@ -396,17 +410,10 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. In host memory it is calloc'd (numpy's zeros): the kernel maps
-    zero pages that become memory only when first written, so a KV cache of gigabytes costs
-    nothing at start-up (``torch.zeros`` writes every page: 8 s for the default 4 GiB on one
-    core) and the process's resident memory grows with the blocks in use. 64-byte aligned, as
-    torch's own host allocations are."""
+    """A zero-filled tensor; in host memory, zero pages on huge pages (``host_memory``)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * dtype.itemsize
-    buffer = np.zeros(num_bytes + _ALIGNMENT, dtype=np.uint8)
-    start = -buffer.ctypes.data % _ALIGNMENT
-    return torch.from_numpy(buffer[start : start + num_bytes]).view(dtype).view(shape)
+    return host_zeros(shape, dtype)
 
 
 def _prompt_logits_span(request: Request, start: int, end: int) -> PromptLogitsSpan | None:

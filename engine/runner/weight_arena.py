@@ -19,63 +19,16 @@ its storage with a tensor of another shape (a view), which could not follow.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from llmrpc.engine.memory import release_free_memory
+from llmrpc.engine.runner.host_memory import huge_page_buffer
 
-logger = logging.getLogger(__name__)
-
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _ALIGN = 64  # each tensor starts on a cache line
 # The old copies are freed as their tensors move; returning their pages this often bounds the
 # peak to the weights plus this much (malloc keeps freed heap pages until trimmed).
 _TRIM_EVERY_BYTES = 256 << 20
-
-
-def huge_pages_available() -> bool:
-    """Whether ``madvise(MADV_HUGEPAGE)`` gets huge pages here (the mode is ``always`` or
-    ``madvise``, not ``never``; the bracketed word of the file is the mode)."""
-    try:
-        mode = _THP_MODE.read_text()
-    except OSError:
-        return False
-    return "[never]" not in mode and _libc() is not None
-
-
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "madvise") else None
-
-
-def huge_page_buffer(num_bytes: int) -> tuple[torch.Tensor, bool]:
-    """An untouched ``uint8`` buffer of ``num_bytes`` starting on a 2 MiB boundary, advised onto
-    huge pages where they are available; and whether it was. The pages are faulted in by the
-    first write, so write the buffer only after this returns."""
-    raw = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    buffer = raw[start : start + num_bytes]
-    advised = False
-    if huge_pages_available() and num_bytes:
-        length = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE
-        result = _libc().madvise(
-            ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE
-        )
-        advised = result == 0
-        if not advised:
-            logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    return buffer, advised
 
 
 def _movable(tensor: torch.Tensor) -> bool:

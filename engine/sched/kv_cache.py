@@ -112,6 +112,9 @@ class BlockPool:
     ) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        # Blocks 0 to high_water - 1 have been handed out: the queue starts in id order and
+        # takes freed blocks at its tail, so never-used blocks go in that order first.
+        self.high_water = 0
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVBlock] = {}
         # the cache's changes not yet taken (take_events); None: not recorded
@@ -133,6 +136,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            self.high_water = max(self.high_water, block.block_id + 1)
             new_blocks.append(block)
         return new_blocks
 

@@ -140,3 +140,19 @@ def bf16_linear_case(out_features: int, in_features: int, rows: int, bias: bool,
             linear.bias.copy_(torch.randn(out_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     return linear, x
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (``hg``: advised
+    ``MADV_HUGEPAGE``)."""
+    flags, inside = None, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "VmFlags:":
+                flags = line.split()[1:]
+    assert flags is not None, f"no mapping holds {address:#x}"
+    return flags

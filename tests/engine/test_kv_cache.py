@@ -54,6 +54,23 @@ def test_new_request_gets_fresh_blocks_in_order():
     assert manager.block_ids("a") == [0, 1, 2, 3]
 
 
+def test_the_high_water_mark_counts_the_blocks_ever_handed_out():
+    """Never-used blocks go first and in id order, so blocks 0 to high_water - 1 are the ones
+    ever written: what the host cache's pages are faulted in ahead of."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    assert manager.pool.high_water == 0
+    first = make_request("a", list(range(10)))
+    schedule_all(manager, first)
+    assert manager.pool.high_water == 3
+    manager.free(first)  # its blocks stay cached at the queue's tail
+    schedule_all(manager, make_request("b", list(range(100, 110))))
+    assert manager.block_ids("b") == [3, 4, 5]
+    assert manager.pool.high_water == 6
+    schedule_all(manager, make_request("c", list(range(200, 210))))  # evicts a block of a
+    assert manager.block_ids("c") == [6, 7, 2]  # a's tail block, the first evicted
+    assert manager.pool.high_water == 8
+
+
 @pytest.mark.parametrize("hash_algo", ["builtin", "sha256", "sha256_cbor_64bit"])
 def test_shared_prefix_reuses_full_blocks_and_counts_references(hash_algo):
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK, hash_algo=hash_algo)

@@ -102,6 +102,21 @@ def test_budget_takes_every_core_while_the_rest_of_the_machine_leaves_one_idle()
     assert budget.threads_now() == 4
 
 
+def test_an_engine_takes_its_budgets_first_reading_at_start_up(monkeypatch):
+    """The first step after an idle start judges the time since start-up: with the rest of the
+    machine idle meanwhile, it already takes every core."""
+    from types import SimpleNamespace
+
+    from llmrpc.engine.core import engine_core
+
+    machine = FakeMachine()
+    monkeypatch.setattr(engine_core, "idle_core_budget", machine.budget)
+    engine = SimpleNamespace(parallel=None, runner=SimpleNamespace(compiled_decode=None))
+    assert engine_core.EngineCore.use_idle_cores(engine)
+    machine.advance(5.0, others=0.1, own=0.0)  # idle until the first request
+    assert engine.thread_budget.threads_now() == 2
+
+
 def test_budget_checks_at_most_every_interval():
     machine = FakeMachine()
     budget = machine.idle_budget()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import vm_flags
 from torch import nn
 
 from llmrpc.engine.config import CacheConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core import engine_core
 from llmrpc.engine.core.engine_core import EngineCore
 from llmrpc.engine.request import SamplingParams
-from llmrpc.engine.runner import weight_arena
+from llmrpc.engine.runner import host_memory, weight_arena
 
 
 def _engine(model_dir, dtype: str) -> EngineCore:
@@ -94,26 +95,11 @@ def test_a_view_stays_where_it_is_and_keeps_its_values():
     assert torch.equal(holder.part, torch.tensor([2.0, 3.0, 4.0, 5.0]))
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address``."""
-    flags, inside = None, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            first = line.split()[0]
-            if "-" in first and not first.endswith(":"):
-                start, end = (int(x, 16) for x in first.split("-"))
-                inside = start <= address < end
-            elif inside and first == "VmFlags:":
-                flags = line.split()[1:]
-    assert flags is not None, "no mapping holds the buffer"
-    return flags
-
-
 def test_the_buffer_is_advised_onto_huge_pages_where_linux_has_them():
-    buffer, advised = weight_arena.huge_page_buffer(3 * weight_arena.HUGE_PAGE)
-    assert buffer.data_ptr() % weight_arena.HUGE_PAGE == 0
-    assert buffer.numel() == 3 * weight_arena.HUGE_PAGE
-    assert advised == weight_arena.huge_pages_available()
+    buffer, advised = host_memory.huge_page_buffer(3 * host_memory.HUGE_PAGE)
+    assert buffer.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert buffer.numel() == 3 * host_memory.HUGE_PAGE
+    assert advised == host_memory.huge_pages_available()
     if not advised:
         pytest.skip("this machine's transparent huge pages are off")
-    assert "hg" in _vm_flags(buffer.data_ptr())  # the kernel marked it MADV_HUGEPAGE
+    assert "hg" in vm_flags(buffer.data_ptr())  # the kernel marked it MADV_HUGEPAGE
