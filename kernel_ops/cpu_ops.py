@@ -107,7 +107,7 @@ def load() -> bool:
 
 
 def set_kernel_threads(count: int) -> None:
-    """Run the heavy kernels (linear layers, decode attention) on ``count`` threads whatever
+    """Run our kernels (linear layers, attention, norms, activations) on ``count`` threads whatever
     torch's count is (0: torch's); see ``csrc/kernel_threads.h``. Needs the kernels loaded."""
     torch.ops.llmrpc_cpu.set_kernel_threads(count)
 

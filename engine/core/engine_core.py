@@ -675,8 +675,8 @@ class EngineCore:
         budget counts this process's CPU time as the engine's. Returns whether it applies (not
         where ``OMP_NUM_THREADS`` fixes the count, or on one core). torch.compile guards its
         graph on torch's thread count, and a change would end it: an engine whose step is
-        compiled gives the core to its own kernels alone (linear layers, decode attention), which
-        take their count apart from torch's."""
+        compiled gives the core to its own kernels alone (linear layers, attention, norms,
+        activations, rotary), which take their count apart from torch's."""
         if self.parallel is not None:  # the ranks share the cores, a fixed share each
             return False
         compiled = self.runner.compiled_decode is not None
@@ -695,7 +695,7 @@ class EngineCore:
         logger.info(
             "engine: %s%s while the rest of the machine uses half a core or more, %d while it "
             "uses less%s",
-            "the linear layers' and attention's kernels on " if compiled else "",
+            "our kernels (linear layers, attention, norms, activations) on " if compiled else "",
             cpu_threads(self.thread_budget.threads),
             self.thread_budget.cores,
             f"; torch's other operations on {cpu_threads(torch.get_num_threads())}, fixed: the "

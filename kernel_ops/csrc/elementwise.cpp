@@ -6,7 +6,8 @@
 // Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}, with
 // parallel_team_size: how many threads at::parallel_for, which every kernel here divides its work
 // with, runs on (1 when the extension was built without OpenMP, whatever torch was told), and
-// set_kernel_threads / kernel_team_size: the heavy kernels' own count (kernel_threads.h).
+// set_kernel_threads / kernel_team_size: our kernels' own count (kernel_threads.h), which these
+// take too.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -192,6 +193,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "rms_norm");
   auto out = at::empty_like(x);
+  const KernelThreadsScope threads;  // the heavy kernels' count where one is set
   LLMRPC_DISPATCH(x.scalar_type(), "rms_norm", rms_norm_impl<scalar_t>(x, weight, eps, out));
   return out;
 }
@@ -201,6 +203,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
               residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must be contiguous and match the input");
+  const KernelThreadsScope threads;  // the heavy kernels' count where one is set
   LLMRPC_DISPATCH(x.scalar_type(), "fused_add_rms_norm",
                   fused_add_rms_norm_impl<scalar_t>(x, residual, weight, eps));
 }
@@ -211,6 +214,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto sizes = x.sizes().vec();
   sizes.back() /= 2;
   auto out = at::empty(sizes, x.options());
+  const KernelThreadsScope threads;  // the heavy kernels' count where one is set
   LLMRPC_DISPATCH(x.scalar_type(), "silu_and_mul", silu_and_mul_impl<scalar_t>(x, out));
   return out;
 }
@@ -222,6 +226,7 @@ void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
               sin.sizes() == cos.sizes(), "rotary: cos and sin must be dense [tokens, head_dim]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos, sin and x must share a dtype");
+  const KernelThreadsScope threads;  // the heavy kernels' count where one is set
   LLMRPC_DISPATCH(x.scalar_type(), "rotary", rotary_impl<scalar_t>(x, cos, sin));
 }
 

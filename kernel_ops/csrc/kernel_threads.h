@@ -1,5 +1,5 @@
-// The thread count of the heavy kernels (linear layers, decode attention), set apart from
-// torch's own.
+// The thread count of our kernels (linear layers, decode attention, norms, activations and
+// rotary), set apart from torch's own.
 //
 // A compiled decode step (torch.compile) holds for the thread count it was compiled at: changing
 // torch's count ends its graph. So an engine whose step is compiled keeps torch's count fixed and

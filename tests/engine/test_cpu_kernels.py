@@ -295,6 +295,52 @@ def test_kernels_split_their_work_over_torchs_thread_team():
         torch.set_num_threads(before)
 
 
+def _threads_busy_during(run) -> int:
+    """Threads of this process that each gained 50 ms of CPU time or more while ``run`` ran."""
+
+    def cpu_ticks() -> dict[str, int]:
+        ticks = {}
+        for task in os.listdir("/proc/self/task"):
+            try:
+                fields = Path(f"/proc/self/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks[task] = int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks
+
+    before = cpu_ticks()
+    run()
+    after = cpu_ticks()
+    least = 0.05 * os.sysconf("SC_CLK_TCK")
+    return sum(1 for task, spent in after.items() if spent - before.get(task, 0) >= least)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "silu_and_mul", "rotary"])
+def test_elementwise_kernels_run_on_the_kernel_thread_count(op):
+    """A compiled engine fixes torch's count and gives the idle core to our kernels alone: the
+    norms, activation and rotary of a prefill take it too, not only the linear layers."""
+    x = _random(2048, 4096, dtype=torch.float32)
+    weight = _random(4096, dtype=torch.float32, seed=1)
+    angles = _random(2048, 1, 64, dtype=torch.float32, seed=3)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    calls = {
+        "rms_norm": lambda: elementwise.rms_norm(x, weight, 1e-5),
+        "add_rms_norm": lambda: elementwise.add_rms_norm(x.clone(), x, weight, 1e-5),
+        "silu_and_mul": lambda: elementwise.silu_and_mul(x),
+        "rotary": lambda: elementwise.rotary(x.view(2048, 32, 128), cos, sin),
+    }
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cpu_ops.set_kernel_threads(2)
+        repeats = 240 if op == "rotary" else 60  # about a second of work on one thread
+        assert _threads_busy_during(lambda: [calls[op]() for _ in range(repeats)]) == 2
+    finally:
+        cpu_ops.set_kernel_threads(0)
+        torch.set_num_threads(before)
+
+
 def test_int4_kernel_is_built_where_the_cpu_matches():
     """The blocked int4/Q8_0 kernels exist only in AVX-512 builds on CPUs with AVX512-BF16 and
     AVX512-VNNI; elsewhere (the AVX2 and plain builds too, run below) int4 layers keep torch's
