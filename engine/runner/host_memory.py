@@ -71,10 +71,11 @@ def huge_page_buffer(num_bytes: int) -> tuple[torch.Tensor, bool]:
     in by the first write, so write the buffer only after this returns."""
     # A mapping of its own: malloc may carve even a large block from memory it already holds,
     # written and on 4 KiB pages (calloc then writes the zeros itself).
-    region = mmap.mmap(-1, num_bytes + HUGE_PAGE)
-    raw = torch.from_numpy(np.frombuffer(region, dtype=np.uint8))  # the array holds the region
-    start = -raw.data_ptr() % HUGE_PAGE
-    buffer = raw[start : start + num_bytes]
+    region = np.frombuffer(mmap.mmap(-1, num_bytes + HUGE_PAGE), dtype=np.uint8)
+    start = -region.ctypes.data % HUGE_PAGE
+    # A storage of its own from the aligned start: torch.compile copies a graph input at an
+    # offset into its storage, on every call (a compiled decode step took 350 ms, not 19).
+    buffer = torch.from_numpy(region[start : start + num_bytes])
     advised = False
     if huge_pages_available() and num_bytes:
         length = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE

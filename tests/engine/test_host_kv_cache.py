@@ -59,6 +59,7 @@ def test_a_large_host_cache_is_zero_aligned_and_resident_only_as_used(tiny_llama
     for key, value in caches:
         for tensor in (key, value):
             assert tensor.is_contiguous() and tensor.data_ptr() % HUGE_PAGE == 0
+            assert tensor.storage_offset() == 0  # a compiled step would copy it every call
             assert tensor.dtype == torch.float32
             # A block's first write faults in 2 MiB at once: where each 4 KiB page faulted on its
             # own, a wave of new blocks cost a step 160 ms on a 2-core VM (docs/performance.md).
