@@ -16,7 +16,8 @@ before; and a step whose blocks crossed into new huge pages in all 60 tensors at
 s (docs/performance.md). ``PopulateAhead`` faults the cache's pages in a margin ahead of the blocks
 in use, with ``madvise(MADV_POPULATE_WRITE)`` on a thread that runs only on otherwise idle CPU
 time: it maps each page writable as a write would and changes no byte, so it cannot race a step
-writing the same block.
+writing the same block. At the usual priority the thread took CPU from the steps it ran beside: in
+the same server, 32 streams, TTFT p50 437-469 ms against 375-401 ms idle-only.
 """
 
 from __future__ import annotations
