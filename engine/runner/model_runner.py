@@ -132,14 +132,18 @@ class ModelRunner:
         """Fault in a host KV cache's first ``wanted()`` blocks off the step's path, and again
         after each reallocation (``host_memory.PopulateAhead``); nothing on a device."""
         self._populate_wanted = wanted
+        self._stop_populating()  # one thread per cache
         if self._device.type == "cpu" and self.kv_caches:
             tensors = [tensor for pair in self.kv_caches for tensor in pair]
             self._populating = PopulateAhead(tensors, wanted)
 
-    def free_kv_cache(self) -> None:
+    def _stop_populating(self) -> None:
         if self._populating is not None:
             self._populating.stop()
             self._populating = None
+
+    def free_kv_cache(self) -> None:
+        self._stop_populating()
         self.decode_graphs = None  # they hold the cache's addresses
         self.kv_caches = []
         self.kv_cache_bytes = 0
