@@ -1,9 +1,10 @@
 """Linear layers on the CPU with weights packed once at load: our blocked bfloat16 layout
-(``BlockedLinear``, ``csrc/bf16_linear.cpp``: AVX512-BF16 dot products or AMX tiles over the same
-weights; its rows serve a tied embedding, so that weight is held once), or oneDNN's packed layout
-(``PackedLinear``). Which one a layer takes, and which kernel each call runs, is measured on the
-machine (``kernel_ops/linear_tuning.py``); without a measurement, the blocked layout's dot products
-where the CPU has them, else oneDNN's.
+(``BlockedLinear``, ``csrc/bf16_linear.cpp``: AVX512-BF16 dot products, AMX tiles, or on a CPU
+without AVX512-BF16 AVX2 fused multiply-adds, over the same weights; its rows serve a tied
+embedding, so that weight is held once), or oneDNN's packed layout (``PackedLinear``). Which one a
+layer takes, and which kernel each call runs, is measured on the machine
+(``kernel_ops/linear_tuning.py``); without a measurement, the blocked layout where it fits (the dot
+products where the CPU has them, else the fused multiply-adds), else oneDNN's.
 
 ``torch.nn.functional.linear`` reads a plain row-major weight on every call, which oneDNN then
 reorders on the fly; packing the weight once, with ``torch.ops.mkldnn._reorder_linear_weight``,
@@ -84,13 +85,14 @@ class BlockedLinear(nn.Module):
         )
         self.bias = None if linear.bias is None else linear.bias.detach()
         # the kernel for each bucket of rows per call (linear_tuning.ROW_BUCKETS): 0 dot products,
-        # 1 AMX tiles; empty: dot products for every call
+        # 1 AMX tiles, 2 the one-row kernel, 3 AVX2 fused multiply-adds; empty: the dot products
+        # for every call where the build has them, else the fused multiply-adds
         self.kernel_by_bucket: list[int] = []
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
-        """Whether the kernel takes this layer: bfloat16 on the CPU, outputs a multiple of 16,
-        inputs of 2, and the kernels built with AVX512-BF16."""
+        """Whether the kernels take this layer: bfloat16 on the CPU, outputs a multiple of 16,
+        inputs of 2, and the kernels built with AVX512-BF16 or AVX2 and FMA."""
         weight = linear.weight
         return (
             weight.dtype == torch.bfloat16
@@ -98,7 +100,10 @@ class BlockedLinear(nn.Module):
             and linear.out_features % 16 == 0
             and linear.in_features % 2 == 0
             and cpu_ops.load()
-            and torch.ops.llmrpc_cpu.bf16_linear_supported()
+            and (
+                torch.ops.llmrpc_cpu.bf16_linear_supported()
+                or torch.ops.llmrpc_cpu.bf16_fma_supported()
+            )
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,10 +152,17 @@ def shape_key(linear: nn.Linear) -> str:
 Layout = tuple[str, list[int]]
 
 
+def packable(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` that one of the layouts takes."""
+    if type(module) is not nn.Linear:
+        return False
+    return BlockedLinear.fits(module) or can_pack(module.weight.dtype, module.weight.device)
+
+
 def pack_linear_layers(model: nn.Module, layouts: dict[str, Layout] | None = None) -> int:
-    """Replace every plain ``nn.Linear`` of ``model`` whose weight can be packed by the layout
-    ``layouts`` gives its shape (``blocked`` where it fits, else ``onednn``); for a shape it
-    lacks, ``BlockedLinear`` where it fits, else ``PackedLinear``. The unpacked weights
+    """Replace every plain ``nn.Linear`` of ``model`` that a layout takes (``packable``) by the
+    layout ``layouts`` gives its shape (``blocked`` where it fits, else ``onednn``); for a shape
+    it lacks, ``BlockedLinear`` where it fits, else ``PackedLinear``. The unpacked weights
     are dropped. An embedding tied to a layer made ``BlockedLinear`` reads its rows from the
     blocks (the weight is held once); one tied to a ``PackedLinear`` keeps the plain weight
     beside the packed copy. Returns how many were packed."""
@@ -158,13 +170,13 @@ def pack_linear_layers(model: nn.Module, layouts: dict[str, Layout] | None = Non
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            if type(child) is not nn.Linear or not can_pack(weight.dtype, weight.device):
+            if not packable(child):
                 continue
+            weight = child.weight
             blocked = BlockedLinear.fits(child)
             default = ("blocked" if blocked else "onednn", [])
             layout, kernels = (layouts or {}).get(shape_key(child), default)
-            if layout == "blocked" and blocked:
+            if blocked and (layout == "blocked" or not can_pack(weight.dtype, weight.device)):
                 replacement = BlockedLinear(child)
                 replacement.kernel_by_bucket = list(kernels)
                 if id(weight) in embeddings:

@@ -6,6 +6,9 @@ The candidates (those the layer and the CPU allow):
 - ``blocked-amx``: the same layout and weights, AMX tiles (the same file);
 - ``blocked-gemv``: the same layout and weights, one row per call only (the same file), timed in
   the first bucket alone;
+- ``blocked-avx2``: the same layout and weights, AVX2 fused multiply-adds in float32 (the same
+  file), where the CPU lacks AVX512-BF16 (where it has it, the dot products do the same work in
+  half the instructions);
 - ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``).
 
 Not a candidate: the plain weight with ``torch.nn.functional.linear``, which reorders the weight on
@@ -54,6 +57,7 @@ from llmrpc.kernels.linear import (
     Layout,
     PackedLinear,
     can_pack,
+    packable,
     shape_key,
     tied_embeddings,
 )
@@ -71,15 +75,18 @@ SLICE_BYTES = 64 * 2**20  # a larger layer is timed on its first outputs (time s
 MAX_FLOP = 4e9  # per timed call: larger buckets are timed at fewer rows (never under the first)
 REPEATS = 3  # timed passes per candidate and bucket (the fastest counts), after one warm-up
 BUDGET_S = 8.0
-KERNELS = ("blocked-avx512bf16", "blocked-amx", "blocked-gemv", "onednn")
+KERNELS = ("blocked-avx512bf16", "blocked-amx", "blocked-gemv", "blocked-avx2", "onednn")
 LAYOUT = {
     "blocked-avx512bf16": "blocked",
     "blocked-amx": "blocked",
     "blocked-gemv": "blocked",
+    "blocked-avx2": "blocked",
     "onednn": "onednn",
 }
 # csrc/bf16_linear.cpp's ids
-BLOCKED_KERNEL_IDS = {"blocked-avx512bf16": 0, "blocked-amx": 1, "blocked-gemv": 2}
+BLOCKED_KERNEL_IDS = {
+    "blocked-avx512bf16": 0, "blocked-amx": 1, "blocked-gemv": 2, "blocked-avx2": 3,
+}  # fmt: skip
 ONE_ROW_KERNELS = {"blocked-gemv"}  # serve the first bucket (one row) only
 
 
@@ -99,11 +106,13 @@ def bucket_name(index: int) -> str:
 def candidates(linear: nn.Linear) -> list[str]:
     """The kernels that can compute ``linear`` here."""
     names = []
-    if BlockedLinear.fits(linear):
+    if BlockedLinear.fits(linear) and torch.ops.llmrpc_cpu.bf16_linear_supported():
         names.append("blocked-avx512bf16")
         if linear.in_features % 32 == 0 and torch.ops.llmrpc_cpu.bf16_amx_supported():
             names.append("blocked-amx")
         names.append("blocked-gemv")
+    elif BlockedLinear.fits(linear):
+        names.append("blocked-avx2")
     if can_pack(linear.weight.dtype, linear.weight.device):
         names.append("onednn")
     return names
@@ -383,11 +392,10 @@ def plan_linear_kernels(
     tied = set()
     embeddings = tied_embeddings(model)
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or not can_pack(weight.dtype, weight.device):
+        if not packable(module):
             continue
         groups.setdefault(shape_key(module), []).append(module)
-        if id(weight) in embeddings:
+        if id(module.weight) in embeddings:
             tied.add(shape_key(module))
     return measure(groups, tied, cache_folder, uniform)
 

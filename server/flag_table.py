@@ -157,8 +157,8 @@ _OURS = _group(
          choices=("auto", "torch", "triton")),
     ours("--batch-invariant", False, None, "model.batch_invariant",
          "A request's tokens (greedy or seeded) do not depend on the rest of the batch. Needs "
-         "--dtype bfloat16 on a CPU with AVX512-BF16 (our blocked linear kernel), no "
-         "--quantization; refused elsewhere (on CUDA too)."),
+         "--dtype bfloat16 on a CPU with AVX512-BF16 or AVX2 (our blocked linear kernels), "
+         "no --quantization; refused elsewhere (on CUDA too)."),
     ours("--kv-cache-memory", 4.0, float, "cache.kv_cache_memory_gib",
          "GiB of host memory for the KV cache when the engine runs on the CPU (on CUDA, "
          "--gpu-memory-utilization sizes it); it sets the number of KV blocks unless "

@@ -208,7 +208,7 @@ def check_batch_invariant(model, attention_backend: str, kv_in_model_dtype: bool
         if isinstance(module, nn.Linear | PackedLinear | QuantizedLinear):
             raise ValueError(
                 "--batch-invariant needs every linear layer in our blocked bfloat16 kernel "
-                "(--dtype bfloat16, no --quantization, a CPU with AVX512-BF16); "
+                "(--dtype bfloat16, no --quantization, a CPU with AVX512-BF16 or AVX2); "
                 f"{name} is {type(module).__name__}, whose reduction order depends on the batch"
             )
 

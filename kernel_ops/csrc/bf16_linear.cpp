@@ -29,12 +29,16 @@
 // step's weights). Its sums are in another order, so its outputs differ from the others' in
 // some last bits, and --batch-invariant never takes it.
 //
+// A fourth kernel serves CPUs without AVX512-BF16 (AVX2 and FMA): float32 fused multiply-adds over
+// the same layout, each weight converted in registers (fma_linear below).
+//
 // Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
 // for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the
-// dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only; none given: the dot
-// products); kernel_ops/linear_tuning.py chooses them by timing each. bf16_linear_supported()
-// says whether this build has the dot products (AVX512-BF16), bf16_amx_supported() whether it has
-// the tiles and Linux granted them.
+// dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only), 3 the AVX2 one (none
+// given: the dot products where built, else the AVX2 one); kernel_ops/linear_tuning.py chooses
+// them by timing each. bf16_linear_supported() says whether this build has the dot products
+// (AVX512-BF16), bf16_amx_supported() whether it has the tiles and Linux granted them,
+// bf16_fma_supported() whether it has the AVX2 kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,7 +52,7 @@
 #include "amx_bf16.h"
 #include "kernel_threads.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -357,6 +361,144 @@ void amx_blocks_rows(const Operands& o, int64_t rows, int64_t begin, int64_t end
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The fused multiply-add kernel (AVX2 and FMA: any x86 CPU of the last decade), for CPUs without
+// AVX512-BF16. x is converted to float32 once per call (`xf`); a weight line's 16 outputs x 2
+// inputs are read as two 8-lane halves, each lane one output's pair: input 2p is the lane shifted
+// left 16 bits, input 2p + 1 the lane with its low 16 bits cleared (both exact). Each output sums
+// its inputs in one float32 chain, in input order, so a row's output does not depend on the rows
+// beside it; its roundings differ from the dot products' (which this build may lack) in some last
+// bits.
+struct Avx2Operands {
+  const at::BFloat16* weight;
+  const float* x;
+  const at::BFloat16* bias;  // null: none
+  at::BFloat16* y;
+  int64_t pairs, block_stride, ldx, ldy;
+};
+
+constexpr int64_t kFmaChunkBytes = 256 * 1024;
+
+// 8 floats rounded to nearest even bfloat16 (NaN to the quiet NaN), as c10::BFloat16 rounds.
+inline __m128i round_to_bf16(__m256 values) {
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256 nan = _mm256_cmp_ps(values, values, _CMP_UNORD_Q);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+  const __m256i high = _mm256_srli_epi32(rounded, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+
+inline __m256 load_bf16x8(const at::BFloat16* values) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Blocks [block, block + NB) times rows [row, row + R): NB x 2 x R accumulators of 8 outputs.
+template <int NB, int R>
+void fma_tile(const Avx2Operands& o, int64_t block, int64_t row) {
+  const at::BFloat16* weight = o.weight + block * o.block_stride;
+  const float* x = o.x + row * o.ldx;
+  const __m256i odd_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 sums[NB][2][R];
+  for (int b = 0; b < NB; ++b) {
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < R; ++r) sums[b][h][r] = _mm256_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < o.pairs; ++p) {
+    __m256i lines[NB][2];
+    for (int b = 0; b < NB; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        lines[b][h] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(weight + b * o.block_stride + p * 32 + 16 * h));
+      }
+    }
+    __m256 w[NB][2];
+    for (int b = 0; b < NB; ++b) {
+      for (int h = 0; h < 2; ++h) w[b][h] = _mm256_castsi256_ps(_mm256_slli_epi32(lines[b][h], 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 even = _mm256_broadcast_ss(x + r * o.ldx + 2 * p);
+      for (int b = 0; b < NB; ++b) {
+        for (int h = 0; h < 2; ++h) sums[b][h][r] = _mm256_fmadd_ps(w[b][h], even, sums[b][h][r]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        w[b][h] = _mm256_castsi256_ps(_mm256_and_si256(lines[b][h], odd_half));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 odd = _mm256_broadcast_ss(x + r * o.ldx + 2 * p + 1);
+      for (int b = 0; b < NB; ++b) {
+        for (int h = 0; h < 2; ++h) sums[b][h][r] = _mm256_fmadd_ps(w[b][h], odd, sums[b][h][r]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t first = 16 * (block + b) + 8 * h;
+      const __m256 bias = o.bias != nullptr ? load_bf16x8(o.bias + first) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o.y + (row + r) * o.ldy + first),
+                         round_to_bf16(_mm256_add_ps(sums[b][h][r], bias)));
+      }
+    }
+  }
+}
+
+template <int NB, int R>
+void fma_tile_of(const Avx2Operands& o, int64_t block, int64_t row, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return fma_tile_of<NB, R - 1>(o, block, row, rows);
+  }
+  fma_tile<NB, R>(o, block, row);
+}
+
+// Every row for the blocks [begin, end), NB at a time (the last ones one at a time), rows in
+// near-equal tiles of at most R.
+template <int NB, int R>
+void fma_blocks_rows(const Avx2Operands& o, int64_t rows, int64_t begin, int64_t end) {
+  const int64_t num_tiles = (rows + R - 1) / R;
+  int64_t b = begin;
+  for (; b + NB <= end; b += NB) {
+    for (int64_t t = 0, row = 0; t < num_tiles; ++t) {
+      const int64_t tile_rows = (rows - row) / (num_tiles - t);
+      fma_tile_of<NB, R>(o, b, row, tile_rows);
+      row += tile_rows;
+    }
+  }
+  if constexpr (NB > 1) {
+    if (b < end) fma_blocks_rows<1, R>(o, rows, b, end);
+  }
+}
+
+void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloat16* bias,
+                at::BFloat16* y, int64_t rows, int64_t blocks, int64_t pairs) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const Avx2Operands o{weight, xf.data_ptr<float>(), bias, y, pairs, pairs * 32, pairs * 2,
+                       blocks * 16};
+  // One row: four blocks a tile (eight chains, each weight used once). More: one block, up to 6
+  // rows a tile (12 accumulators; each weight line serves every row of the tile), the rows in
+  // chunks whose float32 inputs fit kFmaChunkBytes, every block of a thread's share for one
+  // chunk before the next: the chunk stays in the core's L2 cache while the weights pass.
+  const int64_t group = rows == 1 ? 4 : 1;
+  const int64_t chunk = std::max<int64_t>(24, kFmaChunkBytes / (8 * pairs) / 6 * 6);
+  at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    const int64_t first = group * begin, last = std::min(group * end, blocks);
+    if (rows == 1) return fma_blocks_rows<4, 1>(o, rows, first, last);
+    for (int64_t row = 0; row < rows; row += chunk) {
+      Avx2Operands part = o;
+      part.x += row * o.ldx;
+      part.y += row * o.ldy;
+      fma_blocks_rows<1, 6>(part, std::min(chunk, rows - row), first, last);
+    }
+  });
+}
+#endif
+
 // Upper ends of the buckets of rows per call that kernel_by_bucket indexes (the last: any more).
 constexpr int64_t kRowBucketEnds[] = {1, 8, 32, 128, 1024};
 
@@ -385,13 +527,23 @@ bool amx_supported() {
 #endif
 }
 
+bool fma_supported() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Kernel ids (kernel_ops/linear_tuning.py's BLOCKED_KERNEL_IDS).
+constexpr int64_t kDotProducts = 0, kAmxTiles = 1, kOneRow = 2, kFma = 3;
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, at::IntArrayRef kernel_by_bucket) {
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() &&
                   weight.scalar_type() == at::kBFloat16 && weight.size(2) == 16 &&
                   weight.size(3) == 2,
               "bf16_linear: weight must be contiguous bfloat16 [out / 16, in / 2, 16, 2]");
-  TORCH_CHECK(supported(), "bf16_linear: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "bf16_linear: x must be a contiguous [rows, in_features] bfloat16 tensor");
   const int64_t rows = x.size(0), blocks = weight.size(0), pairs = weight.size(1);
@@ -404,18 +556,30 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   }
   TORCH_CHECK(kernel_by_bucket.empty() || kernel_by_bucket.size() == 6,
               "bf16_linear: kernel_by_bucket takes 6 kernels, one per bucket of rows");
-  const int64_t kernel = kernel_by_bucket.empty() ? 0 : kernel_by_bucket[row_bucket(rows)];
-  TORCH_CHECK(kernel >= 0 && kernel <= 2, "bf16_linear: kernel ", kernel,
-              " is none of 0 (dot products), 1 (AMX tiles), 2 (one row)");
-  TORCH_CHECK(kernel != 1 || (amx_supported() && pairs % 16 == 0),
+  const int64_t fallback = supported() ? kDotProducts : kFma;
+  const int64_t kernel =
+      kernel_by_bucket.empty() ? fallback : kernel_by_bucket[row_bucket(rows)];
+  TORCH_CHECK(kernel >= kDotProducts && kernel <= kFma, "bf16_linear: kernel ", kernel,
+              " is none of 0 (dot products), 1 (AMX tiles), 2 (one row), 3 (AVX2 FMA)");
+  TORCH_CHECK(kernel == kFma || supported(), "bf16_linear: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(kernel != kFma || fma_supported(), "bf16_linear: this build has no AVX2 kernel");
+  TORCH_CHECK(kernel != kAmxTiles || (amx_supported() && pairs % 16 == 0),
               "bf16_linear: the AMX kernel needs AMX-BF16 and inputs in multiples of 32");
   auto y = at::empty({rows, blocks * 16}, x.options());
   // No rows (a step that pools and takes no logits) fall in the first bucket: whichever kernel
   // it names, there is nothing to compute.
   if (rows == 0) return y;
   const llmrpc_cpu::KernelThreadsScope threads;
-  TORCH_CHECK(kernel != 2 || rows == 1, "bf16_linear: the one-row kernel takes one row, not ",
-              rows);
+  TORCH_CHECK(kernel != kOneRow || rows == 1,
+              "bf16_linear: the one-row kernel takes one row, not ", rows);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (kernel == kFma) {
+    fma_linear(weight.data_ptr<at::BFloat16>(), x,
+               bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+               y.data_ptr<at::BFloat16>(), rows, blocks, pairs);
+    return y;
+  }
+#endif
 #if defined(__AVX512BF16__)
   const Operands o{weight.data_ptr<at::BFloat16>(),
                    x.data_ptr<at::BFloat16>(),
@@ -426,7 +590,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                    pairs * 2,
                    blocks * 16};
 #if defined(LLMRPC_AMX_BF16)
-  if (kernel == 1) {  // threads take pairs of blocks
+  if (kernel == kAmxTiles) {  // threads take pairs of blocks
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       amx_blocks_rows(o, rows, 2 * begin, std::min(2 * end, blocks));
     });
@@ -436,7 +600,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   // Threads take groups of 4 blocks.
   at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = 4 * begin, last = std::min(4 * end, blocks);
-    if (kernel == 2) {
+    if (kernel == kOneRow) {
       gemv_blocks(o, first, last);
     } else if (rows > 6 && rows <= 12) {
       blocks_rows<2, 12>(o, rows, first, last);
@@ -470,6 +634,7 @@ TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, int[] kernel_by_bucket=[]) -> Tensor");
   m.def("bf16_linear_supported() -> bool", &supported);
   m.def("bf16_amx_supported() -> bool", &amx_supported);
+  m.def("bf16_fma_supported() -> bool", &fma_supported);
 }
 
 TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {

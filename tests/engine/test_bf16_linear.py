@@ -1,6 +1,8 @@
-"""The blocked bfloat16 kernel (kernel_ops/csrc/bf16_linear.cpp, ``BlockedLinear``) against the
-exact product, its promise that a row's output does not depend on the rows or threads beside it, its
-layout contract, and the tied embedding that reads its rows from the blocks."""
+"""The blocked bfloat16 kernels (kernel_ops/csrc/bf16_linear.cpp, ``BlockedLinear``): the
+AVX512-BF16 dot products and the AVX2 fused multiply-adds, each where this build has it, against the
+exact product, their promise that a row's output does not depend on the rows or threads beside it,
+the layout contract, and the tied embedding that reads its rows from the blocks. (The AMX and
+one-row kernels: test_linear_tuning.py.)"""
 
 from __future__ import annotations
 
@@ -19,12 +21,34 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from llmrpc.kernels import cpu_ops
-from llmrpc.kernels.linear import BlockedLinear, PackedLinear, RowsEmbedding, pack_linear_layers
-
-pytestmark = pytest.mark.skipif(
-    not (cpu_ops.load() and torch.ops.llmrpc_cpu.bf16_linear_supported()),
-    reason="the bfloat16 kernel needs a CPU with AVX512-BF16",
+from llmrpc.kernels.linear import (
+    BlockedLinear,
+    PackedLinear,
+    RowsEmbedding,
+    can_pack,
+    pack_linear_layers,
 )
+
+LOADED = cpu_ops.load()
+# csrc/bf16_linear.cpp's ids: 0 the dot products (AVX512-BF16), 3 the fused multiply-adds (AVX2)
+KERNELS = [
+    pytest.param(kernel, id=name)
+    for kernel, name, built in (
+        (0, "dot-products", LOADED and torch.ops.llmrpc_cpu.bf16_linear_supported()),
+        (3, "avx2-fma", LOADED and torch.ops.llmrpc_cpu.bf16_fma_supported()),
+    )
+    if built
+]
+pytestmark = pytest.mark.skipif(
+    not KERNELS, reason="the bfloat16 kernels need a CPU with AVX512-BF16 or AVX2"
+)
+
+
+def _layer(linear: nn.Linear, kernel: int) -> BlockedLinear:
+    layer = BlockedLinear(linear)
+    layer.kernel_by_bucket = [kernel] * 6
+    return layer
+
 
 # Output widths with and without a tail of fewer than 4 blocks; row counts on each side of the
 # tilings' bounds (6, 12) and past several tiles.
@@ -32,10 +56,11 @@ SHAPES = [(16, 2), (48, 64), (80, 96), (192, 576)]
 ROWS = [1, 2, 5, 6, 7, 12, 13, 32, 37, 100]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_products_are_the_exact_ones_rounded(out_features, in_features, rows, bias):
+def test_products_are_the_exact_ones_rounded(out_features, in_features, rows, bias, kernel):
     """Within the bfloat16 rounding of the output (half a unit in its last place) plus float32
     rounding of the running sum: a wrong pairing, block, row or bias is off by about |x| |w|."""
     linear, x = bf16_linear_case(out_features, in_features, rows, bias)
@@ -44,24 +69,26 @@ def test_products_are_the_exact_ones_rounded(out_features, in_features, rows, bi
         exact += linear.bias.double()
     magnitude = x.double().abs() @ linear.weight.double().abs().T
     bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-23 + 1e-30
-    out = BlockedLinear(linear)(x)
+    out = _layer(linear, kernel)(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     error = (out.double() - exact).abs()
     assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_a_rows_output_is_the_same_alone_and_in_any_batch(out_features, in_features):
+def test_a_rows_output_is_the_same_alone_and_in_any_batch(out_features, in_features, kernel):
     linear, x = bf16_linear_case(out_features, in_features, 40, bias=True, seed=1)
-    layer = BlockedLinear(linear)
+    layer = _layer(linear, kernel)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
     for rows in range(1, 41):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
-def test_the_same_bits_on_one_thread_and_on_two():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_same_bits_on_one_thread_and_on_two(kernel):
     linear, x = bf16_linear_case(4096, 576, 19, bias=True, seed=2)
-    layer = BlockedLinear(linear)
+    layer = _layer(linear, kernel)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -105,8 +132,11 @@ def test_only_layers_the_kernel_takes_are_blocked():
     assert not BlockedLinear.fits(nn.Linear(64, 48))  # float32 stays with oneDNN
     model = nn.ModuleDict({"odd": nn.Linear(64, 40).bfloat16(), "even": nn.Linear(64, 48)})
     model["even"] = model["even"].bfloat16()
-    assert pack_linear_layers(model) == 2
-    assert isinstance(model["odd"], PackedLinear) and isinstance(model["even"], BlockedLinear)
+    # the odd layer goes to oneDNN where it computes bfloat16, else stays plain
+    onednn = can_pack(torch.bfloat16, torch.device("cpu"))
+    assert pack_linear_layers(model) == 1 + onednn
+    assert type(model["odd"]) is (PackedLinear if onednn else nn.Linear)
+    assert isinstance(model["even"], BlockedLinear)
 
 
 def test_a_tied_embedding_reads_its_rows_from_the_blocks_and_the_weight_is_held_once():

@@ -138,7 +138,7 @@ def test_the_op_refuses_a_bad_kernel_list():
     with pytest.raises(RuntimeError, match="takes 6 kernels"):
         op(x, layer.weight_blocks, layer.bias, [0, 1])
     with pytest.raises(RuntimeError, match="none of 0"):
-        op(x, layer.weight_blocks, layer.bias, [3] * 6)
+        op(x, layer.weight_blocks, layer.bias, [4] * 6)
     with pytest.raises(RuntimeError, match="takes one row, not 3"):
         op(x, layer.weight_blocks, layer.bias, [2] * 6)
     if AMX:  # 64 inputs pass; 48 are not a multiple of 32
