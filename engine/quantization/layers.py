@@ -175,6 +175,8 @@ class Int4Linear(QuantizedLinear):
             num_groups, out_features, _ = scales_and_zeros.shape
         super().__init__(num_groups * GROUP_SIZE, out_features, bias)
         self.blocked = blocked
+        # torch's packing, read at load: a compiled graph cannot run the probes (torch.equal)
+        self.torch_layout = None if blocked else _torch_int4_layout()
         self.dense_above = BLOCKED_DENSE_ABOVE if blocked else INT4_DENSE_ABOVE
         self.register_buffer("qweight", packed)  # uint8
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
@@ -278,7 +280,7 @@ class Int4Linear(QuantizedLinear):
             nibbles = torch.stack([pairs & 15, pairs >> 4], dim=3)
             return nibbles.view(ids.shape[0], self.in_features)
         in_features = self.in_features
-        rows, halves, tail_halves = _torch_int4_layout()
+        rows, halves, tail_halves = self.torch_layout
         num_blocks, tail = divmod(self.packed_rows, rows)
         in_block = ids < num_blocks * rows
         lane = torch.where(in_block, ids % rows, ids - num_blocks * rows)

@@ -300,17 +300,20 @@ def check_quantized_greedy(model_dir: Path, method: str, model_impl: str = "auto
 
 def test_bfloat16_packed_kernels_keep_perplexity_of_the_same_quantization(smollm2_dir):
     """SmolLM2 int4 in bfloat16, the prompt fed 8 tokens a step so every layer runs its packed
-    kernel: perplexity within 0.5% of Transformers' float32 model carrying the same int4
-    weights (measured: 0.24% above; 0.02% when our kernel took bfloat16 activations, before it
-    quantized them to int8). Unquantized, the model's perplexity on this text is 2% lower,
-    so a quantization skipped or done otherwise fails."""
+    kernel: perplexity within 1% of Transformers' float32 model carrying the same int4 weights,
+    the bound of the unquantized bfloat16 test (measured: 0.24% above on an Intel Xeon with
+    AVX512-BF16, our kernel; 0.02% there when it took bfloat16 activations, before it quantized
+    them to int8; 0.76% above on an AMD EPYC with AVX2 only, torch's int4 kernel, whose layers
+    are within float32 rounding of the exact product: the rest is the model's bfloat16
+    activations). Unquantized, the model's perplexity on this text is 2% lower, so a
+    quantization skipped or done otherwise fails."""
     core = quantized_core(smollm2_dir, "int4", "bfloat16", max_num_batched_tokens=8)
     assert core.runner.model.layers[0].mlp.down_proj.dense_above >= 8
     ids = core.tokenizer(FIXED_TEXT)["input_ids"]
     ours = engine_perplexity(core, ids)
     reference = fake_quantized_transformers(smollm2_dir, "int4", torch.bfloat16)
     expected = transformers_perplexity(reference, ids)
-    assert abs(math.log(ours / expected)) < math.log(1.005), (ours, expected)
+    assert abs(math.log(ours / expected)) < math.log(1.01), (ours, expected)
 
 
 # ---------------------------------------------------------------------------------------------
