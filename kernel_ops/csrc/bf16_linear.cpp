@@ -493,12 +493,13 @@ void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloa
   const at::Tensor xf = x.to(at::kFloat);
   const Avx2Operands o{weight, xf.data_ptr<float>(), bias, y, pairs, pairs * 32, pairs * 2,
                        blocks * 16};
-  // One row: four blocks a tile (eight chains, each weight used once). More: one block, up to 6
-  // rows a tile (12 accumulators; each weight line serves every row of the tile), the rows in
-  // chunks whose float32 inputs fit kFmaChunkBytes, every block of a thread's share for one
-  // chunk before the next: the chunk stays in the core's L2 cache while the weights pass.
+  // One row: four blocks a tile (eight chains, each weight used once). More: one block, up to 4
+  // rows a tile (8 accumulators: with 6 rows GCC 12 kept the sums on the stack; each weight line
+  // serves every row of the tile), the rows in chunks whose float32 inputs fit kFmaChunkBytes,
+  // every block of a thread's share for one chunk before the next: the chunk stays in the core's
+  // L2 cache while the weights pass.
   const int64_t group = rows == 1 ? 4 : 1;
-  const int64_t chunk = std::max<int64_t>(24, kFmaChunkBytes / (8 * pairs) / 6 * 6);
+  const int64_t chunk = std::max<int64_t>(24, kFmaChunkBytes / (8 * pairs) / 4 * 4);
   at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = group * begin, last = std::min(group * end, blocks);
     if (rows == 1) return fma_blocks_rows<4, 1>(o, rows, first, last);
