@@ -488,11 +488,26 @@ void fma_blocks_rows(const Avx2Operands& o, int64_t rows, int64_t begin, int64_t
   }
 }
 
+// Calls of up to this many inputs in all (a decode step's) convert x into a buffer the calling
+// thread keeps; larger ones into a new tensor.
+constexpr int64_t kFmaKeptFloats = 16384;
+
 void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloat16* bias,
                 at::BFloat16* y, int64_t rows, int64_t blocks, int64_t pairs) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const Avx2Operands o{weight, xf.data_ptr<float>(), bias, y, pairs, pairs * 32, pairs * 2,
-                       blocks * 16};
+  const int64_t count = rows * pairs * 2;
+  thread_local std::vector<float> kept(kFmaKeptFloats);
+  at::Tensor converted;
+  float* xf = kept.data();
+  if (count > kFmaKeptFloats) {
+    converted = x.to(at::kFloat);
+    xf = converted.data_ptr<float>();
+  } else {
+    const at::BFloat16* in = x.data_ptr<at::BFloat16>();
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(xf + i, load_bf16x8(in + i));
+    for (; i < count; ++i) xf[i] = static_cast<float>(in[i]);
+  }
+  const Avx2Operands o{weight, xf, bias, y, pairs, pairs * 32, pairs * 2, blocks * 16};
   // One row: four blocks a tile (eight chains, each weight used once). More: one block, up to 4
   // rows a tile (8 accumulators: with 6 rows GCC 12 kept the sums on the stack; each weight line
   // serves every row of the tile), the rows in chunks whose float32 inputs fit kFmaChunkBytes,
