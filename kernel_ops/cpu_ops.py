@@ -43,7 +43,12 @@ _SOURCES = [
     _CSRC / "int4_linear.cpp",
     _CSRC / "linear.cpp",  # packed_linear, for torch.compile (engine/runner/compilation.py)
 ]
-_HEADERS = [_CSRC / "amx_bf16.h", _CSRC / "kernel_threads.h", _CSRC / "vec_utils.h"]
+_HEADERS = [
+    _CSRC / "amx_bf16.h",
+    _CSRC / "avx2_bf16.h",
+    _CSRC / "kernel_threads.h",
+    _CSRC / "vec_utils.h",
+]
 # torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>
 _CAPABILITY_FLAGS = {
     "AVX512": [

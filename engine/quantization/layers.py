@@ -5,10 +5,10 @@
   ``torch.ops.aten._weight_int8pack_mm``.
 - ``Int4Linear``: group-wise asymmetric int4 over groups of ``GROUP_SIZE`` (32) inputs,
   ``w = (u - 8) * scale + zero`` with ``u`` in [0, 15], ``scale = (max - min) / 15`` and
-  ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX512-BF16 and AVX512-VNNI,
-  computed by our kernel (``kernel_ops/csrc/int4_linear.cpp``: integer dot products with the inputs
-  quantized to int8 per row and group of 32, as llama.cpp computes) on weights in its blocked
-  layout; elsewhere by
+  ``zero = min + 8 * scale`` per group. In bfloat16 on a CPU with AVX2 and FMA (AVX512-BF16
+  and AVX512-VNNI where present), computed by our kernel (``kernel_ops/csrc/int4_linear.cpp``:
+  integer dot products with the inputs quantized to int8 per row and group of 32, as llama.cpp
+  computes) on weights in its blocked layout; elsewhere by
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on weights packed by
   ``_convert_weight_to_int4pack_for_cpu`` (whose dequantization is exactly that formula, with
   ``scales_and_zeros`` shaped ``[in / 32, out, 2]``).
@@ -159,7 +159,7 @@ class Int4Linear(QuantizedLinear):
     """Group-wise int4: ``W[n, k] = (u - 8) * scale + zero``, with one ``(scale, zero)`` per
     ``GROUP_SIZE`` inputs, packed one of two ways:
 
-    - blocked, in bfloat16 where our AVX512-BF16 kernel is built
+    - blocked, in bfloat16 where our kernel is built (AVX2 and FMA, or AVX512-BF16 and VNNI)
       (``kernel_ops/csrc/int4_linear.cpp`` describes the layout): ``qweight`` ``[out / 16, in / 32,
       8, 32]`` and ``scales_and_zeros`` ``[out / 16, in / 32, 2, 16]``, computed by
       ``torch.ops.llmrpc_cpu.int4_linear``;
@@ -364,7 +364,7 @@ def tiles_available() -> bool:
 
 def blocked_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether our int4 kernel computes ``dtype`` here: bfloat16 only, with the CPU kernels
-    built with AVX512-BF16 and VNNI."""
+    built with AVX2 and FMA (or AVX512-BF16 and VNNI)."""
     return (
         dtype == torch.bfloat16 and cpu_ops.load() and torch.ops.llmrpc_cpu.int4_linear_supported()
     )
@@ -434,8 +434,8 @@ class Q8Linear(QuantizedLinear):
     layouts: ``[out / 16, in / 32, 16]``, one ``d`` per 32 inputs (``W = d * q``: GGUF's Q8_0 and
     Q5_0); ``[out / 16, in / 32, 2, 16]`` with ``zeros``, ``(d, z)`` per 32 (``W = d * q + z``:
     Q5_1, Q5_K, Q4_K beside them); or the same shape without, one ``d`` per 16 inputs (Q6_K).
-    Computed by ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX512-BF16 and VNNI;
-    ``Q8BlockLinear`` elsewhere)."""
+    Computed by ``torch.ops.llmrpc_cpu.q8_linear`` (bfloat16 with AVX2 and FMA, or AVX512-BF16
+    and VNNI; ``Q8BlockLinear`` elsewhere)."""
 
     dense_above = BLOCKED_DENSE_ABOVE
 

@@ -26,8 +26,9 @@
 //
 // Registered as torch.ops.llmrpc_cpu.int4_linear and q8_linear (their tiles_from: the rows from
 // which a call takes the tile path described below; 0 never); int4_linear_supported() says
-// whether this build has the kernels (AVX512-BF16 and AVX512-VNNI; elsewhere the engine keeps
-// torch's kernels), int4_tiles_supported() whether it has the tile path (and AMX-BF16).
+// whether this build has the kernels (the ones above with AVX512-BF16 and AVX512-VNNI, else the
+// AVX2 ones further down with AVX2 and FMA; in a plain C++ build the engine keeps torch's
+// kernels), int4_tiles_supported() whether it has the tile path (and AMX-BF16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,9 +39,10 @@
 #include <vector>
 
 #include "amx_bf16.h"
+#include "avx2_bf16.h"
 #include "kernel_threads.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -54,6 +56,13 @@ constexpr int kMaxRows = 12;  // rows computed together: each unpacked weight se
 // SmolLM2's 30 layers (53 MB, one thread) from 2.9-3.1 to 1.9-2.2 ms (distances of 1 to 64 KB
 // tried; 16-32 KB best).
 constexpr int64_t kPrefetchAhead = 16384;
+
+// What a group's scales hold: int4 weights always a (scale, zero) pair per 32 inputs; int8 codes
+// one of the three layouts described at the top.
+enum class Scales { kInt4, kQ8, kQ8Zeros, kQ8Halves };
+
+template <Scales kScales>
+constexpr bool kIsQ8 = kScales != Scales::kInt4;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 inline __m512 load_bf16x16(const at::BFloat16* values) {
@@ -103,13 +112,6 @@ inline __m512i unpack_chunk(const uint8_t* chunks, int c) {
                                      _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
   }
 }
-
-// What a group's scales hold: int4 weights always a (scale, zero) pair per 32 inputs; int8 codes
-// one of the three layouts described at the top.
-enum class Scales { kInt4, kQ8, kQ8Zeros, kQ8Halves };
-
-template <Scales kScales>
-constexpr bool kIsQ8 = kScales != Scales::kInt4;
 
 // Outputs of one block of 16 for R rows (q: R rows of `ldq` int8; d, d_sum: R rows of `groups`;
 // d_halves: the two halves' sums, `halves_stride` apart). Each row sums a group's even and odd
@@ -336,6 +338,273 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The AVX2 kernels, for CPUs without AVX512-VNNI (or without AVX512-BF16): the same sums, with
+// AVX2's integer products. The inputs are quantized as above (the same q, d and sums) and held as
+// one 32-bit word per pair of inputs 2p, 2p + 1, broadcast to every lane:
+// - against int4 codes, the pair's two int8 twice: vpmaddubsw multiplies the unsigned codes by the
+//   signed inputs and adds each output's two products into 16 bits (at most 2 * 15 * 127). An
+//   int4 chunk is two such products, its low nibbles against pair 2c and its high ones against pair
+//   2c + 1; a group's two halves of 16 inputs are summed apart in 16 bits (at most 30480, exact),
+//   then widened, interleaved, to 32: outputs 0-3 and 8-11 in one register, 4-7 and 12-15 in the
+//   other, their scales permuted alike and the totals put back in order at the end.
+// - against int8 codes (q + 128, up to 255: too wide for vpmaddubsw's 16-bit sums), the pair as
+//   two int16: vpmaddwd multiplies each code, widened to 16 bits, and adds an output's two
+//   products into 32 bits, exact; a chunk's first 16 bytes are outputs 0-7, the next 8-15.
+// Each row's terms come in the same order whatever the rows beside it, so a row's output does not
+// depend on them; where a scale covers 16 inputs (Q6_K) each half is added to the total on its
+// own, where the AVX-512 kernel adds the halves' dot products first (some last bits differ).
+constexpr int kAvx2Rows = 4;  // rows a tile: each row's sums take 2 registers of AVX2's 16
+
+using llmrpc_cpu::load_bf16x8;
+using llmrpc_cpu::round_to_bf16;
+
+inline float max_of_lanes(__m256 values) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(values), _mm256_extractf128_ps(values, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+inline int32_t sum_of_lanes(__m256i values) {
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1)));
+}
+
+// Inputs 16k..16k+15 of a group as int16 in order, from their int32 values in two registers.
+inline __m256i ordered_int16(__m256i first, __m256i second) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xD8);
+}
+
+// Each row's inputs, group by group, quantized as quantize_rows does, into `words` (16 a group, one
+// per pair: int8 pairs twice where kBytePairs, else int16 pairs), d, d * sum(q) and, where
+// d_halves is given, d * sum(q) of each half of 16 ([2][rows * groups]).
+template <bool kBytePairs>
+void quantize_rows_avx2(const at::BFloat16* x, int64_t rows, int64_t groups, int32_t* words,
+                        float* d, float* d_sum, float* d_halves) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    __m256 values[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      values[k] = load_bf16x8(x + i * kGroup + 8 * k);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, values[k]));
+    }
+    const float scale = max_of_lanes(top) / 127.f;
+    const __m256 inverse = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(values[k], inverse));
+    const int32_t first = sum_of_lanes(_mm256_add_epi32(q[0], q[1]));
+    const int32_t second = sum_of_lanes(_mm256_add_epi32(q[2], q[3]));
+    d[i] = scale;
+    d_sum[i] = scale * static_cast<float>(first + second);
+    if (d_halves != nullptr) {
+      d_halves[i] = scale * static_cast<float>(first);
+      d_halves[rows * groups + i] = scale * static_cast<float>(second);
+    }
+    for (int h = 0; h < 2; ++h) {  // pairs 8h..8h+7: int16 (q[2p], q[2p + 1]) a lane
+      __m256i pairs = ordered_int16(q[2 * h], q[2 * h + 1]);
+      if constexpr (kBytePairs) {  // (q[2p], q[2p + 1]) as bytes, twice
+        const __m256i bytes = _mm256_set1_epi32(0xFF);
+        const __m256i pair = _mm256_or_si256(
+            _mm256_and_si256(pairs, bytes),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(pairs, 16), bytes), 8));
+        pairs = _mm256_or_si256(pair, _mm256_slli_epi32(pair, 16));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i * 16 + 8 * h), pairs);
+    }
+  }
+}
+
+struct Avx2Rows {
+  const int32_t* words;  // row r's word for pair p of group g: words[r * ldw + 16 * g + p]
+  const float *d, *d_sum, *d_halves;  // [rows, groups], d_halves [2][rows * groups]
+  int64_t ldw, groups, halves_stride, ldy;
+  at::BFloat16* y;
+};
+
+// Outputs of one int4 block of 16 for R rows (int4's scales: (scale, zero) per 32 inputs).
+template <int R>
+void int4_block_avx2(const uint8_t* weight, const at::BFloat16* scales, const Avx2Rows& o) {
+  const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256 offset = _mm256_set1_ps(8.f);
+  __m256 totals[R][2];  // outputs 0-3 and 8-11; 4-7 and 12-15
+  for (int r = 0; r < R; ++r) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < o.groups; ++g) {
+    const uint8_t* chunks = weight + g * kGroupBytes;
+    for (int64_t line = 0; line < kGroupBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(chunks + kPrefetchAhead + line), _MM_HINT_T0);
+    }
+    __m256i halves[2][R];
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < R; ++r) halves[h][r] = _mm256_setzero_si256();
+      for (int c = 4 * h; c < 4 * h + 4; ++c) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
+        const __m256i low = _mm256_and_si256(bytes, nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* pairs = o.words + r * o.ldw + 16 * g + 2 * c;
+          const __m256i dots = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(pairs[0])),
+                                                _mm256_maddubs_epi16(high, _mm256_set1_epi32(pairs[1])));
+          halves[h][r] = _mm256_add_epi16(halves[h][r], dots);
+        }
+      }
+    }
+    // scale and zero - 8 * scale, permuted as the sums are
+    const at::BFloat16* group_scales = scales + g * 2 * kBlockOutputs;
+    const __m256 scale_low = load_bf16x8(group_scales), scale_high = load_bf16x8(group_scales + 8);
+    const __m256 zero_low = load_bf16x8(group_scales + 16), zero_high = load_bf16x8(group_scales + 24);
+    const __m256 scale[2] = {_mm256_permute2f128_ps(scale_low, scale_high, 0x20),
+                             _mm256_permute2f128_ps(scale_low, scale_high, 0x31)};
+    const __m256 shift[2] = {
+        _mm256_fnmadd_ps(offset, scale[0], _mm256_permute2f128_ps(zero_low, zero_high, 0x20)),
+        _mm256_fnmadd_ps(offset, scale[1], _mm256_permute2f128_ps(zero_low, zero_high, 0x31))};
+    for (int r = 0; r < R; ++r) {
+      const __m256i dots[2] = {
+          _mm256_madd_epi16(_mm256_unpacklo_epi16(halves[0][r], halves[1][r]), ones),
+          _mm256_madd_epi16(_mm256_unpackhi_epi16(halves[0][r], halves[1][r]), ones)};
+      const int64_t i = r * o.groups + g;
+      const __m256 dx = _mm256_set1_ps(o.d[i]), d_sum = _mm256_set1_ps(o.d_sum[i]);
+      for (int k = 0; k < 2; ++k) {
+        const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[k]),
+                                           _mm256_mul_ps(scale[k], dx), totals[r][k]);
+        totals[r][k] = _mm256_fmadd_ps(shift[k], d_sum, sum);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    at::BFloat16* out = o.y + r * o.ldy;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     round_to_bf16(_mm256_permute2f128_ps(totals[r][0], totals[r][1], 0x20)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8),
+                     round_to_bf16(_mm256_permute2f128_ps(totals[r][0], totals[r][1], 0x31)));
+  }
+}
+
+// Outputs of one int8 block of 16 for R rows, in any of the three scale layouts.
+template <int R, Scales kScales>
+void q8_block_avx2(const uint8_t* weight, const at::BFloat16* scales, const Avx2Rows& o) {
+  constexpr bool kHalves = kScales == Scales::kQ8Halves;
+  constexpr bool kZeros = kScales == Scales::kQ8Zeros;
+  constexpr int64_t kScalesPerGroup = kScales == Scales::kQ8 ? kBlockOutputs : 2 * kBlockOutputs;
+  constexpr int kSpans = kHalves ? 2 : 1;  // spans of inputs with a scale each
+  constexpr int kSpanChunks = 16 / kSpans;
+  const __m256 offset = _mm256_set1_ps(128.f);
+  __m256 totals[R][2];  // outputs 0-7, 8-15
+  for (int r = 0; r < R; ++r) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < o.groups; ++g) {
+    const uint8_t* chunks = weight + g * 2 * kGroupBytes;
+    for (int64_t line = 0; line < 2 * kGroupBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(chunks + kPrefetchAhead + line), _MM_HINT_T0);
+    }
+    const at::BFloat16* group_scales = scales + g * kScalesPerGroup;
+    for (int span = 0; span < kSpans; ++span) {
+      __m256i dots[R][2];
+      for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+      for (int p = span * kSpanChunks; p < (span + 1) * kSpanChunks; ++p) {
+        const __m256i first = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunks + 32 * p)));
+        const __m256i second = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunks + 32 * p + 16)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i pair = _mm256_set1_epi32(o.words[r * o.ldw + 16 * g + p]);
+          dots[r][0] = _mm256_add_epi32(dots[r][0], _mm256_madd_epi16(first, pair));
+          dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(second, pair));
+        }
+      }
+      // d and zero - 128 * d (Q8_0: -128 * d) for outputs 0-7 and 8-15
+      const at::BFloat16* span_scales = group_scales + span * kBlockOutputs;
+      __m256 scale[2], shift[2];
+      for (int k = 0; k < 2; ++k) {
+        scale[k] = load_bf16x8(span_scales + 8 * k);
+        const __m256 zero = kZeros ? load_bf16x8(group_scales + kBlockOutputs + 8 * k)
+                                   : _mm256_setzero_ps();
+        shift[k] = _mm256_fnmadd_ps(offset, scale[k], zero);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = r * o.groups + g;
+        const __m256 dx = _mm256_set1_ps(o.d[i]);
+        const __m256 d_sum =
+            _mm256_set1_ps(kHalves ? o.d_halves[span * o.halves_stride + i] : o.d_sum[i]);
+        for (int k = 0; k < 2; ++k) {
+          const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][k]),
+                                             _mm256_mul_ps(scale[k], dx), totals[r][k]);
+          totals[r][k] = _mm256_fmadd_ps(shift[k], d_sum, sum);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int k = 0; k < 2; ++k) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.y + r * o.ldy + 8 * k),
+                       round_to_bf16(totals[r][k]));
+    }
+  }
+}
+
+template <int R, Scales kScales>
+void rows_of_block_avx2(const uint8_t* weight, const at::BFloat16* scales, const Avx2Rows& o,
+                        int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_of_block_avx2<R - 1, kScales>(weight, scales, o, rows);
+  }
+  if constexpr (kScales == Scales::kInt4) {
+    int4_block_avx2<R>(weight, scales, o);
+  } else {
+    q8_block_avx2<R, kScales>(weight, scales, o);
+  }
+}
+
+// Calls whose quantized inputs take up to this many words (a decode step's) quantize into a
+// buffer the calling thread keeps; larger ones into a new tensor.
+constexpr int64_t kKeptWords = 65536;
+
+template <Scales kScales>
+void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                         at::Tensor& y) {
+  constexpr bool kQ8 = kIsQ8<kScales>;
+  const int64_t rows = x.size(0), blocks = weight.size(0), groups = weight.size(1);
+  // words (16 a group), then d, d * sum(q) and the halves' sums (4 floats a group)
+  const int64_t needed = rows * groups * (16 + 4);
+  thread_local std::vector<int32_t> kept(kKeptWords);
+  at::Tensor allocated;
+  int32_t* words = kept.data();
+  if (needed > kKeptWords) {
+    allocated = at::empty({needed}, x.options().dtype(at::kInt));
+    words = allocated.data_ptr<int32_t>();
+  }
+  float* ds = reinterpret_cast<float*>(words + rows * groups * 16);
+  static_assert(sizeof(float) == sizeof(int32_t));
+  float* d_sums = ds + rows * groups;
+  float* d_halves = ds + 2 * rows * groups;
+  quantize_rows_avx2<!kQ8>(x.data_ptr<at::BFloat16>(), rows, groups, words, ds, d_sums,
+                           kScales == Scales::kQ8Halves ? d_halves : nullptr);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const at::BFloat16* sc = scales.data_ptr<at::BFloat16>();
+  const int64_t ldy = blocks * kBlockOutputs;
+  const int64_t block_bytes = groups * (kQ8 ? 2 : 1) * kGroupBytes;
+  const int64_t block_scales = scales.numel() / blocks;
+  const int64_t num_tiles = (rows + kAvx2Rows - 1) / kAvx2Rows;
+  const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
+  const Avx2Rows all{words, ds, d_sums, d_halves, groups * 16, groups, rows * groups, ldy,
+                     y.data_ptr<at::BFloat16>()};
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r = 0; r < rows; r += tile) {
+        Avx2Rows part = all;
+        part.words += r * all.ldw;
+        part.d += r * groups;
+        part.d_sum += r * groups;
+        part.d_halves += r * groups;
+        part.y += r * ldy + b * kBlockOutputs;
+        rows_of_block_avx2<kAvx2Rows, kScales>(w + b * block_bytes, sc + b * block_scales, part,
+                                                std::min<int64_t>(tile, rows - r));
+      }
+    }
+  });
+}
+#endif
+
 bool tiles_supported() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return llmrpc_cpu::amx_bf16_available();
@@ -345,7 +614,7 @@ bool tiles_supported() {
 }
 
 bool supported() {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512BF16__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;
@@ -360,7 +629,7 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
               weight.size(2) == chunks && weight.size(3) == 32,
               name, ": weight must be contiguous uint8 [out / 16, in / 32, ", chunks, ", 32]");
-  TORCH_CHECK(supported(), name, ": this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(supported(), name, ": this build has no kernel (it takes AVX2 and FMA)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
               ": x must be a contiguous [rows, in_features] bfloat16 tensor");
   const int64_t blocks = weight.size(0), groups = weight.size(1);
@@ -402,6 +671,18 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weight, const a
     blocked_linear<Scales::kQ8Zeros>(x, weight, scales, y);
   } else {
     blocked_linear<Scales::kQ8Halves>(x, weight, scales, y);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(tiles_from == 0 || x.size(0) < tiles_from, name,
+              ": tiles_from needs AMX-BF16 tiles, which this build or CPU lacks");
+  if (!q8) {
+    blocked_linear_avx2<Scales::kInt4>(x, weight, scales, y);
+  } else if (!pairs) {
+    blocked_linear_avx2<Scales::kQ8>(x, weight, scales, y);
+  } else if (zeros) {
+    blocked_linear_avx2<Scales::kQ8Zeros>(x, weight, scales, y);
+  } else {
+    blocked_linear_avx2<Scales::kQ8Halves>(x, weight, scales, y);
   }
 #endif
   return y;

@@ -343,17 +343,13 @@ def test_elementwise_kernels_run_on_the_kernel_thread_count(op):
 
 
 def test_int4_kernel_is_built_where_the_cpu_matches():
-    """The blocked int4/Q8_0 kernels exist only in AVX-512 builds on CPUs with AVX512-BF16 and
-    AVX512-VNNI; elsewhere (the AVX2 and plain builds too, run below) int4 layers keep torch's
-    packing. Either computes the product within 1% of the sum of |x| |w| (ours quantizes the
-    inputs to int8 per 32; tests/engine/test_int4_kernel.py holds the exact checks)."""
+    """The blocked int4/Q8_0 kernels exist in the AVX-512 and AVX2 builds (both have AVX2 and
+    FMA); in the plain C++ build (run below) int4 layers keep torch's packing. Either computes the
+    product within 1% of the sum of |x| |w| (ours quantizes the inputs to int8 per 32;
+    tests/engine/test_int4_kernel.py holds the exact checks)."""
     from llmrpc.engine.quantization.layers import Int4Linear, blocked_kernel_available
 
-    expected = (
-        cpu_ops._capability() == "AVX512"
-        and torch.cpu._is_avx512_bf16_supported()
-        and torch.cpu._is_vnni_supported()
-    )
+    expected = cpu_ops._capability() in ("AVX512", "AVX2")
     assert torch.ops.llmrpc_cpu.int4_linear_supported() == expected
     assert blocked_kernel_available() == expected
     layer = Int4Linear.from_float(torch.randn(32, 64), None, torch.bfloat16)
@@ -366,14 +362,19 @@ def test_int4_kernel_is_built_where_the_cpu_matches():
 
 @pytest.mark.parametrize("capability", ["avx2", "default"])
 def test_kernels_built_for_narrower_vector_units_match_torch(capability):
-    """This machine's build is AVX-512; the AVX2 and plain C++ builds (other code paths, vectors
-    of 8) are built and checked by the tests above in a process told to dispatch so."""
+    """The AVX2 and plain C++ builds (other code paths, vectors of 8; on an AVX-512 machine, not
+    the build the engine loads) are built and checked by the tests above in a process told to
+    dispatch so; the AVX2 build's int4 kernel by tests/engine/test_int4_kernel.py as well (all of
+    it but the AMX tile path, which that build lacks)."""
     if capability == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    files, selected = [__file__], "(match or own_blocks) and not narrower"
+    if capability == "avx2":
+        files.append(str(Path(__file__).with_name("test_int4_kernel.py")))
+        selected = f"({selected}) or (test_int4_kernel and not tile_path)"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "(match or own_blocks) and not narrower"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", selected],
         env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]

@@ -1,6 +1,8 @@
 """The blocked int4 kernel (kernel_ops/csrc/int4_linear.cpp) against the float matmul it stands for
 (the weights times the inputs quantized to int8 per 32, as the kernel documents), and the blocked
-layout against torch's int4 packing it replaces where AVX512-BF16 and AVX512-VNNI are present."""
+layout against torch's int4 packing it replaces wherever the kernel is built (AVX2 and FMA: the
+AVX2 kernel; AVX512-BF16 and AVX512-VNNI: the AVX-512 one). On an AVX-512 machine the AVX2 kernel
+is checked by these tests too, in tests/engine/test_cpu_kernels.py's AVX2 build."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from llmrpc.engine.quantization.layers import (
 
 pytestmark = pytest.mark.skipif(
     not blocked_kernel_available(),
-    reason="the int4 kernel needs a CPU with AVX512-BF16 and AVX512-VNNI",
+    reason="the int4 kernel needs a CPU with AVX2 and FMA",
 )
 
 
@@ -237,6 +239,17 @@ def test_q8_zeros_flag_needs_pairs_of_scales():
     layer = Q8Linear.from_blocks(q, d, None, torch.bfloat16)
     with pytest.raises(RuntimeError, match="zeros=True takes scales"):
         torch.ops.llmrpc_cpu.q8_linear(x, layer.qweight, layer.scales, True)
+
+
+@pytest.mark.skipif(layers.tiles_available(), reason="this build and CPU have the tile path")
+def test_tiles_are_refused_by_name_where_the_build_has_none():
+    """A call that asks for the tile path where there is none says so, rather than running the
+    dot products in its place; one of fewer rows than tiles_from runs them."""
+    codes, scales, zeros, x = _case(16, 32, 2)
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="int4_linear: tiles_from needs AMX-BF16 tiles"):
+        layer.packed_matmul(x, tiles_from=2)
+    assert torch.equal(layer.packed_matmul(x, tiles_from=3), layer.packed_matmul(x))
 
 
 def _q8_layer(layout: str, out_features: int, in_features: int, seed: int):
