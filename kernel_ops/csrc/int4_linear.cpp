@@ -354,7 +354,11 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // Each row's terms come in the same order whatever the rows beside it, so a row's output does not
 // depend on them; where a scale covers 16 inputs (Q6_K) each half is added to the total on its
 // own, where the AVX-512 kernel adds the halves' dot products first (some last bits differ).
-constexpr int kAvx2Rows = 4;  // rows a tile: each row's sums take 2 registers of AVX2's 16
+// Rows a tile: each int4 row's sums take 2 registers of AVX2's 16 and each int8 row's 2, but the
+// int8 loop needs more beside them (SmolLM2's four layer shapes, one thread, 32 rows, AMD EPYC
+// family 25: int4 67 GMAC/s at 4 rows a tile, 64 at 3, 6 or 5; int8 codes 54 at 3, 51 at 2, 37
+// at 4, where GCC 12 kept one row's sums on the stack).
+constexpr int kInt4Rows = 4, kQ8Rows = 3;
 
 using llmrpc_cpu::load_bf16x8;
 using llmrpc_cpu::round_to_bf16;
@@ -584,7 +588,8 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
   const int64_t ldy = blocks * kBlockOutputs;
   const int64_t block_bytes = groups * (kQ8 ? 2 : 1) * kGroupBytes;
   const int64_t block_scales = scales.numel() / blocks;
-  const int64_t num_tiles = (rows + kAvx2Rows - 1) / kAvx2Rows;
+  constexpr int kRows = kQ8 ? kQ8Rows : kInt4Rows;
+  const int64_t num_tiles = (rows + kRows - 1) / kRows;
   const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
   const Avx2Rows all{words, ds, d_sums, d_halves, groups * 16, groups, rows * groups, ldy,
                      y.data_ptr<at::BFloat16>()};
@@ -597,7 +602,7 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
         part.d_sum += r * groups;
         part.d_halves += r * groups;
         part.y += r * ldy + b * kBlockOutputs;
-        rows_of_block_avx2<kAvx2Rows, kScales>(w + b * block_bytes, sc + b * block_scales, part,
+        rows_of_block_avx2<kRows, kScales>(w + b * block_bytes, sc + b * block_scales, part,
                                                 std::min<int64_t>(tile, rows - r));
       }
     }
