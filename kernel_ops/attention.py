@@ -127,7 +127,7 @@ def paged_attention(
     fits = window is None and softcap is None and _kernel_fits(query, key_cache, value_cache)
     if metadata.decodes_only and fits:
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
-        return torch.ops.llmrpc_cpu.decode_attention(
+        return torch.ops.llmrpc_cpu.decode_attention.default(
             query if dense_heads else query.contiguous(), key_cache, value_cache,
             metadata.decode_block_tables,
             metadata.decode_seq_lens, scale,
@@ -135,7 +135,7 @@ def paged_attention(
     output = torch.empty_like(query)
     rows = metadata.decode_indices
     if rows.numel() and fits:
-        output[rows] = torch.ops.llmrpc_cpu.decode_attention(
+        output[rows] = torch.ops.llmrpc_cpu.decode_attention.default(
             query[rows].contiguous(), key_cache, value_cache, metadata.decode_block_tables,
             metadata.decode_seq_lens, scale,
         )  # fmt: skip

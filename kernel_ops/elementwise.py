@@ -29,7 +29,7 @@ def rms_norm(
 
         return triton_ops.rms_norm(x, weight, eps)
     if _fused(x) and weight.dtype == x.dtype:
-        return torch.ops.llmrpc_cpu.rms_norm(x.contiguous(), weight, eps)
+        return torch.ops.llmrpc_cpu.rms_norm.default(x.contiguous(), weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
@@ -46,7 +46,7 @@ def add_rms_norm(
 
         return triton_ops.add_rms_norm(x, residual, weight, eps)
     if _fused(x) and weight.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous():
-        torch.ops.llmrpc_cpu.fused_add_rms_norm(x, residual, weight, eps)
+        torch.ops.llmrpc_cpu.fused_add_rms_norm.default(x, residual, weight, eps)
         return x, residual
     residual = x + residual
     return rms_norm_torch(residual, weight, eps), residual
@@ -55,7 +55,7 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
     if _fused(x):
-        return torch.ops.llmrpc_cpu.silu_and_mul(x.contiguous())
+        return torch.ops.llmrpc_cpu.silu_and_mul.default(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
@@ -71,7 +71,7 @@ def rotary(
         return triton_ops.rotary(x, cos, sin)
     dense_heads = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     if _fused(x) and dense_heads and cos.dtype == x.dtype and cos.is_contiguous():
-        torch.ops.llmrpc_cpu.rotary(x, cos, sin.contiguous())
+        torch.ops.llmrpc_cpu.rotary.default(x, cos, sin.contiguous())
         return x
     return rotary_torch(x, cos, sin)
 

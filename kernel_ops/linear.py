@@ -66,7 +66,7 @@ class PackedLinear(nn.Module):
 def _packed_matmul(x: torch.Tensor, packed_weight: torch.Tensor, bias) -> torch.Tensor:
     if torch.compiler.is_compiling():
         # the same call behind our own operation, which torch.compile can take (csrc/linear.cpp)
-        return torch.ops.llmrpc_cpu.packed_linear(x, packed_weight, bias)
+        return torch.ops.llmrpc_cpu.packed_linear.default(x, packed_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -113,7 +113,7 @@ class BlockedLinear(nn.Module):
                 f"{self.in_features}"
             )
         rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.llmrpc_cpu.bf16_linear(
+        out = torch.ops.llmrpc_cpu.bf16_linear.default(
             rows, self.weight_blocks, self.bias, self.kernel_by_bucket
         )
         return out.view(*x.shape[:-1], self.out_features)
