@@ -100,6 +100,14 @@ def test_bad_requests_name_the_parameter(gateway, body, param):
     assert reply.json()["error"]["param"] == param
 
 
+def _same_scores(got: list[dict], expected: list[dict], key: str) -> None:
+    """The same entries with the same scores up to float rounding: a second call's texts can be
+    batched with each other differently, and the engine's kernels are not batch-invariant unless
+    asked (--batch-invariant), so a score's last bits can differ between two calls."""
+    assert [{**d, key: None} for d in got] == [{**d, key: None} for d in expected]
+    np.testing.assert_allclose([d[key] for d in got], [d[key] for d in expected], rtol=1e-6)
+
+
 def test_score_is_the_cosine_of_embeddings(gateway, reference):
     body = {"text_1": TEXTS[0], "text_2": TEXTS[:3]}
     answer = post(gateway, "/v1/score", body).json()
@@ -109,7 +117,7 @@ def test_score_is_the_cosine_of_embeddings(gateway, reference):
     pairs = post(gateway, "/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[2:4]}).json()
     expected = (reference[:2] * reference[2:4]).sum(axis=1)
     np.testing.assert_allclose([d["score"] for d in pairs["data"]], expected, atol=1e-4)
-    assert post(gateway, "/score", body).json()["data"] == answer["data"]  # vLLM's alias
+    _same_scores(post(gateway, "/score", body).json()["data"], answer["data"], "score")  # alias
     mismatched = post(gateway, "/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[:3]})
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
 
@@ -126,4 +134,5 @@ def test_rerank_orders_documents_by_relevance(gateway, reference):
     )
     assert answer["usage"]["total_tokens"] > 0
     for alias in ("/rerank", "/v2/rerank"):  # vLLM's other paths for it
-        assert post(gateway, alias, body).json()["results"] == answer["results"]
+        results = post(gateway, alias, body).json()["results"]
+        _same_scores(results, answer["results"], "relevance_score")
