@@ -363,13 +363,13 @@ void amx_blocks_rows(const Operands& o, int64_t rows, int64_t begin, int64_t end
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The fused multiply-add kernel (AVX2 and FMA: any x86 CPU of the last decade), for CPUs without
-// AVX512-BF16. x is converted to float32 once per call (`xf`); a weight line's 16 outputs x 2
-// inputs are read as two 8-lane halves, each lane one output's pair: input 2p is the lane shifted
-// left 16 bits, input 2p + 1 the lane with its low 16 bits cleared (both exact). Each output sums
-// its inputs in one float32 chain, in input order, so a row's output does not depend on the rows
-// beside it; its roundings differ from the dot products' (which this build may lack) in some last
-// bits.
+// The fused multiply-add kernel (AVX2 and FMA: Intel Core and Xeon since Haswell, AMD since
+// Excavator), for CPUs without AVX512-BF16. x is converted to float32 once per call (`xf`); a
+// weight line's 16 outputs x 2 inputs are read as two 8-lane halves, each lane one output's pair:
+// input 2p is the lane shifted left 16 bits, input 2p + 1 the lane with its low 16 bits cleared
+// (both exact). Each output sums its inputs in one float32 chain, in input order, so a row's output
+// does not depend on the rows beside it; its roundings differ from the dot products' (which this
+// build may lack) in some last bits.
 struct Avx2Operands {
   const at::BFloat16* weight;
   const float* x;

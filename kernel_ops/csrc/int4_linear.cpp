@@ -354,10 +354,10 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // Each row's terms come in the same order whatever the rows beside it, so a row's output does not
 // depend on them; where a scale covers 16 inputs (Q6_K) each half is added to the total on its
 // own, where the AVX-512 kernel adds the halves' dot products first (some last bits differ).
-// Rows a tile: each int4 row's sums take 2 registers of AVX2's 16 and each int8 row's 2, but the
-// int8 loop needs more beside them (SmolLM2's four layer shapes, one thread, 32 rows, AMD EPYC
-// family 25: int4 67 GMAC/s at 4 rows a tile, 64 at 3, 6 or 5; int8 codes 54 at 3, 51 at 2, 37
-// at 4, where GCC 12 kept one row's sums on the stack).
+// Rows a tile: each row's sums take 2 registers of AVX2's 16 in both loops, but the int8 loop
+// needs more beside them (SmolLM2's four layer shapes, one thread, 32 rows, AMD EPYC family 25:
+// int4 67 GMAC/s at 4 rows a tile, 64 at 3 or 6, 57 at 5; int8 codes 54 at 3, 51 at 2, 37 at 4,
+// where GCC 12 kept one row's sums on the stack).
 constexpr int kInt4Rows = 4, kQ8Rows = 3;
 
 using llmrpc_cpu::load_bf16x8;
@@ -603,7 +603,7 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
         part.d_halves += r * groups;
         part.y += r * ldy + b * kBlockOutputs;
         rows_of_block_avx2<kRows, kScales>(w + b * block_bytes, sc + b * block_scales, part,
-                                                std::min<int64_t>(tile, rows - r));
+                                           std::min<int64_t>(tile, rows - r));
       }
     }
   });
