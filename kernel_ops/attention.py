@@ -95,6 +95,37 @@ def store_kv_rows(key, value, key_cache, value_cache, slot_mapping, kv_scales) -
         cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
 
 
+def decode_attention_qkv(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim]
+    """A decodes-only step's rotary, KV store and attention in one call of the C++ kernel, from
+    the qkv projection's rows, with the bits of ``rotary``, ``write_kv`` and ``paged_attention``
+    one after another; None where that kernel does not take the step or its tensors (the caller
+    runs the three). The caller answers for the layer: rotary over whole heads, no window a row's
+    context reaches past, no softcap."""
+    if metadata.backend != "torch" or not metadata.decodes_only or metadata.padded:
+        return None
+    cos, sin = rotary
+    if not (
+        _kernel_fits(qkv, key_cache, value_cache)
+        and qkv.stride(1) == 1
+        and cos.dtype == qkv.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
+        return None
+    return torch.ops.llmrpc_cpu.decode_attention_qkv.default(
+        qkv, cos, sin, key_cache, value_cache, metadata.slot_mapping,
+        metadata.decode_block_tables, metadata.decode_seq_lens, num_heads, scale,
+    )  # fmt: skip
+
+
 def read_kv(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Gathered cache rows in ``dtype``: an fp8 cache's as ``fp8 * scale``, rounded once."""
     if cache_rows.dtype in FP8_DTYPES:
@@ -241,10 +272,11 @@ def _attend(q, k, v, mask, scale, softcap, enable_gqa=False) -> torch.Tensor:
 
 
 def _kernel_fits(query, key_cache, value_cache) -> bool:
-    """Whether the C++ decode kernel (kernel_ops/csrc, loaded at model load) takes these shapes."""
+    """Whether the C++ decode kernel (kernel_ops/csrc, loaded at model load) takes these shapes
+    (``query``: the query heads, or the qkv rows they are part of)."""
     if not cpu_ops.loaded() or query.device.type != "cpu":
         return False
-    head_dim = query.shape[2]
+    head_dim = key_cache.shape[-1]
     return (
         key_cache.dtype == query.dtype  # not an fp8 cache
         and head_dim % _vector_width() == 0

@@ -47,6 +47,7 @@ _HEADERS = [
     _CSRC / "amx_bf16.h",
     _CSRC / "avx2_bf16.h",
     _CSRC / "kernel_threads.h",
+    _CSRC / "rotary.h",
     _CSRC / "vec_utils.h",
 ]
 # torch's CPU capability -> the flags and macros that select ATen's matching Vectorized<float>

@@ -3,7 +3,7 @@
 ``torch.compile`` traces the model with fake tensors, which have shapes and dtypes but no data;
 for an operation of ours it needs to be told what comes out. Each function here says just that.
 The in-place operations (``fused_add_rms_norm``, ``rotary``) return nothing: their schemas mark
-the tensors they write.
+the tensors they write (as ``decode_attention_qkv``'s mark the KV caches it stores in).
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, sca
     return torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
 
 
+def _decode_attention_qkv(
+    qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens, num_heads, scale
+):
+    return qkv.new_empty((qkv.shape[0], num_heads, key_cache.shape[-1]))
+
+
 def _rms_norm(x, weight, eps):
     return torch.empty_like(x)
 
@@ -74,6 +80,7 @@ def _packed_linear(x, packed_weight, bias):
 
 _FAKES = {
     "decode_attention": _decode_attention,
+    "decode_attention_qkv": _decode_attention_qkv,
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
     "silu_and_mul": _silu_and_mul,

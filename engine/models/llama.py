@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from llmrpc.engine.models.rotary import RotaryEmbedding, rope_parameters
-from llmrpc.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from llmrpc.kernels.attention import (
+    AttentionMetadata,
+    decode_attention_qkv,
+    paged_attention,
+    write_kv,
+)
 from llmrpc.kernels.elementwise import add_rms_norm, rms_norm, silu_and_mul
 from llmrpc.kernels.elementwise import rotary as apply_rotary
 
@@ -103,6 +108,10 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         backend = metadata.backend
         qkv = self.qkv_proj(hidden)
+        if self._fused_decode(metadata):
+            out = decode_attention_qkv(qkv, rotary, *kv_cache, metadata, self.num_heads, self.scale)
+            if out is not None:
+                return self.o_proj(out.view(num_tokens, self.q_size))
         if self.qk_norm_whole:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = self.q_norm(q.contiguous(), None, backend)
@@ -128,6 +137,18 @@ class LlamaAttention(nn.Module):
             self.softcap,
         )  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _fused_decode(self, metadata: AttentionMetadata) -> bool:
+        """Whether this layer's q, k and v go as they come out of ``qkv_proj`` to rotary over
+        whole heads, the KV store and attention, with no window the step reaches past and no
+        softcap: where ``decode_attention_qkv`` may compute the three in one call."""
+        return (
+            not (self.qk_norm or self.qk_norm_whole)
+            and self.clip_qkv is None
+            and self.rotary_dim == self.head_dim
+            and self.softcap is None
+            and (self.window is None or not metadata.past_window)
+        )
 
     def _rotate(self, heads: torch.Tensor, rotary, backend: str) -> torch.Tensor:
         """Rotary over each head's first ``rotary_dim`` dimensions (all of them but where a

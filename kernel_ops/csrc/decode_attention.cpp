@@ -2,7 +2,9 @@
 // read in place from the block-structured KV cache (no gathered copy), and the scores, softmax and
 // weighted sum are computed in float32 whatever the cache dtype.
 //
-// Registered as torch.ops.llmrpc_cpu.decode_attention. kernel_ops/cpu_ops.py builds it for this
+// Registered as torch.ops.llmrpc_cpu.decode_attention, and as decode_attention_qkv with the step's
+// rotary and KV store before it (from the qkv projection's rows: one call a layer where the
+// layer's Python took three, and the views between them). kernel_ops/cpu_ops.py builds it for this
 // machine's vector width (AVX-512, AVX2 or plain C++) and loads it; kernel_ops/attention.py keeps the
 // pure-torch path the tests hold it to.
 
@@ -10,10 +12,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "kernel_threads.h"
+#include "rotary.h"
 #include "vec_utils.h"
 
 namespace {
@@ -265,48 +269,137 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   });
 }
 
-// query [num_seqs, num_heads, head_dim]; key_cache/value_cache [num_blocks, block_size,
-// num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64.
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "decode_attention: query must be 3-D and the cache 4-D");
+// The checks of both operations, `name` naming the one called: query [num_seqs, num_heads,
+// head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64.
+void check_attention(const char* name, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, name, ": query must be 3-D and the cache 4-D");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
-              "decode_attention: key and value caches differ in shape or layout");
+              name, ": key and value caches differ in shape or layout");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "decode_attention: query and caches must share a dtype");
+              name, ": query and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "decode_attention: block_tables and seq_lens must be int64");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: block_tables and seq_lens must be contiguous");
+              name, ": block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), name, ": block_tables and seq_lens must be contiguous");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "decode_attention: query and cache head sizes differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(key_cache.size(3) == head_dim, name, ": query and cache head sizes differ");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, name, ": query heads must be a multiple of KV heads");
   TORCH_CHECK(head_dim % Vec::size() == 0 && head_dim <= kMaxHeadDim,
-              "decode_attention: head_dim must be a multiple of ", Vec::size(), " and at most ", kMaxHeadDim);
+              name, ": head_dim must be a multiple of ", Vec::size(), " and at most ", kMaxHeadDim);
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == head_dim && key_cache.is_contiguous() &&
-              value_cache.is_contiguous(), "decode_attention: query heads and cache blocks must be dense");
+              value_cache.is_contiguous(), name, ": query heads and cache blocks must be dense");
   TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
-              "decode_attention: one block-table row and one length per sequence");
+              name, ": one block-table row and one length per sequence");
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t num_blocks = key_cache.size(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t n = 0; n < num_seqs; ++n) {
-    TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * block_size, "decode_attention: sequence length out of range");
+    TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * block_size, name, ": sequence length out of range");
     for (int64_t b = 0; b < (lens[n] + block_size - 1) / block_size; ++b) {  // the blocks it reads
       const int64_t block = tables[n * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: block id ", block, " out of range");
+      TORCH_CHECK(block >= 0 && block < num_blocks, name, ": block id ", block, " out of range");
     }
   }
-  auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
-  const llmrpc_cpu::KernelThreadsScope threads;
-  switch (query.scalar_type()) {
-    case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
-    case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
-    case at::kHalf: run<at::Half>(query, key_cache, value_cache, block_tables, lens, scale, out); break;
-    default: TORCH_CHECK(false, "decode_attention: dtype must be float32, bfloat16 or float16");
+}
+
+template <typename T>
+void attend_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  run<T>(query, key_cache, value_cache, block_tables, seq_lens.data_ptr<int64_t>(), scale, out);
+}
+
+#define LLMRPC_ATTENTION_DISPATCH(dtype, name, ...)                                           \
+  switch (dtype) {                                                                            \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                          \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }                \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }                        \
+    default: TORCH_CHECK(false, name ": dtype must be float32, bfloat16 or float16");        \
   }
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  check_attention("decode_attention", query, key_cache, value_cache, block_tables, seq_lens);
+  auto out = at::empty(query.sizes(), query.options());
+  const llmrpc_cpu::KernelThreadsScope threads;
+  LLMRPC_ATTENTION_DISPATCH(query.scalar_type(), "decode_attention",
+                            attend_all<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
+  return out;
+}
+
+// Each row's query heads rotated into `query`, its key heads rotated into its slot of key_cache
+// and its value heads copied into the same slot of value_cache.
+template <typename T>
+void rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const int64_t* slots, at::Tensor& query, at::Tensor& key_cache,
+                      at::Tensor& value_cache) {
+  const int64_t tokens = qkv.size(0), num_heads = query.size(1);
+  const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const int64_t slot_size = num_kv_heads * head_dim;
+  const T* rows = qkv.data_ptr<T>();
+  const T* cos_base = cos.data_ptr<T>();
+  const T* sin_base = sin.data_ptr<T>();
+  T* q = query.data_ptr<T>();
+  T* k = key_cache.data_ptr<T>();
+  T* v = value_cache.data_ptr<T>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = rows + t * qkv.stride(0);
+      const T* c = cos_base + t * head_dim;
+      const T* s = sin_base + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        llmrpc_cpu::rotate_head(row + h * head_dim, q + (t * num_heads + h) * head_dim, c, s, head_dim);
+      }
+      const T* key = row + num_heads * head_dim;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        llmrpc_cpu::rotate_head(key + h * head_dim, k + slots[t] * slot_size + h * head_dim, c, s, head_dim);
+      }
+      std::memcpy(v + slots[t] * slot_size, key + slot_size, slot_size * sizeof(T));
+    }
+  });
+}
+
+// A decode step's attention from the qkv projection's rows, in one call where the layer takes
+// three (rotary, the KV store, decode_attention), with the same bits: qkv [tokens, (num_heads +
+// 2 * num_kv_heads) * head_dim] (rows dense, tokens at any stride); each row's query and key heads
+// are rotated by its cos/sin ([tokens, head_dim] values, as the rotary kernel rotates), its key and
+// value stored in slot slot_mapping[t] of the caches, and then every row attends as in
+// decode_attention (a row may read the keys rows before it stored: prompt chunks run as rows).
+// The qkv rows are left as they were.
+at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& key_cache, at::Tensor& value_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, int64_t num_heads, double scale) {
+  constexpr const char* kName = "decode_attention_qkv";
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && key_cache.dim() == 4,
+              kName, ": qkv must be [tokens, width] with dense rows and the cache 4-D");
+  const int64_t tokens = qkv.size(0), num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  TORCH_CHECK(num_heads >= 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, kName,
+              ": qkv rows must hold ", num_heads, " query heads and ", num_kv_heads,
+              " key and value heads of ", head_dim, " values, not ", qkv.size(1));
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * head_dim &&
+              sin.sizes() == cos.sizes(), kName, ": cos and sin must be dense [tokens, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              kName, ": cos, sin and qkv must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == tokens, kName, ": slot_mapping must be int64, one slot per row");
+  auto query = at::empty({tokens, num_heads, head_dim}, qkv.options());
+  check_attention(kName, query, key_cache, value_cache, block_tables, seq_lens);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, kName, ": slot ", slots[t], " out of range");
+  }
+  auto out = at::empty_like(query);
+  const llmrpc_cpu::KernelThreadsScope threads;
+  LLMRPC_ATTENTION_DISPATCH(qkv.scalar_type(), "decode_attention_qkv", {
+    rotate_and_store<scalar_t>(qkv, cos, sin, slots, query, key_cache, value_cache);
+    attend_all<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+  });
   return out;
 }
 
@@ -315,6 +408,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
 TORCH_LIBRARY(llmrpc_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("decode_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "int num_heads, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_qkv", &decode_attention_qkv);
+}

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernel_threads.h"
+#include "rotary.h"
 #include "vec_utils.h"
 
 namespace llmrpc_cpu {
@@ -127,49 +128,16 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 // head_dim] (rows of heads dense, tokens at any stride) and cos/sin [tokens, head_dim] dense.
 template <typename T>
 void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   const int64_t token_stride = x.stride(0);
   T* base = x.data_ptr<T>();
   const T* cos_base = cos.data_ptr<T>();
   const T* sin_base = sin.data_ptr<T>();
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos_base + t * head_dim;
-      const T* s = sin_base + t * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = base + t * token_stride + h * head_dim;
-        // first half: x*cos - x_hi*sin; second half: x_hi*cos + x_lo*sin
-        const auto rotated_lo = [&](int64_t at) {
-          return round_to<T>(load_float(row + at) * load_float(c + at)) +
-                 round_to<T>(load_float(row + half + at).neg() * load_float(s + at));
-        };
-        const auto rotated_hi = [&](int64_t at) {
-          return round_to<T>(load_float(row + half + at) * load_float(c + half + at)) +
-                 round_to<T>(load_float(row + at) * load_float(s + half + at));
-        };
-        int64_t i = 0;
-        if (half % (2 * kV) == 0) {
-          for (; i < half; i += 2 * kV) {
-            const Vec lo0 = rotated_lo(i), lo1 = rotated_lo(i + kV);
-            const Vec hi0 = rotated_hi(i), hi1 = rotated_hi(i + kV);
-            store_float2(row + i, lo0, lo1);
-            store_float2(row + half + i, hi0, hi1);
-          }
-        } else if (half % kV == 0) {
-          for (; i < half; i += kV) {
-            const Vec lo = rotated_lo(i), hi = rotated_hi(i);
-            store_float(row + i, lo);
-            store_float(row + half + i, hi);
-          }
-        }
-        for (; i < half; ++i) {
-          const float lo = static_cast<float>(row[i]), hi = static_cast<float>(row[half + i]);
-          const auto rnd = [](float v) { return static_cast<float>(static_cast<T>(v)); };
-          const float new_lo = rnd(lo * static_cast<float>(c[i])) + rnd(-hi * static_cast<float>(s[i]));
-          const float new_hi = rnd(hi * static_cast<float>(c[half + i])) + rnd(lo * static_cast<float>(s[half + i]));
-          row[i] = static_cast<T>(new_lo);
-          row[half + i] = static_cast<T>(new_hi);
-        }
+        rotate_head(row, row, cos_base + t * head_dim, sin_base + t * head_dim, head_dim);
       }
     }
   });

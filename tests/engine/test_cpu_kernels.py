@@ -15,7 +15,7 @@ from engine_utils import make_core, run_to_completion
 from llmrpc.engine.request import SamplingParams
 from llmrpc.engine.runner.model_runner import _pad_tables
 from llmrpc.kernels import cpu_ops, elementwise
-from llmrpc.kernels.attention import AttentionMetadata, decode_attention_torch
+from llmrpc.kernels.attention import AttentionMetadata, decode_attention_torch, store_kv_rows
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -104,6 +104,93 @@ def test_decode_kernel_names_a_bad_layout():
         _kernel(query.double(), key_cache, value_cache, metadata, 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
         _kernel(query[:, :3], key_cache, value_cache, metadata, 0.125)  # 3 heads over 2 KV heads
+
+
+def _qkv_case(dtype, num_kv_heads, group, head_dim, block_size):
+    """A decode step's fused qkv rows and the tables they attend with: three decodes, and two rows
+    of one prompt chunk (the second attends to the first's key), each row's slot the last
+    position of its context. The rows are strided (a view into wider rows, as of a larger
+    matmul output), and the caches hold random values (never zeros)."""
+    seq_lens = [1, block_size + 1, 37, 20, 21]  # rows 3 and 4: one sequence, positions 19 and 20
+    _, key_cache, value_cache, metadata = _case(
+        dtype, num_kv_heads, group, head_dim, block_size, seq_lens[:4]
+    )
+    tables = metadata.decode_block_tables
+    tables = torch.cat((tables, tables[3:4]))
+    slots = [
+        tables[row, (length - 1) // block_size].item() * block_size + (length - 1) % block_size
+        for row, length in enumerate(seq_lens)
+    ]
+    num_heads = num_kv_heads * group
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = _random(len(seq_lens), width + 24, dtype=dtype, seed=4)[:, :width]
+    angles = _random(len(seq_lens), 1, head_dim // 2, dtype=torch.float32, seed=5)
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+    step = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        decode_indices=torch.arange(len(seq_lens)),
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor(seq_lens),
+        prefills=[],
+        decodes_only=True,
+    )
+    return qkv, cos, sin, key_cache, value_cache, step, num_heads
+
+
+def _fused_qkv(qkv, cos, sin, key_cache, value_cache, step, num_heads, scale):
+    return torch.ops.llmrpc_cpu.decode_attention_qkv(
+        qkv, cos, sin, key_cache, value_cache, step.slot_mapping, step.decode_block_tables,
+        step.decode_seq_lens, num_heads, scale,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "block_size"),
+    [(3, 3, 64, 16), (1, 8, 64, 32), (2, 1, 128, 16)],
+)
+def test_fused_qkv_decode_attention_matches_rotary_store_and_decode_kernels(
+    dtype, num_kv_heads, group, head_dim, block_size
+):
+    """Rotary, the KV store and decode attention in one call give the bits of the three kernels
+    one after another (the layers' unfused path): the same output, the same cache contents, and
+    the qkv rows left as they were."""
+    qkv, cos, sin, key_cache, value_cache, step, num_heads = _qkv_case(
+        dtype, num_kv_heads, group, head_dim, block_size
+    )
+    tokens, scale = qkv.shape[0], head_dim**-0.5
+    key_expected, value_expected = key_cache.clone(), value_cache.clone()
+    rows = qkv.clone()
+    q_and_k = rows[:, : (num_heads + num_kv_heads) * head_dim]
+    q_and_k = elementwise.rotary(q_and_k.view(tokens, -1, head_dim), cos, sin)
+    query, key = q_and_k.split([num_heads, num_kv_heads], dim=1)
+    value = rows[:, (num_heads + num_kv_heads) * head_dim :].view(tokens, num_kv_heads, head_dim)
+    store_kv_rows(key, value, key_expected, value_expected, step.slot_mapping, (1.0, 1.0))
+    expected = _kernel(query.contiguous(), key_expected, value_expected, step, scale)
+    original = qkv.clone()
+    got = _fused_qkv(qkv, cos, sin, key_cache, value_cache, step, num_heads, scale)
+    assert got.shape == (tokens, num_heads, head_dim) and got.dtype == dtype
+    assert torch.equal(got, expected)
+    assert torch.equal(key_cache, key_expected) and torch.equal(value_cache, value_expected)
+    assert torch.equal(qkv, original)
+
+
+def test_fused_qkv_decode_attention_names_a_bad_input():
+    qkv, cos, sin, key_cache, value_cache, step, num_heads = _qkv_case(torch.float32, 2, 2, 64, 16)
+    args = (cos, sin, key_cache, value_cache)
+    bad_slots = AttentionMetadata(
+        **{**step.__dict__, "slot_mapping": torch.tensor([0, 1, 2, 3, key_cache.shape[0] * 16])}
+    )
+    with pytest.raises(RuntimeError, match="slot .* out of range"):
+        _fused_qkv(qkv, *args, bad_slots, num_heads, 0.125)
+    with pytest.raises(RuntimeError, match="qkv rows must hold"):
+        _fused_qkv(qkv[:, :-64], *args, step, num_heads, 0.125)
+    with pytest.raises(RuntimeError, match="one slot"):
+        short = AttentionMetadata(**{**step.__dict__, "slot_mapping": step.slot_mapping[:4]})
+        _fused_qkv(qkv, *args, short, num_heads, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        _fused_qkv(qkv.double(), *args, step, num_heads, 0.125)
 
 
 # The fused elementwise kernels (kernel_ops/csrc/elementwise.cpp) against their torch operations.
@@ -225,6 +312,21 @@ def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(
             assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) < 1e-4, (
                 name
             )
+
+
+def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(tiny_llama_dir):
+    """The Llama layers' decodes-only steps take the fused kernel (the prompt's step too: 40
+    tokens of context run as rows of the decode kernel): no separate rotary, KV store or decode
+    attention call is left."""
+    core = make_core(tiny_llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run_to_completion(core, {"a": (list(range(100, 140)), params)})
+    calls = {event.key: event.count for event in profile.key_averages()}
+    layers = core.model.config.num_hidden_layers
+    assert calls.get("llmrpc_cpu::decode_attention_qkv") == 6 * layers  # 6 steps
+    for separate in ("llmrpc_cpu::decode_attention", "llmrpc_cpu::rotary", "aten::index_copy_"):
+        assert separate not in calls
 
 
 def test_a_failed_build_is_logged_with_the_compiler_error_and_leaves_the_torch_path(
