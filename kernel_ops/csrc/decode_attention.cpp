@@ -306,28 +306,14 @@ void check_attention(const char* name, const at::Tensor& query, const at::Tensor
   }
 }
 
-template <typename T>
-void attend_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  run<T>(query, key_cache, value_cache, block_tables, seq_lens.data_ptr<int64_t>(), scale, out);
-}
-
-#define LLMRPC_ATTENTION_DISPATCH(dtype, name, ...)                                           \
-  switch (dtype) {                                                                            \
-    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                          \
-    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }                \
-    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }                        \
-    default: TORCH_CHECK(false, name ": dtype must be float32, bfloat16 or float16");        \
-  }
-
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale) {
   check_attention("decode_attention", query, key_cache, value_cache, block_tables, seq_lens);
   auto out = at::empty(query.sizes(), query.options());
   const llmrpc_cpu::KernelThreadsScope threads;
-  LLMRPC_ATTENTION_DISPATCH(query.scalar_type(), "decode_attention",
-                            attend_all<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
+  LLMRPC_DISPATCH(query.scalar_type(), "decode_attention",
+                  run<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens.data_ptr<int64_t>(), scale, out));
   return out;
 }
 
@@ -396,9 +382,9 @@ at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, co
   }
   auto out = at::empty_like(query);
   const llmrpc_cpu::KernelThreadsScope threads;
-  LLMRPC_ATTENTION_DISPATCH(qkv.scalar_type(), "decode_attention_qkv", {
+  LLMRPC_DISPATCH(qkv.scalar_type(), "decode_attention_qkv", {
     rotate_and_store<scalar_t>(qkv, cos, sin, slots, query, key_cache, value_cache);
-    attend_all<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+    run<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens.data_ptr<int64_t>(), scale, out);
   });
   return out;
 }

@@ -143,14 +143,6 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-#define LLMRPC_DISPATCH(dtype, name, ...)                                                   \
-  switch (dtype) {                                                                          \
-    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                        \
-    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }              \
-    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }                      \
-    default: TORCH_CHECK(false, name ": dtype must be float32, bfloat16 or float16");      \
-  }
-
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), name, ": tensors must be contiguous");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), name,

@@ -82,3 +82,14 @@ inline Vec round_to(const Vec& values) {
 }
 
 }  // namespace llmrpc_cpu
+
+// Runs the statement with scalar_t the C++ type of a float32, bfloat16 or float16 tensor's dtype;
+// any other dtype is refused, naming the operation.
+#define LLMRPC_DISPATCH(dtype, name, ...)                                                   \
+  switch (dtype) {                                                                          \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                        \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }              \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }                      \
+    default: TORCH_CHECK(false, name ": dtype must be float32, bfloat16 or float16");      \
+  }
+
