@@ -117,6 +117,28 @@ def test_compiled_decode_steps_give_eager_tokens_and_logprobs(
     assert calls[0] == num_steps - 1  # ... but the step with the 300-token prefill, eager
 
 
+def test_the_cpu_graph_takes_the_step_sizes_as_its_only_int_arguments(tiny_llama_dir, monkeypatch):
+    """Each size the graph leaves dynamic is an int argument, which inductor's C++ wrapper makes
+    into a tensor on every call: on the CPU the KV caches' sizes are static, and the ints are
+    the step's own sizes (tokens, positions, slots, block table, context lengths)."""
+    from torch._inductor import compile_fx
+
+    int_inputs = []
+    real = compile_fx.compile_fx
+
+    def recording(graph, example_inputs, *args, **kwargs):
+        int_inputs.append([x for x in example_inputs if isinstance(x, torch.SymInt)])
+        return real(graph, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx", recording)
+    core = make_core(tiny_llama_dir, "float32", compilation=COMPILED)
+    assert core.runner.compiled_decode.failure is None
+    assert int_inputs  # compile_fx calls itself with the options applied: one list a call
+    for ints in int_inputs:
+        names = sorted(str(size) for size in ints)
+        assert len(names) == 6 and all(name.startswith("u") for name in names), names  # unbacked
+
+
 def test_speculative_verify_steps_run_the_compiled_graph(tiny_llama_dir, monkeypatch):
     """A step of decodes and their drafts is decode rows only: the graph compiled at load runs
     it (no new compile, no fall-back), and greedy float32 tokens are those without drafts."""
