@@ -113,7 +113,7 @@ def decode_attention_qkv(
         return None
     cos, sin = rotary
     if not (
-        _kernel_fits(qkv, key_cache, value_cache)
+        decode_kernel_fits(qkv, key_cache, value_cache)
         and qkv.stride(1) == 1
         and cos.dtype == qkv.dtype
         and cos.is_contiguous()
@@ -155,7 +155,7 @@ def paged_attention(
         )
     if not metadata.past_window:
         window = None  # no row's context reaches past it
-    fits = window is None and softcap is None and _kernel_fits(query, key_cache, value_cache)
+    fits = window is None and softcap is None and decode_kernel_fits(query, key_cache, value_cache)
     if metadata.decodes_only and fits:
         dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         return torch.ops.llmrpc_cpu.decode_attention.default(
@@ -271,7 +271,7 @@ def _attend(q, k, v, mask, scale, softcap, enable_gqa=False) -> torch.Tensor:
     return out.reshape(q.shape).to(q.dtype)
 
 
-def _kernel_fits(query, key_cache, value_cache) -> bool:
+def decode_kernel_fits(query, key_cache, value_cache) -> bool:
     """Whether the C++ decode kernel (kernel_ops/csrc, loaded at model load) takes these shapes
     (``query``: the query heads, or the qkv rows they are part of)."""
     if not cpu_ops.loaded() or query.device.type != "cpu":

@@ -39,6 +39,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / "bf16_linear.cpp",
     _CSRC / "decode_attention.cpp",
+    _CSRC / "decode_layer.cpp",
     _CSRC / "elementwise.cpp",
     _CSRC / "int4_linear.cpp",
     _CSRC / "linear.cpp",  # packed_linear, for torch.compile (engine/runner/compilation.py)

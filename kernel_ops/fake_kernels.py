@@ -46,6 +46,10 @@ def _decode_attention_qkv(
     return qkv.new_empty((qkv.shape[0], num_heads, key_cache.shape[-1]))
 
 
+def _decode_layer(hidden, residual, first, input_norm, post_norm, eps, linears, meta, *attention):
+    return torch.empty_like(hidden)  # the mlp's output: [num_tokens, hidden]
+
+
 def _rms_norm(x, weight, eps):
     return torch.empty_like(x)
 
@@ -81,6 +85,7 @@ def _packed_linear(x, packed_weight, bias):
 _FAKES = {
     "decode_attention": _decode_attention,
     "decode_attention_qkv": _decode_attention_qkv,
+    "decode_layer": _decode_layer,
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
     "silu_and_mul": _silu_and_mul,

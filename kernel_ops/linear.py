@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.layer import BF16, PACKED, LinearSpec
 
 # The batch size oneDNN tunes the packed layout for: decode steps (1-32 rows) took the same time
 # with 16 and 1024, and prefill steps of 1024 rows up to 1.16x less with 1024.
@@ -58,6 +59,10 @@ class PackedLinear(nn.Module):
             out = _packed_matmul(rows, self.packed_weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return _packed_matmul(x, self.packed_weight, self.bias)
+
+    def layer_spec(self) -> LinearSpec:
+        """This layer as ``decode_layer`` calls it (``kernel_ops/layer.py``)."""
+        return LinearSpec(PACKED, self.packed_weight, self.packed_weight.dtype, bias=self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
@@ -117,6 +122,13 @@ class BlockedLinear(nn.Module):
             rows, self.weight_blocks, self.bias, self.kernel_by_bucket
         )
         return out.view(*x.shape[:-1], self.out_features)
+
+    def layer_spec(self) -> LinearSpec:
+        """This layer as ``decode_layer`` calls it (``kernel_ops/layer.py``)."""
+        return LinearSpec(
+            BF16, self.weight_blocks, torch.bfloat16, bias=self.bias,
+            kernels=tuple(self.kernel_by_bucket),
+        )  # fmt: skip
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``W`` ([len(ids), in_features]), read from the blocks."""

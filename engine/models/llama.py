@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llmrpc.engine.models.rotary import RotaryEmbedding, rope_parameters
+from llmrpc.kernels import layer as fused_layer
 from llmrpc.kernels.attention import (
     AttentionMetadata,
     decode_attention_qkv,
@@ -175,6 +176,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # (linear modules, their LayerSpec or None), read at the first decodes-only step
+    _decode_layer_spec: tuple | None = None
+
     def __init__(
         self, config, options: AttentionOptions, window: int | None = None, mlp=None
     ) -> None:
@@ -188,6 +192,14 @@ class LlamaDecoderLayer(nn.Module):
         """``(mlp output, residual stream before it)``: the next layer's norm adds the two, so
         each residual add is fused with the norm after it. The first layer gets ``residual``
         None and starts the stream."""
+        spec = self._layer_spec(metadata)
+        if spec is not None and fused_layer.fits(spec, hidden, rotary, kv_cache, metadata):
+            attention = self.self_attn
+            norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+            return fused_layer.decode_layer(
+                spec, hidden, residual, norms, self.input_layernorm.eps, rotary, kv_cache,
+                metadata, attention.num_heads, attention.scale,
+            )  # fmt: skip
         backend = metadata.backend
         if residual is None:
             hidden, residual = self.input_layernorm(hidden, None, backend), hidden
@@ -196,6 +208,29 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual, backend)
         return self.mlp(hidden, backend), residual
+
+    def _layer_spec(self, metadata) -> fused_layer.LayerSpec | None:
+        """The layer as one ``decode_layer`` call takes it, or None: a Llama layer of plain
+        RMSNorms and SiLU MLP, whose attention ``decode_attention_qkv`` computes, with linear
+        layers the call describes (read once: their kernels are chosen at load)."""
+        if metadata.backend != "torch" or not metadata.decodes_only:
+            return None
+        attention, mlp = self.self_attn, self.mlp
+        modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj) if (
+            type(mlp) is LlamaMLP
+            and type(self.input_layernorm) is RMSNorm
+            and type(self.post_attention_layernorm) is RMSNorm
+            and self.input_layernorm.eps == self.post_attention_layernorm.eps
+            and attention._fused_decode(metadata)
+        ) else None  # fmt: skip
+        if modules is None:
+            return None
+        if torch.compiler.is_compiling():
+            return fused_layer.layer_spec(*modules)  # traced once
+        cached = self._decode_layer_spec
+        if cached is None or cached[0] != modules:
+            cached = self._decode_layer_spec = (modules, fused_layer.layer_spec(*modules))
+        return cached[1]
 
 
 # checkpoint name fragment -> (our parameter, index of the shard in a fused weight)

@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.layer import INT4, Q8, LinearSpec
 
 GROUP_SIZE = 32  # int4 group size, and the block size of GGUF's Q4_0, Q4_1 and Q8_0
 # Rows up to which the packed kernels beat dequantize-then-dense in bfloat16: each layer's
@@ -103,6 +104,12 @@ class QuantizedLinear(nn.Module):
     def has_tiles(self) -> bool:
         """Whether ``packed_matmul`` can take the AMX tile path (``tiles_from``)."""
         return False
+
+    def layer_spec(self) -> LinearSpec | None:
+        """The packed call as ``torch.ops.llmrpc_cpu.decode_layer`` makes it
+        (``kernel_ops/layer.py``), for the rows ``forward`` runs it for; None where that call is
+        not one it makes."""
+        return None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight ``[out_features, in_features]`` the packed one stands for, in ``dtype``."""
@@ -235,6 +242,14 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.qweight, GROUP_SIZE, self.scales_and_zeros
         )
+
+    def layer_spec(self) -> LinearSpec | None:
+        if not self.blocked or self.dtype not in _FAST_DTYPES:
+            return None
+        return LinearSpec(
+            INT4, self.qweight, self.dtype, self.scales_and_zeros, self.bias,
+            tiles_from=self.tiles_from, max_rows=self.dense_above,
+        )  # fmt: skip
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes ``[packed_rows, in]`` (uint8), unpacked from the layout."""
@@ -419,6 +434,9 @@ class Q8BlockLinear(Int4Linear):
         both = super().packed_matmul(x, tiles_from)
         return both[:, : self.out_features] + both[:, self.out_features :]
 
+    def layer_spec(self) -> None:
+        return None  # two halves summed: not one call
+
     def dequantize(self, dtype=None) -> torch.Tensor:
         # Both halves are multiples of d and their sum has at most 8 + 11 significant bits:
         # exact in float32 (with a zero, rounded once more).
@@ -484,6 +502,14 @@ class Q8Linear(QuantizedLinear):
             self.zeros,
             self.tiles_from if tiles_from is None else tiles_from,
         )
+
+    def layer_spec(self) -> LinearSpec | None:
+        if self.dtype not in _FAST_DTYPES:
+            return None
+        return LinearSpec(
+            Q8, self.qweight, self.dtype, self.scales, self.bias, tiles_from=self.tiles_from,
+            zeros=self.zeros, max_rows=self.dense_above,
+        )  # fmt: skip
 
     def _weights(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Float32 ``[ids, in]`` of rows ``ids``' codes ``q`` (``[ids, groups, 32]``, float)."""

@@ -14,7 +14,7 @@ from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
 from llmrpc.engine.core.engine_core import EngineCore
-from llmrpc.engine.models.llama import LlamaMLP
+from llmrpc.engine.models.llama import LlamaDecoderLayer
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.request import SamplingParams
 from llmrpc.engine.runner import compilation
@@ -212,13 +212,13 @@ def test_a_compiled_engine_gives_the_idle_core_to_its_kernels_alone(
 def test_a_compile_that_fails_is_logged_once_and_the_engine_runs_eager(
     tiny_llama_dir, eager_outputs, dtype, monkeypatch, caplog
 ):
-    original = LlamaMLP.forward
+    original = LlamaDecoderLayer.forward
 
-    def breaking_forward(self, x, backend="torch"):
+    def breaking_forward(self, *args):
         torch._dynamo.graph_break()  # a no-op in eager; compiling with fullgraph=True fails
-        return original(self, x, backend)
+        return original(self, *args)
 
-    monkeypatch.setattr(LlamaMLP, "forward", breaking_forward)
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", breaking_forward)
     with caplog.at_level(logging.WARNING, logger="llmrpc.engine.runner.compilation"):
         core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
         outputs, _ = run_mixed_workload(core)

@@ -317,7 +317,7 @@ def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(
 def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(tiny_llama_dir):
     """The Llama layers' decodes-only steps take the fused kernel (the prompt's step too: 40
     tokens of context run as rows of the decode kernel): no separate rotary, KV store or decode
-    attention call is left."""
+    attention call is left. Each layer is one ``decode_layer`` call, which makes it."""
     core = make_core(tiny_llama_dir)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -325,8 +325,94 @@ def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(tiny_lla
     calls = {event.key: event.count for event in profile.key_averages()}
     layers = core.model.config.num_hidden_layers
     assert calls.get("llmrpc_cpu::decode_attention_qkv") == 6 * layers  # 6 steps
+    assert calls.get("llmrpc_cpu::decode_layer") == 6 * layers
     for separate in ("llmrpc_cpu::decode_attention", "llmrpc_cpu::rotary", "aten::index_copy_"):
         assert separate not in calls
+
+
+def _linear(kind, in_features, out_features, bias, seed):
+    """A linear layer of ``kind`` with random weights (and a bias where asked)."""
+    from llmrpc.engine.quantization.layers import Int4Linear, Q8Linear
+    from llmrpc.kernels.linear import BlockedLinear, PackedLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    if kind in ("bf16", "fp32-packed"):
+        dense = torch.nn.Linear(in_features, out_features, bias=bias)
+        dense.weight.data, dense.bias = weight, None if b is None else torch.nn.Parameter(b)
+        if kind == "fp32-packed":
+            return PackedLinear(dense)
+        return BlockedLinear(dense.to(torch.bfloat16))
+    b = None if b is None else b.to(torch.bfloat16)
+    if kind == "int4":
+        return Int4Linear.from_float(weight, b, torch.bfloat16)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    d = torch.rand(out_features, in_features // 32, generator=gen) / 256
+    zeros = torch.randn(out_features, in_features // 32, generator=gen) / 64
+    return Q8Linear.from_blocks(q, d, b, zeros=zeros if kind == "q8-zeros" else None)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4", "q8", "q8-zeros", "fp32-packed"])
+@pytest.mark.parametrize("first", [True, False])
+def test_decode_layer_call_gives_the_bits_of_the_layers_own_calls(kind, first, monkeypatch):
+    """A Llama layer of each kind of linear layer (a bias on qkv, as Qwen2's), in one
+    ``decode_layer`` call against its Python path over the same kernels: the same bits in the
+    output, the residual stream and both caches, for a decode step of five rows (two of them
+    one prompt chunk), as the first layer (starting the stream) and as a later one."""
+    from transformers import LlamaConfig
+
+    from llmrpc.engine.models import llama
+
+    dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32)  # fmt: skip
+    layer = llama.LlamaDecoderLayer(config, llama.AttentionOptions(qkv_bias=True)).to(dtype)
+    for norm, seed in ((layer.input_layernorm, 1), (layer.post_attention_layernorm, 2)):
+        norm.weight.data = _random(128, dtype=dtype, seed=seed)
+    attention, mlp = layer.self_attn, layer.mlp
+    attention.qkv_proj = _linear(kind, 128, 256, True, 3)
+    attention.o_proj = _linear(kind, 128, 128, False, 4)
+    mlp.gate_up_proj = _linear(kind, 128, 512, False, 5)
+    mlp.down_proj = _linear(kind, 256, 128, False, 6)
+    _, cos, sin, key_cache, value_cache, step, _ = _qkv_case(dtype, 2, 2, 32, 16)
+    hidden = _random(5, 128, dtype=dtype, seed=7)
+    residual = None if first else _random(5, 128, dtype=dtype, seed=8)
+
+    def forward():
+        caches = (key_cache.clone(), value_cache.clone())
+        stream = None if residual is None else residual.clone()
+        out, stream = layer((cos, sin), hidden.clone(), stream, caches, step)
+        return out, stream, *caches
+
+    calls = []
+    real = torch.ops.llmrpc_cpu.decode_layer.default
+    monkeypatch.setattr(torch.ops.llmrpc_cpu.decode_layer, "default",
+                        lambda *args: calls.append(1) or real(*args))  # fmt: skip
+    fused = forward()
+    assert calls == [1]
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_layer_spec", lambda self, metadata: None)
+    own = forward()
+    assert calls == [1]
+    names = ("output", "residual", "keys", "values")
+    for got, expected, name in zip(fused, own, names, strict=True):
+        assert torch.equal(got, expected), name
+
+
+def test_decode_layer_names_a_bad_input():
+    hidden = torch.zeros(2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 1, 32, dtype=torch.bfloat16)
+    rows = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="decode_layer: linears must hold 12 tensors"):
+        torch.ops.llmrpc_cpu.decode_layer(
+            hidden, hidden.clone(), True, hidden[0], hidden[0], 1e-5, [None] * 3, [0] * 9,
+            hidden, hidden, cache, cache, rows, rows.view(2, 1), rows + 1, 2, 0.1,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="decode_layer: linear layer 0 has kind 7"):
+        torch.ops.llmrpc_cpu.decode_layer(
+            hidden, hidden.clone(), True, hidden[0], hidden[0], 1e-5, [hidden] * 12, [7] * 36,
+            hidden, hidden, cache, cache, rows, rows.view(2, 1), rows + 1, 2, 0.1,
+        )  # fmt: skip
 
 
 def test_a_failed_build_is_logged_with_the_compiler_error_and_leaves_the_torch_path(

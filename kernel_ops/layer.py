@@ -1,0 +1,120 @@
+"""A Llama-family decoder layer of a decodes-only step in one C++ call
+(``torch.ops.llmrpc_cpu.decode_layer``, ``csrc/decode_layer.cpp``): the norms, the four linear
+layers, rotary, the KV store, attention and SiLU, each by the kernel the layer's Python would
+call, with the same bits, and none of the Python between them.
+
+A linear layer takes part where it describes itself (``layer_spec()``, a ``LinearSpec``): our
+blocked bfloat16 layers, oneDNN's packed ones and the int4 and int8-code layers of
+``--quantization``. Any other (a LoRA wrapper, torch's own packing) keeps the layer on its
+Python path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.attention import AttentionMetadata, decode_kernel_fits
+
+# A linear layer's kind, as csrc/decode_layer.cpp reads it.
+INT4, Q8, BF16, PACKED = 0, 1, 2, 3
+_BUCKETS = 6  # bf16_linear's kernels by bucket of rows (linear_tuning.ROW_BUCKETS)
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One linear layer as the C++ layer calls it: ``kind``'s operation on ``weight`` (and
+    ``scales``), then ``bias``; ``dtype`` is the one its kernel computes in, and ``max_rows``
+    the most rows it takes so (None: any)."""
+
+    kind: int
+    weight: torch.Tensor
+    dtype: torch.dtype
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    tiles_from: int = 0  # int4 and q8: rows from which the AMX tile path runs (0: never)
+    zeros: bool = False  # q8: scales hold (d, zero) pairs
+    kernels: tuple[int, ...] = ()  # bf16: the kernel by bucket of rows (empty: its default)
+    max_rows: int | None = None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The four linear layers of a decoder layer (qkv, o, gate_up, down) as the call takes
+    them, with the modules they were read from."""
+
+    modules: tuple
+    linears: list
+    meta: list[int]
+    dtype: torch.dtype
+    max_rows: int | None
+
+
+def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
+    """The four modules described for the call, or None where one does not describe itself, or
+    their kernels compute in different dtypes."""
+    modules = (qkv, o, gate_up, down)
+    specs = []
+    for module in modules:
+        describe = getattr(module, "layer_spec", None)
+        spec = describe() if describe is not None else None
+        if spec is None:
+            return None
+        specs.append(spec)
+    if len({spec.dtype for spec in specs}) != 1:
+        return None
+    linears, meta = [], []
+    for spec in specs:
+        linears += [spec.weight, spec.scales, spec.bias]
+        kernels = list(spec.kernels) if spec.kernels else [-1] * _BUCKETS
+        meta += [spec.kind, spec.tiles_from, int(spec.zeros), *kernels]
+    limits = [spec.max_rows for spec in specs if spec.max_rows is not None]
+    return LayerSpec(modules, linears, meta, specs[0].dtype, min(limits, default=None))
+
+
+def fits(spec: LayerSpec, hidden, rotary, kv_cache, metadata: AttentionMetadata) -> bool:
+    """Whether the call takes this step: a decodes-only step on the torch backend, whose rows
+    the linear kernels take in their dtype, and whose attention the decode kernel takes."""
+    if metadata.backend != "torch" or not metadata.decodes_only or metadata.padded:
+        return False
+    if hidden.dtype != spec.dtype or not cpu_ops.loaded():
+        return False
+    # a compiled graph runs steps of at most max_rows rows only (engine/runner/compilation.py)
+    compiling = torch.compiler.is_compiling()
+    if spec.max_rows is not None and not compiling and hidden.shape[0] > spec.max_rows:
+        return False
+    cos, sin = rotary
+    return (
+        decode_kernel_fits(hidden, *kv_cache)
+        and cos.dtype == hidden.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
+
+
+def decode_layer(
+    spec: LayerSpec,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norms: tuple[torch.Tensor, torch.Tensor],  # the input and post-attention norms' weights
+    eps: float,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    num_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mlp output, residual stream before it)``, as ``LlamaDecoderLayer.forward`` returns
+    them; ``residual`` None starts the stream (the first layer)."""
+    first = residual is None
+    if first:
+        residual = torch.empty_like(hidden)
+    cos, sin = rotary
+    out = torch.ops.llmrpc_cpu.decode_layer.default(
+        hidden.contiguous(), residual, first, norms[0], norms[1], eps, spec.linears, spec.meta,
+        cos, sin, kv_cache[0], kv_cache[1], metadata.slot_mapping, metadata.decode_block_tables,
+        metadata.decode_seq_lens, num_heads, scale,
+    )  # fmt: skip
+    return out, residual
