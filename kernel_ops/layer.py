@@ -53,8 +53,8 @@ class LayerSpec:
 
 
 def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
-    """The four modules described for the call, or None where one does not describe itself, or
-    their kernels compute in different dtypes."""
+    """The four modules described for the call, or None where one does not describe itself,
+    their kernels compute in different dtypes, or a kernel list is not one per bucket."""
     modules = (qkv, o, gate_up, down)
     specs = []
     for module in modules:
@@ -65,6 +65,8 @@ def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
         specs.append(spec)
     if len({spec.dtype for spec in specs}) != 1:
         return None
+    if any(len(spec.kernels) not in (0, _BUCKETS) for spec in specs):
+        return None  # the call reads 6 kernels a layer, or none
     linears, meta = [], []
     for spec in specs:
         linears += [spec.weight, spec.scales, spec.bias]
