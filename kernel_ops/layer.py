@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import AttentionMetadata, decode_kernel_fits
 
 # A linear layer's kind, as csrc/decode_layer.cpp reads it.
@@ -77,11 +76,10 @@ def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
 
 
 def fits(spec: LayerSpec, hidden, rotary, kv_cache, metadata: AttentionMetadata) -> bool:
-    """Whether the call takes this step: a decodes-only step on the torch backend, whose rows
-    the linear kernels take in their dtype, and whose attention the decode kernel takes."""
-    if metadata.backend != "torch" or not metadata.decodes_only or metadata.padded:
-        return False
-    if hidden.dtype != spec.dtype or not cpu_ops.loaded():
+    """Whether the call takes this step, a decodes-only step on the torch backend (the caller
+    knows it is): rows the linear kernels take in their dtype, and attention the decode kernel
+    takes."""
+    if metadata.padded or hidden.dtype != spec.dtype:
         return False
     # a compiled graph runs steps of at most max_rows rows only (engine/runner/compilation.py)
     compiling = torch.compiler.is_compiling()

@@ -143,12 +143,15 @@ class LlamaAttention(nn.Module):
         """Whether this layer's q, k and v go as they come out of ``qkv_proj`` to rotary over
         whole heads, the KV store and attention, with no window the step reaches past and no
         softcap: where ``decode_attention_qkv`` may compute the three in one call."""
+        return self.fuses_qkv() and (self.window is None or not metadata.past_window)
+
+    def fuses_qkv(self) -> bool:
+        """``_fused_decode`` but for the window, which each step decides."""
         return (
             not (self.qk_norm or self.qk_norm_whole)
             and self.clip_qkv is None
             and self.rotary_dim == self.head_dim
             and self.softcap is None
-            and (self.window is None or not metadata.past_window)
         )
 
     def _rotate(self, heads: torch.Tensor, rotary, backend: str) -> torch.Tensor:
@@ -176,7 +179,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    # (linear modules, their LayerSpec or None), read at the first decodes-only step
+    # (LayerSpec or None,), read at the first decodes-only step
     _decode_layer_spec: tuple | None = None
 
     def __init__(
@@ -210,27 +213,37 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, backend), residual
 
     def _layer_spec(self, metadata) -> fused_layer.LayerSpec | None:
-        """The layer as one ``decode_layer`` call takes it, or None: a Llama layer of plain
-        RMSNorms and SiLU MLP, whose attention ``decode_attention_qkv`` computes, with linear
-        layers the call describes (read once: their kernels are chosen at load)."""
+        """The layer as one ``decode_layer`` call takes it in this step, or None."""
         if metadata.backend != "torch" or not metadata.decodes_only:
             return None
+        if torch.compiler.is_compiling():
+            spec = self._read_layer_spec()  # traced once
+        else:
+            cached = self._decode_layer_spec
+            if cached is None:
+                cached = self._decode_layer_spec = (self._read_layer_spec(),)
+            spec = cached[0]
+        if spec is None or (self.self_attn.window is not None and metadata.past_window):
+            return None
+        return spec
+
+    def _read_layer_spec(self) -> fused_layer.LayerSpec | None:
+        """A Llama layer of plain RMSNorms and SiLU MLP, whose attention
+        ``decode_attention_qkv`` computes but for a window, with linear layers the call
+        describes; read at the first decodes-only step (the engine replaces linear layers, by
+        packing them or wrapping them for LoRA, and picks their kernels at load, before it)."""
         attention, mlp = self.self_attn, self.mlp
-        modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj) if (
+        if not (
             type(mlp) is LlamaMLP
             and type(self.input_layernorm) is RMSNorm
             and type(self.post_attention_layernorm) is RMSNorm
             and self.input_layernorm.eps == self.post_attention_layernorm.eps
-            and attention._fused_decode(metadata)
-        ) else None  # fmt: skip
-        if modules is None:
+            and attention.fuses_qkv()
+        ):
             return None
-        if torch.compiler.is_compiling():
-            return fused_layer.layer_spec(*modules)  # traced once
-        cached = self._decode_layer_spec
-        if cached is None or cached[0] != modules:
-            cached = self._decode_layer_spec = (modules, fused_layer.layer_spec(*modules))
-        return cached[1]
+        return fused_layer.layer_spec(
+            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+        )
 
 
 # checkpoint name fragment -> (our parameter, index of the shard in a fused weight)
