@@ -42,9 +42,8 @@ class LinearSpec:
 @dataclass(frozen=True)
 class LayerSpec:
     """The four linear layers of a decoder layer (qkv, o, gate_up, down) as the call takes
-    them, with the modules they were read from."""
+    them."""
 
-    modules: tuple
     linears: list
     meta: list[int]
     dtype: torch.dtype
@@ -54,9 +53,8 @@ class LayerSpec:
 def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
     """The four modules described for the call, or None where one does not describe itself,
     their kernels compute in different dtypes, or a kernel list is not one per bucket."""
-    modules = (qkv, o, gate_up, down)
     specs = []
-    for module in modules:
+    for module in (qkv, o, gate_up, down):
         describe = getattr(module, "layer_spec", None)
         spec = describe() if describe is not None else None
         if spec is None:
@@ -72,7 +70,7 @@ def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
         kernels = list(spec.kernels) if spec.kernels else [-1] * _BUCKETS
         meta += [spec.kind, spec.tiles_from, int(spec.zeros), *kernels]
     limits = [spec.max_rows for spec in specs if spec.max_rows is not None]
-    return LayerSpec(modules, linears, meta, specs[0].dtype, min(limits, default=None))
+    return LayerSpec(linears, meta, specs[0].dtype, min(limits, default=None))
 
 
 def fits(spec: LayerSpec, hidden, rotary, kv_cache, metadata: AttentionMetadata) -> bool:
