@@ -2,8 +2,8 @@
 // residual add), the qkv projection, rotary, the KV store and attention, the output projection,
 // the post-attention norm, the gate and up projection, SiLU and the down projection. Each part is
 // the kernel the layer's Python calls in turn (called here through the dispatcher, so a profile
-// still shows them), with the same bits; what the call saves is the Python between them, about
-// ten module and operation calls a layer.
+// still shows them), with the same bits; what the call saves is the Python between them: eight
+// module calls and eight operation calls a layer.
 //
 // Registered as torch.ops.llmrpc_cpu.decode_layer; kernel_ops/layer.py describes each linear
 // layer to it and engine/models/llama.py decides when a layer takes it.
