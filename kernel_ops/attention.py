@@ -111,15 +111,9 @@ def decode_attention_qkv(
     context reaches past, no softcap."""
     if metadata.backend != "torch" or not metadata.decodes_only or metadata.padded:
         return None
-    cos, sin = rotary
-    if not (
-        decode_kernel_fits(qkv, key_cache, value_cache)
-        and qkv.stride(1) == 1
-        and cos.dtype == qkv.dtype
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-    ):
+    if qkv.stride(1) != 1 or not qkv_kernel_fits(qkv, rotary, key_cache, value_cache):
         return None
+    cos, sin = rotary
     return torch.ops.llmrpc_cpu.decode_attention_qkv.default(
         qkv, cos, sin, key_cache, value_cache, metadata.slot_mapping,
         metadata.decode_block_tables, metadata.decode_seq_lens, num_heads, scale,
@@ -283,6 +277,18 @@ def decode_kernel_fits(query, key_cache, value_cache) -> bool:
         and head_dim <= 256
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
+    )
+
+
+def qkv_kernel_fits(x, rotary, key_cache, value_cache) -> bool:
+    """Whether ``decode_attention_qkv`` takes rows of ``x``'s dtype and device (the qkv rows, or
+    the hidden rows they come from), with ``rotary``'s cos and sin, and these caches."""
+    cos, sin = rotary
+    return (
+        decode_kernel_fits(x, key_cache, value_cache)
+        and cos.dtype == x.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrpc.kernels.attention import AttentionMetadata, decode_kernel_fits
+from llmrpc.kernels.attention import AttentionMetadata, qkv_kernel_fits
 
 # A linear layer's kind, as csrc/decode_layer.cpp reads it.
 INT4, Q8, BF16, PACKED = 0, 1, 2, 3
@@ -83,13 +83,7 @@ def fits(spec: LayerSpec, hidden, rotary, kv_cache, metadata: AttentionMetadata)
     compiling = torch.compiler.is_compiling()
     if spec.max_rows is not None and not compiling and hidden.shape[0] > spec.max_rows:
         return False
-    cos, sin = rotary
-    return (
-        decode_kernel_fits(hidden, *kv_cache)
-        and cos.dtype == hidden.dtype
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-    )
+    return qkv_kernel_fits(hidden, rotary, *kv_cache)
 
 
 def decode_layer(

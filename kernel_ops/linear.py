@@ -126,7 +126,7 @@ class BlockedLinear(nn.Module):
     def layer_spec(self) -> LinearSpec:
         """This layer as ``decode_layer`` calls it (``kernel_ops/layer.py``)."""
         return LinearSpec(
-            BF16, self.weight_blocks, torch.bfloat16, bias=self.bias,
+            BF16, self.weight_blocks, self.weight_blocks.dtype, bias=self.bias,
             kernels=tuple(self.kernel_by_bucket),
         )  # fmt: skip
 

@@ -158,7 +158,7 @@ class CompiledDecode:
                     torch._dynamo.mark_dynamic(tensor, 0)
         # On the CPU each cache's size stays static: a dynamic one is one more int argument,
         # which dynamo reads and the C++ wrapper makes into a tensor on every call (60 for 30
-        # layers: 6% of a 1-stream step of the packaged model in -q gguf, see
+        # layers: 4-6% of a 1-stream step of the packaged model in -q gguf, see
         # docs/performance.md). --kv-cache-memory sets the size there, so a start with the same
         # flags finds its compile in the cache.
         num_slots = kv_caches[0][0].shape[0] * block_size
