@@ -1,7 +1,8 @@
 """A Llama-family decoder layer of a decodes-only step in one C++ call
 (``torch.ops.llmrpc_cpu.decode_layer``, ``csrc/decode_layer.cpp``): the norms, the four linear
 layers, rotary, the KV store, attention and SiLU, each by the kernel the layer's Python would
-call, with the same bits, and none of the Python between them.
+call, with the same bits, and none of the Python between them. Where every layer of a model
+takes it, an eager step runs them all in one call (``decode_layers``, a ``LayerStack``).
 
 A linear layer takes part where it describes itself (``layer_spec()``, a ``LinearSpec``): our
 blocked bfloat16 layers, oneDNN's packed ones and the int4 and int8-code layers of
@@ -73,7 +74,40 @@ def layer_spec(qkv, o, gate_up, down) -> LayerSpec | None:
     return LayerSpec(linears, meta, specs[0].dtype, min(limits, default=None))
 
 
-def fits(spec: LayerSpec, hidden, rotary, kv_cache, metadata: AttentionMetadata) -> bool:
+@dataclass(frozen=True)
+class LayerStack:
+    """Every layer of a model as one ``decode_layers`` call takes them: each layer's input and
+    post-attention norm weights, and its four linear layers, in order."""
+
+    norms: list
+    linears: list
+    meta: list[int]
+    eps: float
+    num_heads: int
+    scale: float
+    dtype: torch.dtype
+    max_rows: int | None
+    windowed: bool  # a layer attends within a window
+
+
+def layer_stack(specs, norms, eps, num_heads, scale, windowed) -> LayerStack | None:
+    """The layers' ``LayerSpec``s and norm weights (two a layer) as one stack, or None where a
+    layer has none or their kernels compute in different dtypes."""
+    if not specs or any(spec is None for spec in specs):
+        return None
+    if len({spec.dtype for spec in specs}) != 1:
+        return None
+    limits = [spec.max_rows for spec in specs if spec.max_rows is not None]
+    return LayerStack(
+        list(norms), [t for spec in specs for t in spec.linears],
+        [m for spec in specs for m in spec.meta], eps, num_heads, scale, specs[0].dtype,
+        min(limits, default=None), windowed,
+    )  # fmt: skip
+
+
+def fits(
+    spec: LayerSpec | LayerStack, hidden, rotary, kv_cache, metadata: AttentionMetadata
+) -> bool:
     """Whether the call takes this step, a decodes-only step on the torch backend (the caller
     knows it is): rows the linear kernels take in their dtype, and attention the decode kernel
     takes."""
@@ -110,3 +144,21 @@ def decode_layer(
         metadata.decode_seq_lens, num_heads, scale,
     )  # fmt: skip
     return out, residual
+
+
+def decode_layers(
+    stack: LayerStack,
+    hidden: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    kv_caches,  # each layer's (keys, values)
+    metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the last layer's mlp output, residual stream before it)``, as the model's loop over
+    ``LlamaDecoderLayer.forward`` ends with them."""
+    cos, sin = rotary
+    return torch.ops.llmrpc_cpu.decode_layers.default(
+        hidden.contiguous(), stack.norms, stack.eps, stack.linears, stack.meta, cos, sin,
+        [keys for keys, _ in kv_caches], [values for _, values in kv_caches],
+        metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_seq_lens,
+        stack.num_heads, stack.scale,
+    )  # fmt: skip

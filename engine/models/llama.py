@@ -257,6 +257,9 @@ _FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
+    # (LayerStack or None,), read at the first eager decodes-only step
+    _decode_stack: tuple | None = None
+
     @classmethod
     def attention_options(cls, config) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
@@ -288,10 +291,54 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # shared by every layer
         rotary = self.rotary.cos_sin(positions, hidden.dtype, metadata.rope_long_rows)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
+        stack = self._layer_stack(metadata)
+        # every layer's caches have layer 0's shape and dtype (ModelRunner.allocate_kv_cache)
+        if stack is not None and fused_layer.fits(stack, hidden, rotary, kv_caches[0], metadata):
+            hidden, residual = fused_layer.decode_layers(stack, hidden, rotary, kv_caches, metadata)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
         return self.norm(hidden, residual, metadata.backend)[0]  # [num_tokens, hidden_size]
+
+    def _layer_stack(self, metadata) -> fused_layer.LayerStack | None:
+        """Every layer in one ``decode_layers`` call in this step, or None. Eager steps only: a
+        compiled graph calls each layer's ``decode_layer``, and inductor's C++ wrapper already
+        runs those calls with no Python between them."""
+        if metadata.backend != "torch" or not metadata.decodes_only:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        cached = self._decode_stack
+        if cached is None:  # read as the layers read theirs
+            cached = self._decode_stack = (self._read_layer_stack(),)
+        stack = cached[0]
+        if stack is None or (stack.windowed and metadata.past_window):
+            return None
+        return stack
+
+    def _read_layer_stack(self) -> fused_layer.LayerStack | None:
+        """The layers as one stack where each is a ``LlamaDecoderLayer`` taking ``decode_layer``
+        and they share the norms' eps and the attention's heads and scale."""
+        layers = list(self.layers)
+        if not layers or any(
+            type(layer).forward is not LlamaDecoderLayer.forward for layer in layers
+        ):
+            return None
+        attentions = [layer.self_attn for layer in layers]
+        norms = [
+            n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        if (
+            len({(a.num_heads, a.scale) for a in attentions}) != 1
+            or len({n.eps for n in norms}) != 1
+        ):
+            return None
+        return fused_layer.layer_stack(
+            [layer._read_layer_spec() for layer in layers], [n.weight for n in norms], norms[0].eps,
+            attentions[0].num_heads, attentions[0].scale,
+            any(a.window is not None for a in attentions),
+        )  # fmt: skip
 
     def build_mlp(self, config, index: int) -> nn.Module:
         """Layer ``index``'s MLP: the dense SiLU MLP (MoE models build their experts here)."""

@@ -317,7 +317,7 @@ def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(
 def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(tiny_llama_dir):
     """The Llama layers' decodes-only steps take the fused kernel (the prompt's step too: 40
     tokens of context run as rows of the decode kernel): no separate rotary, KV store or decode
-    attention call is left. Each layer is one ``decode_layer`` call, which makes it."""
+    attention call is left. The step's layers are one ``decode_layers`` call, which makes it."""
     core = make_core(tiny_llama_dir)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -325,8 +325,13 @@ def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(tiny_lla
     calls = {event.key: event.count for event in profile.key_averages()}
     layers = core.model.config.num_hidden_layers
     assert calls.get("llmrpc_cpu::decode_attention_qkv") == 6 * layers  # 6 steps
-    assert calls.get("llmrpc_cpu::decode_layer") == 6 * layers
-    for separate in ("llmrpc_cpu::decode_attention", "llmrpc_cpu::rotary", "aten::index_copy_"):
+    assert calls.get("llmrpc_cpu::decode_layers") == 6
+    for separate in (
+        "llmrpc_cpu::decode_layer",  # each layer's own call: not where they all take one
+        "llmrpc_cpu::decode_attention",
+        "llmrpc_cpu::rotary",
+        "aten::index_copy_",
+    ):
         assert separate not in calls
 
 
@@ -353,6 +358,29 @@ def _linear(kind, in_features, out_features, bias, seed):
     return Q8Linear.from_blocks(q, d, b, zeros=zeros if kind == "q8-zeros" else None)
 
 
+def _layer_config(**extra):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, **extra)  # fmt: skip
+
+
+_LAYER_CONFIG = _layer_config()
+
+
+def _fill_layer(layer, kind, seed):
+    """Random norms, and linear layers of ``kind`` (a bias on qkv), in a decoder layer of
+    ``_LAYER_CONFIG``'s shapes."""
+    dtype = layer.input_layernorm.weight.dtype
+    for norm, offset in ((layer.input_layernorm, 1), (layer.post_attention_layernorm, 2)):
+        norm.weight.data = _random(128, dtype=dtype, seed=seed + offset)
+    attention, mlp = layer.self_attn, layer.mlp
+    attention.qkv_proj = _linear(kind, 128, 256, True, seed + 3)
+    attention.o_proj = _linear(kind, 128, 128, False, seed + 4)
+    mlp.gate_up_proj = _linear(kind, 128, 512, False, seed + 5)
+    mlp.down_proj = _linear(kind, 256, 128, False, seed + 6)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int4", "q8", "q8-zeros", "fp32-packed"])
 @pytest.mark.parametrize("first", [True, False])
 def test_decode_layer_call_gives_the_bits_of_the_layers_own_calls(kind, first, monkeypatch):
@@ -360,21 +388,11 @@ def test_decode_layer_call_gives_the_bits_of_the_layers_own_calls(kind, first, m
     ``decode_layer`` call against its Python path over the same kernels: the same bits in the
     output, the residual stream and both caches, for a decode step of five rows (two of them
     one prompt chunk), as the first layer (starting the stream) and as a later one."""
-    from transformers import LlamaConfig
-
     from llmrpc.engine.models import llama
 
     dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32)  # fmt: skip
-    layer = llama.LlamaDecoderLayer(config, llama.AttentionOptions(qkv_bias=True)).to(dtype)
-    for norm, seed in ((layer.input_layernorm, 1), (layer.post_attention_layernorm, 2)):
-        norm.weight.data = _random(128, dtype=dtype, seed=seed)
-    attention, mlp = layer.self_attn, layer.mlp
-    attention.qkv_proj = _linear(kind, 128, 256, True, 3)
-    attention.o_proj = _linear(kind, 128, 128, False, 4)
-    mlp.gate_up_proj = _linear(kind, 128, 512, False, 5)
-    mlp.down_proj = _linear(kind, 256, 128, False, 6)
+    layer = llama.LlamaDecoderLayer(_LAYER_CONFIG, llama.AttentionOptions(qkv_bias=True))
+    _fill_layer(layer.to(dtype), kind, 0)
     _, cos, sin, key_cache, value_cache, step, _ = _qkv_case(dtype, 2, 2, 32, 16)
     hidden = _random(5, 128, dtype=dtype, seed=7)
     residual = None if first else _random(5, 128, dtype=dtype, seed=8)
@@ -397,6 +415,80 @@ def test_decode_layer_call_gives_the_bits_of_the_layers_own_calls(kind, first, m
     names = ("output", "residual", "keys", "values")
     for got, expected, name in zip(fused, own, names, strict=True):
         assert torch.equal(got, expected), name
+
+
+def _stacked_model(kind, layers=3):
+    """A Llama of ``layers`` layers of ``kind``, and one decodes-only step for it: input ids,
+    positions, each layer's caches and the step's tables (``_qkv_case``'s five rows)."""
+    from llmrpc.engine.models import llama
+
+    dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
+    model = llama.LlamaForCausalLM(_layer_config(num_hidden_layers=layers, vocab_size=256,
+                                                 attention_bias=True)).to(dtype)  # fmt: skip
+    for index, layer in enumerate(model.layers):
+        _fill_layer(layer, kind, 10 * index)
+    model.embed_tokens.weight.data = _random(256, 128, dtype=dtype, seed=99)
+    _, _, _, key_cache, value_cache, step, _ = _qkv_case(dtype, 2, 2, 32, 16)
+    caches = [(key_cache + i, value_cache - i) for i in range(layers)]
+    positions = step.decode_seq_lens - 1
+    return model, torch.tensor([3, 70, 5, 200, 17]), positions, caches, step
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4", "q8", "q8-zeros", "fp32-packed"])
+def test_decode_layers_call_gives_the_bits_of_each_layers_python(kind, monkeypatch):
+    """Three Llama layers of each kind of linear layer in one eager ``decode_layers`` call
+    against the model's loop over each layer's Python path: the same bits in the hidden rows
+    the model returns and in every layer's caches."""
+    from llmrpc.engine.models import llama
+
+    model, input_ids, positions, caches, step = _stacked_model(kind)
+
+    def forward():
+        own = [(keys.clone(), values.clone()) for keys, values in caches]
+        return model(input_ids, positions, own, step), *(t for pair in own for t in pair)
+
+    calls = []
+    real = torch.ops.llmrpc_cpu.decode_layers.default
+    monkeypatch.setattr(torch.ops.llmrpc_cpu.decode_layers, "default",
+                        lambda *args: calls.append(1) or real(*args))  # fmt: skip
+    stacked = forward()
+    assert calls == [1]
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_layer_stack", lambda self, metadata: None)
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_layer_spec", lambda self, metadata: None)
+    own = forward()
+    assert calls == [1]
+    for index, (got, expected) in enumerate(zip(stacked, own, strict=True)):
+        assert torch.equal(got, expected), "hidden" if index == 0 else f"cache {index - 1}"
+
+
+def test_a_layer_without_the_call_leaves_the_others_their_own_calls(monkeypatch):
+    """A layer whose down projection has no ``layer_spec`` (a plain ``nn.Linear``, as a wrapper
+    would be) takes its Python path; the model's other layers each make their own
+    ``decode_layer`` call, and no ``decode_layers`` call is made."""
+    model, input_ids, positions, caches, step = _stacked_model("bf16")
+    model.layers[1].mlp.down_proj = torch.nn.Linear(256, 128, bias=False).to(torch.bfloat16)
+    counts = {"decode_layer": 0, "decode_layers": 0}
+    for name in counts:
+        op = getattr(torch.ops.llmrpc_cpu, name)
+
+        def counted(*args, real=op.default, name=name):
+            counts[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(op, "default", counted)
+    model(input_ids, positions, caches, step)
+    assert counts == {"decode_layer": 2, "decode_layers": 0}
+
+
+def test_decode_layers_names_a_bad_input():
+    hidden = torch.zeros(2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 1, 32, dtype=torch.bfloat16)
+    rows = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="decode_layers: for 2 layers .* got 2, 3, 24 and 72"):
+        torch.ops.llmrpc_cpu.decode_layers(
+            hidden, [hidden[0]] * 3, 1e-5, [hidden] * 24, [0] * 72, hidden, hidden,
+            [cache] * 2, [cache] * 2, rows, rows.view(2, 1), rows + 1, 2, 0.1,
+        )  # fmt: skip
 
 
 def test_decode_layer_names_a_bad_input():
