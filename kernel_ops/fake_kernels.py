@@ -74,6 +74,12 @@ def _q8_linear(x, weight, scales, zeros=False, tiles_from=0):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))
 
 
+def _quantized_rows(weight, scales, ids, zeros=False):
+    return scales.new_empty(
+        (ids.shape[0], weight.shape[1] * 32)
+    )  # weight: [out / 16, in / 32, ...]
+
+
 def _bf16_linear(x, weight, bias, kernel_by_bucket=()):
     return x.new_empty((x.shape[0], weight.shape[0] * 16))  # weight: [out / 16, in / 2, 16, 2]
 
@@ -93,5 +99,6 @@ _FAKES = {
     "packed_linear": _packed_linear,
     "int4_linear": _int4_linear,
     "q8_linear": _q8_linear,
+    "quantized_rows": _quantized_rows,
     "bf16_linear": _bf16_linear,
 }

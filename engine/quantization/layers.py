@@ -268,6 +268,12 @@ class Int4Linear(QuantizedLinear):
         return self._dequantize_codes(self.codes(), slice(None)).to(dtype or self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocked and cpu_ops.loaded():
+            return _quantized_rows(self.qweight, self.scales_and_zeros, ids, True)
+        return self.torch_rows(ids)
+
+    def torch_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` by torch's operations (the C++ lookup computes the same bits)."""
         return self._dequantize_codes(self._row_codes(ids), ids).to(self.dtype)
 
     def _scales_zeros(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,6 +367,12 @@ def _torch_int4_layout() -> tuple[int, bool, bool]:
 
 def _unpack_torch_int4(qweight: torch.Tensor, num_rows: int, in_features: int) -> torch.Tensor:
     return _unpack_torch_layout(qweight.view(-1), num_rows, in_features, *_torch_int4_layout())
+
+
+def _quantized_rows(qweight, scales, ids: torch.Tensor, zeros: bool) -> torch.Tensor:
+    """Rows ``ids`` of a blocked int4 or int8-code weight, dequantized by the C++ lookup
+    (``torch.ops.llmrpc_cpu.quantized_rows``): an embedding's, where the head holds its weight."""
+    return torch.ops.llmrpc_cpu.quantized_rows.default(qweight, scales, ids, zeros)
 
 
 def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -537,6 +549,12 @@ class Q8Linear(QuantizedLinear):
         return weight.to(dtype or self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.loaded():
+            return _quantized_rows(self.qweight, self.scales, ids, self.zeros)
+        return self.torch_rows(ids)
+
+    def torch_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` by torch's operations (the C++ lookup computes the same bits)."""
         # [ids, group, input pair, input of the pair] is input order
         q = _row_bytes(self.qweight, ids).float() - 128
         return self._weights(q.view(len(ids), -1, GROUP_SIZE), ids).to(self.dtype)

@@ -3,7 +3,8 @@
 // operation torch runs in the model's dtype), so in float32 they agree to float rounding and in
 // bfloat16/float16 to the last bit in almost every element.
 //
-// Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}, with
+// Registered as torch.ops.llmrpc_cpu.{rms_norm,fused_add_rms_norm,silu_and_mul,rotary}, and
+// row_max (the greedy sampler's), with
 // parallel_team_size: how many threads at::parallel_for, which every kernel here divides its work
 // with, runs on (1 when the extension was built without OpenMP, whatever torch was told), and
 // set_kernel_threads / kernel_team_size: our kernels' own count (kernel_threads.h), which these
@@ -14,6 +15,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kernel_threads.h"
@@ -190,6 +192,61 @@ void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   LLMRPC_DISPATCH(x.scalar_type(), "rotary", rotary_impl<scalar_t>(x, cos, sin));
 }
 
+// Each row's largest value and the first index holding it, for [rows, width] float32 (greedy
+// sampling's choice, as torch.max(dim=-1) gives it); a row holding NaN gives NaN and the index
+// `width`. torch's max with indices walks a row one element at a time: 52 us for one row of
+// 49152 (one thread, AMD EPYC family 25), where this takes 11-13 us (the chunked torch path 80).
+std::tuple<at::Tensor, at::Tensor> row_max(const at::Tensor& values) {
+  TORCH_CHECK(values.dim() == 2 && values.is_contiguous() && values.scalar_type() == at::kFloat,
+              "row_max: values must be contiguous [rows, width] float32");
+  const int64_t rows = values.size(0), width = values.size(1);
+  TORCH_CHECK(width > 0, "row_max: rows must hold at least one value");
+  auto best = at::empty({rows}, values.options());
+  auto index = at::empty({rows}, values.options().dtype(at::kLong));
+  const float* data = values.data_ptr<float>();
+  float* best_out = best.data_ptr<float>();
+  int64_t* index_out = index.data_ptr<int64_t>();
+  const KernelThreadsScope threads;  // the heavy kernels' count where one is set
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = data + r * width;
+      // four running maxima (one would wait on each maximum before the next), NaN kept
+      Vec top[4] = {Vec(-std::numeric_limits<float>::infinity()), top[0], top[0], top[0]};
+      int64_t j = 0;
+      for (; j + 4 * kV <= width; j += 4 * kV) {
+        for (int k = 0; k < 4; ++k) top[k] = at::vec::maximum(top[k], Vec::loadu(x + j + k * kV));
+      }
+      for (; j + kV <= width; j += kV) top[0] = at::vec::maximum(top[0], Vec::loadu(x + j));
+      float lanes[4 * kV];
+      for (int k = 0; k < 4; ++k) top[k].store(lanes + k * kV);
+      float peak = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (float lane : lanes) {
+        nan |= std::isnan(lane);
+        peak = lane > peak ? lane : peak;
+      }
+      for (; j < width; ++j) {
+        nan |= std::isnan(x[j]);
+        peak = x[j] > peak ? x[j] : peak;
+      }
+      best_out[r] = nan ? std::numeric_limits<float>::quiet_NaN() : peak;
+      int64_t first = width;
+      if (!nan) {
+        const Vec wanted(peak);
+        for (j = 0; j + kV <= width && first == width; j += kV) {
+          const int equal = ~(Vec::loadu(x + j) == wanted).zero_mask() & ((1 << kV) - 1);
+          if (equal != 0) first = j + __builtin_ctz(equal);
+        }
+        for (; j < width && first == width; ++j) {
+          if (x[j] == peak) first = j;
+        }
+      }
+      index_out[r] = first;
+    }
+  });
+  return {best, index};
+}
+
 }  // namespace
 }  // namespace llmrpc_cpu
 
@@ -227,6 +284,7 @@ TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("row_max(Tensor values) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {
@@ -234,4 +292,5 @@ TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &llmrpc_cpu::fused_add_rms_norm);
   m.impl("silu_and_mul", &llmrpc_cpu::silu_and_mul);
   m.impl("rotary", &llmrpc_cpu::rotary);
+  m.impl("row_max", &llmrpc_cpu::row_max);
 }

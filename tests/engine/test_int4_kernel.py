@@ -292,3 +292,37 @@ def test_tile_path_is_the_bfloat16_matmul_of_the_dequantized_weight(
     # below tiles_from the integer dot products run: other bits (the inputs quantized to int8)
     if rows > 1:
         assert not torch.equal(layer.packed_matmul(x, tiles_from=rows + 1), y)
+
+
+@pytest.mark.parametrize("layout", ["int4", "q8", "q8-zeros", "q8-halves"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_lookup_gives_the_bits_of_torchs_operations(layout, dtype, monkeypatch):
+    """The C++ row lookup (``quantized_rows``, an embedding tied to the head) against the same
+    rows computed by torch's operations, for every row of a layer of each layout and scales in
+    each dtype (float32's products round: kept apart from the zero's add)."""
+    gen = torch.Generator().manual_seed(7)
+    out_features, in_features = 48, 96
+    groups = in_features // GROUP_SIZE
+    zeros = torch.randn(out_features, groups, generator=gen)
+    if layout == "int4":
+        codes, _, _, _ = _case(out_features, in_features, 1)
+        scales = torch.rand(out_features, groups, generator=gen) / 7 + 1e-3
+        # the blocked layout, whose kernels take bfloat16 only, holds scales of any dtype alike
+        monkeypatch.setattr(layers, "blocked_kernel_available", lambda dtype=None: True)
+        layer = Int4Linear.from_codes(codes, scales, zeros / 3, None, dtype)
+        assert layer.blocked
+    else:
+        q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+        per = 16 if layout == "q8-halves" else GROUP_SIZE
+        d = torch.rand(out_features, in_features // per, generator=gen) / 7 + 1e-3
+        layer = Q8Linear.from_blocks(
+            q, d, None, dtype, zeros=zeros / 3 if layout == "q8-zeros" else None
+        )
+    ids = torch.cat([torch.arange(out_features), torch.tensor([5, 5, 47, 0])])
+    got = layer.rows(ids)
+    assert got.dtype == dtype and torch.equal(got, layer.torch_rows(ids))
+    assert layer.rows(ids[:0]).shape == (0, in_features)
+    with pytest.raises(RuntimeError, match=r"quantized_rows: ids must lie in \[0, 48\), got 48"):
+        layer.rows(torch.tensor([3, 48]))
+    with pytest.raises(RuntimeError, match=r"quantized_rows: ids must lie in \[0, 48\), got -1"):
+        layer.rows(torch.tensor([-1]))
