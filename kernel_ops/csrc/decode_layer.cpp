@@ -5,8 +5,9 @@
 // still shows them), with the same bits; what the call saves is the Python between them: eight
 // module calls and eight operation calls a layer.
 //
-// Registered as torch.ops.llmrpc_cpu.decode_layer; kernel_ops/layer.py describes each linear
-// layer to it and engine/models/llama.py decides when a layer takes it.
+// Registered as torch.ops.llmrpc_cpu.decode_layer, and decode_layers for all of a model's layers in
+// one call; kernel_ops/layer.py describes each linear layer to them and engine/models/llama.py
+// decides when a layer, or the whole stack, takes them.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
