@@ -305,9 +305,11 @@ class LlamaForCausalLM(nn.Module):
         """Every layer in one ``decode_layers`` call in this step, or None. Eager steps only: a
         compiled graph calls each layer's ``decode_layer``, and inductor's C++ wrapper already
         runs those calls with no Python between them."""
-        if metadata.backend != "torch" or not metadata.decodes_only:
-            return None
-        if torch.compiler.is_compiling():
+        if (
+            metadata.backend != "torch"
+            or not metadata.decodes_only
+            or torch.compiler.is_compiling()
+        ):
             return None
         cached = self._decode_stack
         if cached is None:  # read as the layers read theirs

@@ -713,10 +713,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
 // operations (one thread, AMD EPYC family 25): about 2% of a one-row step of the packaged GGUF model.
 template <typename T>
 void dequantized_rows(const uint8_t* weight, const T* scales, const int64_t* ids, int64_t count,
-                      int64_t groups, bool int4, Scales layout, T* out) {
+                      int64_t groups, Scales layout, T* out) {
+  const bool int4 = layout == Scales::kInt4;
   const int64_t group_bytes = int4 ? kGroupBytes : 2 * kGroupBytes;
   const int64_t planes = layout == Scales::kQ8 ? 1 : 2;  // scale planes of 16 a group
-  const bool with_zeros = layout == Scales::kInt4 || layout == Scales::kQ8Zeros;
+  const bool with_zeros = int4 || layout == Scales::kQ8Zeros;
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int64_t block = ids[n] / kBlockOutputs, lane = ids[n] % kBlockOutputs;
@@ -775,8 +776,7 @@ at::Tensor quantized_rows(const at::Tensor& weight, const at::Tensor& scales, co
   const llmrpc_cpu::KernelThreadsScope threads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scales.scalar_type(), "quantized_rows", [&] {
     dequantized_rows<scalar_t>(weight.data_ptr<uint8_t>(), scales.data_ptr<scalar_t>(), row_ids,
-                               rows.numel(), groups, int4, layout,
-                               out.data_ptr<scalar_t>());
+                               rows.numel(), groups, layout, out.data_ptr<scalar_t>());
   });
   return out;
 }
