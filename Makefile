@@ -64,7 +64,8 @@ proofs: install
 smg-proof: install
 	LLMRPC_SMG_PROOF=1 $(BIN)/pytest tests/gateway/test_smg_failover.py
 
-# Not part of `make test`: the Mixture-of-Experts measurements (about 3 minutes on 2 cores): a MoE
+# Not part of `make test`: the Mixture-of-Experts measurements (about 3 minutes on a 2-core Xeon with AMX,
+# about 12 on a 2-core AMD EPYC with AVX2 only, where Transformers' bfloat16 matmul is slow): a MoE
 # block against the dense MLP of the same active parameters, then a Mixtral-shaped model of random
 # weights (8 experts, top-2, SmolLM2-135M's sizes) against Transformers' static batch at 32 prompts.
 MOE_DIR ?= /tmp/llmrpc-moe-bench

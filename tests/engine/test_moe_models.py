@@ -136,6 +136,30 @@ def test_compiled_and_speculative_steps_of_a_moe_model(tmp_path, smollm2_dir):
     assert stats.accepted_per_pos[2] > 0 and stats.num_drafts > stats.accepted_per_pos[0]
 
 
+def test_structured_output_holds_on_a_moe_model(tmp_path, smollm2_dir):
+    """A JSON schema on a MoE model (random weights, so free output is noise): every seeded
+    constrained sample in a batch mixed with free ones validates, and no free one parses."""
+    import json
+
+    import jsonschema
+    from test_structured_output import SCHEMA, _parses
+
+    from llmrpc.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
+    from llmrpc.engine.structured_output import grammar as structured_output
+
+    core = make_core(save_moe(tmp_path, smollm2_dir, "qwen2_moe"))
+    spec = structured_output.check(
+        StructuredOutputSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False), "xgrammar"
+    )
+    params = [SamplingParams(seed=s, max_tokens=160, structured_output=spec) for s in range(8)]
+    params += [SamplingParams(seed=s, max_tokens=20) for s in range(3)]
+    outputs = run_to_completion(core, {f"r{i}": ([1, 2, 3], p) for i, p in enumerate(params)})
+    for i in range(8):
+        assert outputs[f"r{i}"].finish_reason is FinishReason.EOS, outputs[f"r{i}"].text
+        jsonschema.validate(json.loads(outputs[f"r{i}"].text), SCHEMA)
+    assert not any(_parses(outputs[f"r{i}"].text) for i in range(8, 11))
+
+
 def test_the_transformers_fallback_loads_per_expert_checkpoints(tmp_path, smollm2_dir):
     """--model-impl transformers on a checkpoint whose experts Transformers stacks as it loads
     (Mixtral's block_sparse_moe.experts.N.w1|w2|w3): its own conversion, its greedy tokens; a
