@@ -273,7 +273,7 @@ def decode_kernel_fits(query, key_cache, value_cache) -> bool:
     head_dim = key_cache.shape[-1]
     return (
         key_cache.dtype == query.dtype  # not an fp8 cache
-        and head_dim % _vector_width() == 0
+        and head_dim % _VECTOR_WIDTH == 0
         and head_dim <= 256
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
@@ -292,11 +292,9 @@ def qkv_kernel_fits(x, rotary, key_cache, value_cache) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result
-def _vector_width() -> int:
-    """``cpu_ops.vector_width()``, which torch.compile takes for the constant it is: it cannot
-    trace the CPU capability query behind it."""
-    return cpu_ops.vector_width()
+# ``cpu_ops.vector_width()``, read once: a plain int, which torch.compile takes for the constant it
+# is (it cannot trace the CPU capability query behind it).
+_VECTOR_WIDTH = cpu_ops.vector_width()
 
 
 def _prefill_attention(

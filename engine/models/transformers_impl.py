@@ -10,6 +10,7 @@ interface, which writes keys and values to our cache and attends per request thr
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Iterable
 from contextvars import ContextVar
@@ -17,8 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from llmrpc.kernels.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -87,7 +86,16 @@ def _check_attention_supported(module, query, key, step: _Step, kwargs) -> None:
         )
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+@functools.cache
+def _causal_lm_classes():
+    """Transformers' causal LM classes by config class, with our attention registered: imported
+    on first use, since Transformers' modeling code takes about 2 s to import (measured on a
+    2-core AMD EPYC) and a native model never needs it."""
+    from transformers import AttentionInterface
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return MODEL_FOR_CAUSAL_LM_MAPPING
 
 
 class TransformersForCausalLM(nn.Module):
@@ -98,6 +106,8 @@ class TransformersForCausalLM(nn.Module):
         self.check_supported(config)
         # from_config records the attention implementation on the config: keep the engine's clean.
         config = copy.deepcopy(config)
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415 - see _causal_lm_classes
+
         self.model = AutoModelForCausalLM.from_config(
             config, attn_implementation=ATTN_IMPLEMENTATION
         )
@@ -107,12 +117,13 @@ class TransformersForCausalLM(nn.Module):
     @staticmethod
     def check_supported(config) -> None:
         """Raise ValueError naming the flags unless Transformers can serve this config here."""
-        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        classes = _causal_lm_classes()
+        if type(config) not in classes:
             raise ValueError(
                 f"--model: {getattr(config, 'architectures', None) or config.model_type} is not a "
                 "causal LM that Transformers implements (--model-impl transformers)"
             )
-        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model_cls = classes[type(config)]
         if not model_cls.is_backend_compatible():
             raise ValueError(
                 f"--model-impl transformers: {model_cls.__name__} computes attention itself, "

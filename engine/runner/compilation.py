@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from llmrpc.engine.loading.loader import cache_root
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
@@ -57,6 +56,9 @@ def inductor_cache_dir() -> Path:
     """``$TORCHINDUCTOR_CACHE_DIR``, set to ``cache_root()/inductor`` where it is unset or holds
     torch's own default, a folder under /tmp that may not outlive a restart (importing
     torch._dynamo sets the variable to that default)."""
+    # imported here: it imports torch._dynamo (about 1.5 s), which an eager engine never needs
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415
+
     folder = os.environ.get(CACHE_ENV)
     if not folder or os.path.abspath(folder) == os.path.abspath(default_cache_dir()):
         folder = str(cache_root() / "inductor")
