@@ -106,7 +106,7 @@ class TransformersForCausalLM(nn.Module):
         self.check_supported(config)
         # from_config records the attention implementation on the config: keep the engine's clean.
         config = copy.deepcopy(config)
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415 - see _causal_lm_classes
+        from transformers import AutoModelForCausalLM  # imported here: see _causal_lm_classes
 
         self.model = AutoModelForCausalLM.from_config(
             config, attn_implementation=ATTN_IMPLEMENTATION

@@ -57,7 +57,7 @@ def inductor_cache_dir() -> Path:
     torch's own default, a folder under /tmp that may not outlive a restart (importing
     torch._dynamo sets the variable to that default)."""
     # imported here: it imports torch._dynamo (about 1.5 s), which an eager engine never needs
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     folder = os.environ.get(CACHE_ENV)
     if not folder or os.path.abspath(folder) == os.path.abspath(default_cache_dir()):
