@@ -4,6 +4,7 @@ quick start; the timings' way across the process boundary is checked on its own)
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -74,9 +75,12 @@ def traceparent(trace_id: str = CLIENT_TRACE_ID, span_id: str = CLIENT_SPAN_ID) 
     return ("traceparent", f"00-{trace_id}-{span_id}-01")
 
 
-def request_spans(receiver: OtlpReceiver, request_id: str, count: int) -> dict:
-    """The spans carrying ``request_id``, by name, once all ``count`` have arrived."""
-    spans = receiver.wait_for(
+async def request_spans(receiver: OtlpReceiver, request_id: str, count: int) -> dict:
+    """The spans carrying ``request_id``, by name, once all ``count`` have arrived. Waited for on
+    a thread: the server shares this event loop, and a refused call's span ends after its client
+    has the status, when the server's coroutine resumes."""
+    spans = await asyncio.to_thread(
+        receiver.wait_for,
         lambda spans: len(found := spans_of_request(spans, request_id)) >= count and found,
         what=f"{count} spans of {request_id}",
     )
@@ -89,7 +93,7 @@ async def test_a_call_continues_the_callers_trace_down_to_the_engine_phases(
     metadata = (traceparent(), ("x-request-id", "traced-1"))
     response = await generation.Generate(request(max_tokens=6), metadata=metadata)
     assert len(response.token_ids) == 6
-    spans = request_spans(receiver, "traced-1", 2 + len(ENGINE_PHASES))
+    spans = await request_spans(receiver, "traced-1", 2 + len(ENGINE_PHASES))
     call, engine = spans[GENERATE], spans["llm_request"]
     assert (call.trace_id, call.parent_span_id) == (CLIENT_TRACE_ID, CLIENT_SPAN_ID)
     assert call.kind == SPAN_KIND_SERVER and call.service_name == "llmrpc"
@@ -109,7 +113,7 @@ async def test_a_call_continues_the_callers_trace_down_to_the_engine_phases(
 
 async def test_engine_phases_follow_each_other_inside_the_call(generation, receiver):
     await generation.Generate(request(max_tokens=8), metadata=(("x-request-id", "traced-2"),))
-    spans = request_spans(receiver, "traced-2", 2 + len(ENGINE_PHASES))
+    spans = await request_spans(receiver, "traced-2", 2 + len(ENGINE_PHASES))
     call, engine = spans[GENERATE], spans["llm_request"]
     queue, prefill, decode = spans["queue"], spans["prefill"], spans["decode"]
     assert call.start_ns <= engine.start_ns <= engine.end_ns <= call.end_ns
@@ -138,7 +142,7 @@ async def test_a_call_without_trace_context_starts_a_trace_of_its_own(generation
         )
     ]
     assert messages[-1].usage.completion_tokens == 3
-    spans = request_spans(receiver, "traced-3", 2 + len(ENGINE_PHASES))
+    spans = await request_spans(receiver, "traced-3", 2 + len(ENGINE_PHASES))
     call = spans["llmrpc.v1.GenerationService/GenerateStream"]
     assert call.parent_span_id == "" and call.trace_id != CLIENT_TRACE_ID
     assert {span.trace_id for span in spans.values()} == {call.trace_id}
@@ -150,7 +154,7 @@ async def test_a_refused_call_has_an_error_span_with_its_status(generation, rece
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await generation.Generate(bad, metadata=(traceparent(), ("x-request-id", "traced-4")))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    spans = request_spans(receiver, "traced-4", 1)
+    spans = await request_spans(receiver, "traced-4", 1)
     call = spans[GENERATE]
     assert call.status_code == STATUS_ERROR
     assert call.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -163,7 +167,7 @@ async def test_the_in_process_channel_is_traced_the_same(server, receiver):
 
     stub = generation_pb2_grpc.GenerationServiceStub(server.loopback)
     await stub.Generate(request(max_tokens=2), metadata=(traceparent(), ("x-request-id", "lb-1")))
-    spans = request_spans(receiver, "lb-1", 2 + len(ENGINE_PHASES))
+    spans = await request_spans(receiver, "lb-1", 2 + len(ENGINE_PHASES))
     assert spans[GENERATE].parent_span_id == CLIENT_SPAN_ID
     assert spans["llm_request"].parent_span_id == spans[GENERATE].span_id
     assert spans["decode"].parent_span_id == spans["llm_request"].span_id
