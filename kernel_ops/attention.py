@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from llmrpc.kernels import cpu_ops
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # --kv-cache-dtype fp8, fp8_e5m2
+# ``cpu_ops.vector_width()``, read once: a plain int, which torch.compile takes for the constant it
+# is (it cannot trace the CPU capability query behind it). Head sizes must be multiples of it.
+_VECTOR_WIDTH = cpu_ops.vector_width()
 
 
 @dataclass
@@ -290,11 +293,6 @@ def qkv_kernel_fits(x, rotary, key_cache, value_cache) -> bool:
         and cos.is_contiguous()
         and sin.is_contiguous()
     )
-
-
-# ``cpu_ops.vector_width()``, read once: a plain int, which torch.compile takes for the constant it
-# is (it cannot trace the CPU capability query behind it).
-_VECTOR_WIDTH = cpu_ops.vector_width()
 
 
 def _prefill_attention(
