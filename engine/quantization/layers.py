@@ -167,9 +167,9 @@ class Int4Linear(QuantizedLinear):
     ``GROUP_SIZE`` inputs, packed one of two ways:
 
     - blocked, in bfloat16 where our kernel is built (AVX2 and FMA, or AVX512-BF16 and VNNI)
-      (``kernel_ops/csrc/int4_linear.cpp`` describes the layout): ``qweight`` ``[out / 16, in / 32,
-      8, 32]`` and ``scales_and_zeros`` ``[out / 16, in / 32, 2, 16]``, computed by
-      ``torch.ops.llmrpc_cpu.int4_linear``;
+      (``kernel_ops/csrc/int4_linear.cpp`` describes the layout, whose chunks the AVX2 build
+      splits: ``split``): ``qweight`` ``[out / 16, in / 32, 8, 32]`` and ``scales_and_zeros``
+      ``[out / 16, in / 32, 2, 16]``, computed by ``torch.ops.llmrpc_cpu.int4_linear``;
     - torch's CPU packing otherwise: ``qweight`` from ``_convert_weight_to_int4pack_for_cpu`` and
       ``scales_and_zeros`` ``[in / 32, out, 2]``, computed by ``_weight_int4pack_mm_for_cpu``.
     """
@@ -182,6 +182,7 @@ class Int4Linear(QuantizedLinear):
             num_groups, out_features, _ = scales_and_zeros.shape
         super().__init__(num_groups * GROUP_SIZE, out_features, bias)
         self.blocked = blocked
+        self.split = blocked and _split_nibbles()  # the chunks' layout (_pack_int4)
         # torch's packing, read at load: a compiled graph cannot run the probes (torch.equal)
         self.torch_layout = None if blocked else _torch_int4_layout()
         self.dense_above = BLOCKED_DENSE_ABOVE if blocked else INT4_DENSE_ABOVE
@@ -261,7 +262,10 @@ class Int4Linear(QuantizedLinear):
         """The codes ``[16 * len(blocks), in]`` of blocked ``qweight`` rows ``blocks``."""
         num_blocks, groups = blocks.shape[:2]
         nibbles = torch.stack([blocks & 15, blocks >> 4], dim=3)  # [.., group, chunk, 2, 32]
-        nibbles = nibbles.view(num_blocks, groups, 8, 2, 16, 2).permute(0, 4, 1, 2, 3, 5)
+        if self.split:  # [.., chunk, low/high: outputs 0-7/8-15, output, input]
+            nibbles = nibbles.view(num_blocks, groups, 8, 2, 8, 4).permute(0, 3, 4, 1, 2, 5)
+        else:  # [.., chunk, low/high: inputs 0-1/2-3, output, input]
+            nibbles = nibbles.view(num_blocks, groups, 8, 2, 16, 2).permute(0, 4, 1, 2, 3, 5)
         return nibbles.reshape(num_blocks * 16, self.in_features)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
@@ -298,6 +302,10 @@ class Int4Linear(QuantizedLinear):
 
     def _row_codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The codes of rows ``ids`` only, read where the layout packs them."""
+        if self.split:  # [ids, group, chunk, 4 inputs], outputs 8-15 in the high nibbles
+            quads = _row_bytes(self.qweight, ids, 4)
+            high = (ids % 16 >= 8).to(torch.uint8)[:, None, None, None] * 4
+            return ((quads >> high) & 15).view(ids.shape[0], self.in_features)
         if self.blocked:
             pairs = _row_bytes(self.qweight, ids)  # [ids, group, chunk, input of the pair]
             # [ids, group, chunk, low/high nibble, input of the pair] is input order
@@ -375,14 +383,15 @@ def _quantized_rows(qweight, scales, ids: torch.Tensor, zeros: bool) -> torch.Te
     return torch.ops.llmrpc_cpu.quantized_rows.default(qweight, scales, ids, zeros)
 
 
-def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The bytes ``[ids, groups, chunks, 2]`` of rows ``ids`` in a blocked weight ``[out / 16,
-    groups, chunks, 32]``: bytes ``2 * (row % 16)`` and the next of each chunk."""
+def _row_bytes(qweight: torch.Tensor, ids: torch.Tensor, width: int = 2) -> torch.Tensor:
+    """The bytes ``[ids, groups, chunks, width]`` of rows ``ids`` in a blocked weight ``[out / 16,
+    groups, chunks, 32]``: bytes ``width * (row % (32 / width))`` and the next of each chunk (2: the
+    pairs of int8 codes and of int4 ones; 4: split int4 chunks, rows 8-15 in the high nibbles)."""
     _, groups, chunks, _ = qweight.shape
     chunk_starts = torch.arange(groups * chunks, device=ids.device) * 32
-    starts = (ids // 16) * (groups * chunks * 32) + (ids % 16) * 2
-    index = starts[:, None, None] + chunk_starts[:, None] + torch.arange(2, device=ids.device)
-    return qweight.view(-1)[index].view(ids.shape[0], groups, chunks, 2)
+    starts = (ids // 16) * (groups * chunks * 32) + (ids % (32 // width)) * width
+    index = starts[:, None, None] + chunk_starts[:, None] + torch.arange(width, device=ids.device)
+    return qweight.view(-1)[index].view(ids.shape[0], groups, chunks, width)
 
 
 @functools.cache
@@ -390,6 +399,13 @@ def tiles_available() -> bool:
     """Whether the blocked kernels' AMX tile path exists here (the build has it, the CPU has
     AMX-BF16 and Linux granted the tiles)."""
     return blocked_kernel_available() and torch.ops.llmrpc_cpu.int4_tiles_supported()
+
+
+@functools.cache
+def _split_nibbles() -> bool:
+    """Whether blocked int4 chunks take the split layout (the AVX2 build's kernel reads it:
+    ``kernel_ops/csrc/int4_linear.cpp`` describes both)."""
+    return torch.ops.llmrpc_cpu.int4_split_nibbles()
 
 
 def blocked_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -406,9 +422,12 @@ def _pack_int4(codes, scales, zeros, dtype) -> tuple[torch.Tensor, torch.Tensor,
     out_features, in_features = codes.shape
     groups = in_features // GROUP_SIZE
     if blocked_kernel_available(dtype):
-        # [block, output, group, chunk, low/high nibble, input of the pair]
-        parts = codes.to(torch.uint8).reshape(out_features // 16, 16, groups, 8, 2, 2)
-        parts = parts.permute(0, 2, 3, 4, 1, 5)  # block, group, chunk, nibble, output, input
+        if _split_nibbles():  # [block, low/high nibble, output, group, chunk, input]
+            parts = codes.to(torch.uint8).reshape(out_features // 16, 2, 8, groups, 8, 4)
+            parts = parts.permute(0, 3, 4, 1, 2, 5)  # block, group, chunk, nibble, output, input
+        else:  # [block, output, group, chunk, low/high nibble, input of the pair]
+            parts = codes.to(torch.uint8).reshape(out_features // 16, 16, groups, 8, 2, 2)
+            parts = parts.permute(0, 2, 3, 4, 1, 5)  # block, group, chunk, nibble, output, input
         packed = parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)
         both = torch.stack([scales, zeros], dim=-1).to(dtype)  # [out, groups, 2]
         both = both.view(out_features // 16, 16, groups, 2).permute(0, 2, 3, 1)

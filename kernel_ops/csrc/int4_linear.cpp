@@ -5,7 +5,9 @@
 // block's inputs in groups of 32, each group 256 bytes: 8 chunks of 32 bytes, chunk c covering
 // inputs 4c..4c+3 of the group. Byte j of a chunk holds output j / 2 of the block: its low nibble
 // the code for input 4c + j % 2, its high nibble the code for input 4c + 2 + j % 2. Scales and
-// zeros: [blocks, groups, 2, 16] (scale, zero of the block's 16 outputs), in bfloat16.
+// zeros: [blocks, groups, 2, 16] (scale, zero of the block's 16 outputs), in bfloat16. The AVX2
+// build's kernel reads the chunks split instead (int4_split_nibbles() says which): byte 4m + t of
+// chunk c holds input 4c + t of output m in its low nibble and of output 8 + m in its high one.
 //
 // The inputs are quantized first, as llama.cpp quantizes them for its integer dot products: per
 // row and group, dx = max |x| / 127 and q = round(x * (1 / dx)) in int8. Each group's dot products
@@ -340,25 +342,28 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The AVX2 kernels, for CPUs without AVX512-VNNI (or without AVX512-BF16): the same sums, with
-// AVX2's integer products. The inputs are quantized as above (the same q, d and sums) and held as
-// one 32-bit word per pair of inputs 2p, 2p + 1, broadcast to every lane:
-// - against int4 codes, the pair's two int8 twice: vpmaddubsw multiplies the unsigned codes by the
-//   signed inputs and adds each output's two products into 16 bits (at most 2 * 15 * 127). An
-//   int4 chunk is two such products, its low nibbles against pair 2c and its high ones against pair
-//   2c + 1; a group's two halves of 16 inputs are summed apart in 16 bits (at most 30480, exact),
-//   then widened, interleaved, to 32: outputs 0-3 and 8-11 in one register, 4-7 and 12-15 in the
-//   other, their scales permuted alike and the totals put back in order at the end.
-// - against int8 codes (q + 128, up to 255: too wide for vpmaddubsw's 16-bit sums), the pair as
-//   two int16: vpmaddwd multiplies each code, widened to 16 bits, and adds an output's two
-//   products into 32 bits, exact; a chunk's first 16 bytes are outputs 0-7, the next 8-15.
+// AVX2's integer products. The inputs are quantized as above (the same q, d and sums); each 32-bit
+// word of them is broadcast to every lane:
+// - against int4 codes, in the split layout, the word holds q[4c..4c+3] as bytes: vpmaddubsw
+//   multiplies the unsigned codes by the signed inputs and adds pairs of products into 16 bits, so
+//   lanes 2m and 2m + 1 take output m's inputs 4c, 4c + 1 and 4c + 2, 4c + 3 (output 8 + m's from
+//   the high nibbles). Over a group a lane adds 16 products (at most 16 * 15 * 127 = 30480, exact
+//   in 16 bits), and vpmaddwd by ones adds each output's two lanes into 32 bits, in output order.
+//   One broadcast serves both nibbles; the layout of pairs (the AVX-512 kernel's) took one a
+//   product, widened its sums by interleaving and permuted its scales: SmolLM2's four int4 layer
+//   shapes, one thread, AMD EPYC family 25, ran at 67-69 GMAC/s at 32 rows and 34 at 1 row in it,
+//   84-87 and 41-42 split.
+// - against int8 codes (q + 128, up to 255: too wide for vpmaddubsw's 16-bit sums), the word holds
+//   the pair (q[2p], q[2p + 1]) as two int16: vpmaddwd multiplies each code, widened to 16 bits, and
+//   adds an output's two products into 32 bits, exact; a chunk's first 16 bytes are outputs 0-7,
+//   the next 8-15.
 // Each row's terms come in the same order whatever the rows beside it, so a row's output does not
 // depend on them; where a scale covers 16 inputs (Q6_K) each half is added to the total on its
 // own, where the AVX-512 kernel adds the halves' dot products first (some last bits differ).
-// Rows a tile: each row's sums take 2 registers of AVX2's 16 in both loops, but the int8 loop
-// needs more beside them (SmolLM2's four layer shapes, one thread, 32 rows, AMD EPYC family 25:
-// int4 67 GMAC/s at 4 rows a tile, 64 at 3 or 6, 57 at 5; int8 codes 54 at 3, 51 at 2, 37 at 4,
-// where GCC 12 kept one row's sums on the stack).
-constexpr int kInt4Rows = 4, kQ8Rows = 3;
+// Rows a tile: each row's sums and totals take 4 registers of AVX2's 16, the loops' own several
+// (the same shapes, 32 rows: int4 split 85 GMAC/s at 3 rows a tile, 67 at 4, where GCC 12 kept
+// sums on the stack; int8 codes 54 at 3, 51 at 2, 37 at 4).
+constexpr int kInt4Rows = 3, kQ8Rows = 3;
 
 using llmrpc_cpu::load_bf16x8;
 using llmrpc_cpu::round_to_bf16;
@@ -380,13 +385,15 @@ inline __m256i ordered_int16(__m256i first, __m256i second) {
   return _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xD8);
 }
 
-// Each row's inputs, group by group, quantized as quantize_rows does, into `words` (16 a group, one
-// per pair: int8 pairs twice where kBytePairs, else int16 pairs), d, d * sum(q) and, where
-// d_halves is given, d * sum(q) of each half of 16 ([2][rows * groups]).
-template <bool kBytePairs>
+// Each row's inputs, group by group, quantized as quantize_rows does, into `words`: where kQuads,
+// 8 a group, word c holding q[4c..4c+3] as bytes; else 16 a group, word p holding the int16 pair
+// (q[2p], q[2p + 1]). Then d, d * sum(q) and, where d_halves is given, d * sum(q) of each half of
+// 16 ([2][rows * groups]).
+template <bool kQuads>
 void quantize_rows_avx2(const at::BFloat16* x, int64_t rows, int64_t groups, int32_t* words,
                         float* d, float* d_sum, float* d_halves) {
   const __m256 sign = _mm256_set1_ps(-0.f);
+  constexpr int64_t kWords = kQuads ? 8 : 16;
   for (int64_t i = 0; i < rows * groups; ++i) {
     __m256 values[4];
     __m256 top = _mm256_setzero_ps();
@@ -406,82 +413,79 @@ void quantize_rows_avx2(const at::BFloat16* x, int64_t rows, int64_t groups, int
       d_halves[i] = scale * static_cast<float>(first);
       d_halves[rows * groups + i] = scale * static_cast<float>(second);
     }
-    for (int h = 0; h < 2; ++h) {  // pairs 8h..8h+7: int16 (q[2p], q[2p + 1]) a lane
-      __m256i pairs = ordered_int16(q[2 * h], q[2 * h + 1]);
-      if constexpr (kBytePairs) {  // (q[2p], q[2p + 1]) as bytes, twice
-        const __m256i bytes = _mm256_set1_epi32(0xFF);
-        const __m256i pair = _mm256_or_si256(
-            _mm256_and_si256(pairs, bytes),
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(pairs, 16), bytes), 8));
-        pairs = _mm256_or_si256(pair, _mm256_slli_epi32(pair, 16));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i * 16 + 8 * h), pairs);
+    __m256i* out = reinterpret_cast<__m256i*>(words + i * kWords);
+    if constexpr (kQuads) {
+      // packs interleave the 128-bit lanes: words q[0..3], q[8..11], q[16..19], q[24..27], then
+      // q[4..7], ..., put back in input order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                               _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(out, _mm256_permutevar8x32_epi32(
+                                   bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    } else {
+      _mm256_storeu_si256(out, ordered_int16(q[0], q[1]));
+      _mm256_storeu_si256(out + 1, ordered_int16(q[2], q[3]));
     }
   }
 }
 
 struct Avx2Rows {
-  const int32_t* words;  // row r's word for pair p of group g: words[r * ldw + 16 * g + p]
+  const int32_t* words;  // row r's words of group g from words[r * ldw + 16 * g] (int4: 8 * g)
   const float *d, *d_sum, *d_halves;  // [rows, groups], d_halves [2][rows * groups]
   int64_t ldw, groups, halves_stride, ldy;
   at::BFloat16* y;
 };
 
-// Outputs of one int4 block of 16 for R rows (int4's scales: (scale, zero) per 32 inputs).
+// Outputs of one int4 block of 16 for R rows (int4's scales: (scale, zero) per 32 inputs), from
+// the split layout: a chunk's low nibbles are outputs 0-7, its high ones 8-15.
 template <int R>
 void int4_block_avx2(const uint8_t* weight, const at::BFloat16* scales, const Avx2Rows& o) {
   const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256 offset = _mm256_set1_ps(8.f);
-  __m256 totals[R][2];  // outputs 0-3 and 8-11; 4-7 and 12-15
+  __m256 totals[R][2];  // outputs 0-7, 8-15
   for (int r = 0; r < R; ++r) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < o.groups; ++g) {
     const uint8_t* chunks = weight + g * kGroupBytes;
     for (int64_t line = 0; line < kGroupBytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(chunks + kPrefetchAhead + line), _MM_HINT_T0);
     }
-    __m256i halves[2][R];
-    for (int h = 0; h < 2; ++h) {
-      for (int r = 0; r < R; ++r) halves[h][r] = _mm256_setzero_si256();
-      for (int c = 4 * h; c < 4 * h + 4; ++c) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
-        const __m256i low = _mm256_and_si256(bytes, nibbles);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
-        for (int r = 0; r < R; ++r) {
-          const int32_t* pairs = o.words + r * o.ldw + 16 * g + 2 * c;
-          const __m256i dots = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(pairs[0])),
-                                                _mm256_maddubs_epi16(high, _mm256_set1_epi32(pairs[1])));
-          halves[h][r] = _mm256_add_epi16(halves[h][r], dots);
-        }
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int c = 0; c < 8; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
+      const __m256i low = _mm256_and_si256(bytes, nibbles);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
+      for (int r = 0; r < R; ++r) {
+        // q[4c..4c+3] in every lane: 16-bit lanes 2m and 2m + 1 take inputs 4c, 4c + 1 and
+        // 4c + 2, 4c + 3 of output m (low) and 8 + m (high)
+        const __m256i quad = _mm256_set1_epi32(o.words[r * o.ldw + 8 * g + c]);
+        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(low, quad));
+        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(high, quad));
       }
     }
-    // scale and zero - 8 * scale, permuted as the sums are
+    // scale and zero - 8 * scale of outputs 0-7 and 8-15
     const at::BFloat16* group_scales = scales + g * 2 * kBlockOutputs;
-    const __m256 scale_low = load_bf16x8(group_scales), scale_high = load_bf16x8(group_scales + 8);
-    const __m256 zero_low = load_bf16x8(group_scales + 16), zero_high = load_bf16x8(group_scales + 24);
-    const __m256 scale[2] = {_mm256_permute2f128_ps(scale_low, scale_high, 0x20),
-                             _mm256_permute2f128_ps(scale_low, scale_high, 0x31)};
-    const __m256 shift[2] = {
-        _mm256_fnmadd_ps(offset, scale[0], _mm256_permute2f128_ps(zero_low, zero_high, 0x20)),
-        _mm256_fnmadd_ps(offset, scale[1], _mm256_permute2f128_ps(zero_low, zero_high, 0x31))};
+    __m256 scale[2], shift[2];
+    for (int k = 0; k < 2; ++k) {
+      scale[k] = load_bf16x8(group_scales + 8 * k);
+      shift[k] = _mm256_fnmadd_ps(offset, scale[k], load_bf16x8(group_scales + 16 + 8 * k));
+    }
     for (int r = 0; r < R; ++r) {
-      const __m256i dots[2] = {
-          _mm256_madd_epi16(_mm256_unpacklo_epi16(halves[0][r], halves[1][r]), ones),
-          _mm256_madd_epi16(_mm256_unpackhi_epi16(halves[0][r], halves[1][r]), ones)};
       const int64_t i = r * o.groups + g;
       const __m256 dx = _mm256_set1_ps(o.d[i]), d_sum = _mm256_set1_ps(o.d_sum[i]);
       for (int k = 0; k < 2; ++k) {
-        const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[k]),
-                                           _mm256_mul_ps(scale[k], dx), totals[r][k]);
+        const __m256i dots = _mm256_madd_epi16(sums[r][k], ones);  // each output's two lanes
+        const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[k], dx),
+                                           totals[r][k]);
         totals[r][k] = _mm256_fmadd_ps(shift[k], d_sum, sum);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    at::BFloat16* out = o.y + r * o.ldy;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
-                     round_to_bf16(_mm256_permute2f128_ps(totals[r][0], totals[r][1], 0x20)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8),
-                     round_to_bf16(_mm256_permute2f128_ps(totals[r][0], totals[r][1], 0x31)));
+    for (int k = 0; k < 2; ++k) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.y + r * o.ldy + 8 * k),
+                       round_to_bf16(totals[r][k]));
+    }
   }
 }
 
@@ -568,7 +572,7 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
                          at::Tensor& y) {
   constexpr bool kQ8 = kIsQ8<kScales>;
   const int64_t rows = x.size(0), blocks = weight.size(0), groups = weight.size(1);
-  // words (16 a group), then d, d * sum(q) and the halves' sums (4 floats a group)
+  // words (16 a group; int4 uses 8), then d, d * sum(q) and the halves' sums (4 floats a group)
   const int64_t needed = rows * groups * (16 + 4);
   thread_local std::vector<int32_t> kept(kKeptWords);
   at::Tensor allocated;
@@ -591,7 +595,7 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
   constexpr int kRows = kQ8 ? kQ8Rows : kInt4Rows;
   const int64_t num_tiles = (rows + kRows - 1) / kRows;
   const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
-  const Avx2Rows all{words, ds, d_sums, d_halves, groups * 16, groups, rows * groups, ldy,
+  const Avx2Rows all{words, ds, d_sums, d_halves, groups * (kQ8 ? 16 : 8), groups, rows * groups, ldy,
                      y.data_ptr<at::BFloat16>()};
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -613,6 +617,15 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
 bool tiles_supported() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return llmrpc_cpu::amx_bf16_available();
+#else
+  return false;
+#endif
+}
+
+// Whether int4 chunks take the split layout described at the top (the AVX2 kernel's).
+bool split_nibbles() {
+#if !(defined(__AVX512BF16__) && defined(__AVX512VNNI__)) && defined(__AVX2__) && defined(__FMA__)
+  return true;
 #else
   return false;
 #endif
@@ -714,7 +727,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
 template <typename T>
 void dequantized_rows(const uint8_t* weight, const T* scales, const int64_t* ids, int64_t count,
                       int64_t groups, Scales layout, T* out) {
-  const bool int4 = layout == Scales::kInt4;
+  const bool int4 = layout == Scales::kInt4, split = split_nibbles();
   const int64_t group_bytes = int4 ? kGroupBytes : 2 * kGroupBytes;
   const int64_t planes = layout == Scales::kQ8 ? 1 : 2;  // scale planes of 16 a group
   const bool with_zeros = int4 || layout == Scales::kQ8Zeros;
@@ -727,9 +740,11 @@ void dequantized_rows(const uint8_t* weight, const T* scales, const int64_t* ids
         const T* params = scales + (block * groups + g) * planes * kBlockOutputs + lane;
         for (int64_t k = 0; k < kGroup; ++k) {
           float q, scale, zero = 0.f;
-          if (int4) {  // chunk k / 4; the low nibble holds inputs 4c and 4c + 1, the high the next
-            const uint8_t byte = chunks[32 * (k / 4) + 2 * lane + k % 2];
-            q = static_cast<float>((k % 4 < 2 ? byte & 15 : byte >> 4) - 8);
+          if (int4) {  // chunk k / 4, in the split layout or the one of pairs
+            const uint8_t byte = split ? chunks[32 * (k / 4) + 4 * (lane % 8) + k % 4]
+                                       : chunks[32 * (k / 4) + 2 * lane + k % 2];
+            const bool high = split ? lane >= 8 : k % 4 >= 2;
+            q = static_cast<float>((high ? byte >> 4 : byte & 15) - 8);
             scale = static_cast<float>(params[0]);
             zero = static_cast<float>(params[kBlockOutputs]);
           } else {  // chunk k / 2 holds inputs 2p and 2p + 1
@@ -790,6 +805,7 @@ TORCH_LIBRARY_FRAGMENT(llmrpc_cpu, m) {
   m.def("quantized_rows(Tensor weight, Tensor scales, Tensor ids, bool zeros=False) -> Tensor");
   m.def("int4_linear_supported() -> bool", &supported);
   m.def("int4_tiles_supported() -> bool", &tiles_supported);
+  m.def("int4_split_nibbles() -> bool", &split_nibbles);
 }
 
 TORCH_LIBRARY_IMPL(llmrpc_cpu, CPU, m) {
