@@ -626,7 +626,8 @@ def test_int4_kernel_is_built_where_the_cpu_matches():
     """The blocked int4/Q8_0 kernels exist in the AVX-512 and AVX2 builds (both have AVX2 and
     FMA); in the plain C++ build (run below) int4 layers keep torch's packing. Either computes the
     product within 1% of the sum of |x| |w| (ours quantizes the inputs to int8 per 32;
-    tests/engine/test_int4_kernel.py holds the exact checks)."""
+    tests/engine/test_int4_kernel.py holds the exact checks). The AVX2 kernel (every build with
+    the kernel but the one with AVX512-VNNI) reads split int4 chunks."""
     from llmrpc.engine.quantization.layers import Int4Linear, blocked_kernel_available
 
     expected = cpu_ops._capability() in ("AVX512", "AVX2")
@@ -634,6 +635,7 @@ def test_int4_kernel_is_built_where_the_cpu_matches():
     assert blocked_kernel_available() == expected
     layer = Int4Linear.from_float(torch.randn(32, 64), None, torch.bfloat16)
     assert layer.blocked == expected
+    assert layer.split == (expected and "-mavx512vnni" not in cpu_ops.compile_flags())
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     weight = layer.dequantize(torch.float32)
     exact = x.float() @ weight.T
