@@ -1,6 +1,8 @@
 """The blocked int4 and int8-code layers on SmolLM2-135M's four body shapes, one thread by default:
 GMAC/s over the four (random weights, hot in the cache; the fastest of 7 passes) at 1, 8, 32 and
-128 rows. Run: python tests/bench/kernel_bench.py [threads]; docs/performance.md cites it."""
+128 rows; then one row through 120 int4 layers (the 30 layers' four shapes, each weight read from
+memory as in a one-stream decode step), the median of 30 passes. Run: python
+tests/bench/kernel_bench.py [threads]; docs/performance.md cites it."""
 
 import sys
 import time
@@ -49,6 +51,20 @@ def main() -> None:
             figures.append(f"{rows} rows {macs / seconds / 1e9:.1f}")
         split = " (split nibbles)" if getattr(layers[0], "split", False) else ""
         print(f"{kind}{split}: " + ", ".join(figures) + " GMAC/s")
+    body = [Int4Linear.from_float(torch.randn(o, i), None, torch.bfloat16) for o, i in SHAPES * 30]
+    xs = [torch.randn(1, i).bfloat16() for _, i in SHAPES * 30]
+    weight_bytes = sum(layer.qweight.nbytes + layer.scales_and_zeros.nbytes for layer in body)
+    times = []
+    for _ in range(31):
+        start = time.perf_counter()
+        for layer, x in zip(body, xs, strict=True):
+            layer.packed_matmul(x)
+        times.append(time.perf_counter() - start)
+    median = sorted(times[1:])[15]
+    print(
+        f"one row through 120 int4 layers ({weight_bytes / 1e6:.0f} MB): {median * 1e3:.2f} ms, "
+        f"{weight_bytes / median / 1e9:.1f} GB/s"
+    )
 
 
 if __name__ == "__main__":
