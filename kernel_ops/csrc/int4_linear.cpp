@@ -351,8 +351,8 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 //   in 16 bits), and vpmaddwd by ones adds each output's two lanes into 32 bits, in output order.
 //   One broadcast serves both nibbles; the layout of pairs (the AVX-512 kernel's) took one a
 //   product, widened its sums by interleaving and permuted its scales: SmolLM2's four int4 layer
-//   shapes, one thread, AMD EPYC family 25, ran at 67-69 GMAC/s at 32 rows and 34 at 1 row in it,
-//   84-87 and 41-42 split.
+//   shapes, one thread, AMD EPYC family 25, ran at 67-69 GMAC/s at 32 rows and 33-34 at 1 row in
+//   it, 82-87 and 41-42 split (tests/bench/kernel_bench.py).
 // - against int8 codes (q + 128, up to 255: too wide for vpmaddubsw's 16-bit sums), the word holds
 //   the pair (q[2p], q[2p + 1]) as two int16: vpmaddwd multiplies each code, widened to 16 bits, and
 //   adds an output's two products into 32 bits, exact; a chunk's first 16 bytes are outputs 0-7,
@@ -595,7 +595,8 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
   constexpr int kRows = kQ8 ? kQ8Rows : kInt4Rows;
   const int64_t num_tiles = (rows + kRows - 1) / kRows;
   const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
-  const Avx2Rows all{words, ds, d_sums, d_halves, groups * (kQ8 ? 16 : 8), groups, rows * groups, ldy,
+  const int64_t ldw = groups * (kQ8 ? 16 : 8);
+  const Avx2Rows all{words, ds, d_sums, d_halves, ldw, groups, rows * groups, ldy,
                      y.data_ptr<at::BFloat16>()};
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
