@@ -361,8 +361,8 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // depend on them; where a scale covers 16 inputs (Q6_K) each half is added to the total on its
 // own, where the AVX-512 kernel adds the halves' dot products first (some last bits differ).
 // Rows a tile: each row's sums and totals take 4 registers of AVX2's 16, the loops' own several
-// (the same shapes, 32 rows: int4 split 85 GMAC/s at 3 rows a tile, 67 at 4, where GCC 12 kept
-// sums on the stack; int8 codes 54 at 3, 51 at 2, 37 at 4).
+// (the same shapes, 32 rows: int4 split 85 GMAC/s at 3 rows a tile, 67 at 4, where 4 rows' sums
+// and totals alone fill the 16; int8 codes 56 at 3, 49 at 2, 38 at 4).
 constexpr int kInt4Rows = 3, kQ8Rows = 3;
 
 using llmrpc_cpu::load_bf16x8;
