@@ -389,11 +389,14 @@ inline __m256i ordered_int16(__m256i first, __m256i second) {
 // 8 a group, word c holding q[4c..4c+3] as bytes; else 16 a group, word p holding the int16 pair
 // (q[2p], q[2p + 1]). Then d, d * sum(q) and, where d_halves is given, d * sum(q) of each half of
 // 16 ([2][rows * groups]).
+// The input words a group takes: 8 quads of bytes (against int4 codes) or 16 int16 pairs.
+template <bool kQuads>
+constexpr int64_t kGroupWords = kQuads ? 8 : 16;
+
 template <bool kQuads>
 void quantize_rows_avx2(const at::BFloat16* x, int64_t rows, int64_t groups, int32_t* words,
                         float* d, float* d_sum, float* d_halves) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  constexpr int64_t kWords = kQuads ? 8 : 16;
   for (int64_t i = 0; i < rows * groups; ++i) {
     __m256 values[4];
     __m256 top = _mm256_setzero_ps();
@@ -413,7 +416,7 @@ void quantize_rows_avx2(const at::BFloat16* x, int64_t rows, int64_t groups, int
       d_halves[i] = scale * static_cast<float>(first);
       d_halves[rows * groups + i] = scale * static_cast<float>(second);
     }
-    __m256i* out = reinterpret_cast<__m256i*>(words + i * kWords);
+    __m256i* out = reinterpret_cast<__m256i*>(words + i * kGroupWords<kQuads>);
     if constexpr (kQuads) {
       // packs interleave the 128-bit lanes: words q[0..3], q[8..11], q[16..19], q[24..27], then
       // q[4..7], ..., put back in input order
@@ -576,8 +579,9 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
                          at::Tensor& y) {
   constexpr bool kQ8 = kIsQ8<kScales>;
   const int64_t rows = x.size(0), blocks = weight.size(0), groups = weight.size(1);
-  // words (16 a group; int4 uses 8), then d, d * sum(q) and the halves' sums (4 floats a group)
-  const int64_t needed = rows * groups * (16 + 4);
+  // words, then d, d * sum(q) and the halves' sums (4 floats a group)
+  const int64_t ldw = groups * kGroupWords<!kQ8>;
+  const int64_t needed = rows * (ldw + 4 * groups);
   thread_local std::vector<int32_t> kept(kKeptWords);
   at::Tensor allocated;
   int32_t* words = kept.data();
@@ -585,7 +589,7 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
     allocated = at::empty({needed}, x.options().dtype(at::kInt));
     words = allocated.data_ptr<int32_t>();
   }
-  float* ds = reinterpret_cast<float*>(words + rows * groups * 16);
+  float* ds = reinterpret_cast<float*>(words + rows * ldw);
   static_assert(sizeof(float) == sizeof(int32_t));
   float* d_sums = ds + rows * groups;
   float* d_halves = ds + 2 * rows * groups;
@@ -599,7 +603,6 @@ void blocked_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const at
   constexpr int kRows = kQ8 ? kQ8Rows : kInt4Rows;
   const int64_t num_tiles = (rows + kRows - 1) / kRows;
   const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
-  const int64_t ldw = groups * (kQ8 ? 16 : 8);
   const Avx2Rows all{words, ds, d_sums, d_halves, ldw, groups, rows * groups, ldy,
                      y.data_ptr<at::BFloat16>()};
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
