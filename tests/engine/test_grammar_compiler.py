@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -160,3 +162,31 @@ def test_a_grammar_past_the_time_bound_fails_and_the_engine_goes_on(core, monkey
     core.add_request("later", [1, 2], SamplingParams(seed=3, max_tokens=9, structured_output=slow))
     assert _run_until_done(core)["later"].text == "slowslow"
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+
+
+_EXIT_DURING_A_COMPILE = """
+import threading
+import torch
+from llmrpc.engine.structured_output.lanes import CompileLane
+a = torch.randn(3000, 3000)
+started = threading.Event()
+def compile():  # native code with the GIL released, as xgrammar's and llguidance's compiles run
+    started.set()
+    return a @ a @ a @ a
+CompileLane("grammar", 1, 2).submit(compile)
+started.wait()
+"""
+
+
+def test_a_process_that_exits_during_a_compile_exits_cleanly():
+    """A lane thread still running when its process exits is ended where it next takes the
+    GIL. Coming back from a compile, or freeing the tensor this one returns, that is inside C++
+    frames that cannot unwind, and the process aborted ("terminate called without an active
+    exception", status 134). Every new compiler reads the vocabulary on a lane thread (about
+    0.2 s for SmolLM2's); the device check's dry run, whose tests end seconds after making their
+    engines, once aborted at exit with that message. Now the lanes' threads end, their compiles
+    done, before the interpreter goes."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_DURING_A_COMPILE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
