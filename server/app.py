@@ -432,14 +432,23 @@ async def serve(
     gateway of ``llmrpc serve``); it is built before any port is bound and binds its own port
     before the server binds its; it listens from the start and stops after the server.
     """
-    running = build_server(engine_config, frontend)
-    service = beside(running.loopback) if beside is not None else None
-    await _listen_beside(running, service, frontend)
+    # The handlers first: a signal while the server is built or binds asks for a stop (else
+    # asyncio.run's own SIGINT handler would cancel this task inside the gRPC server's start).
     stop_requested = asyncio.Event()
+    built: list[RunningServer] = []  # the server a second signal hurries, once there is one
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, _on_signal, signum, stop_requested, running)
+        loop.add_signal_handler(signum, _on_signal, signum, stop_requested, built)
     try:
+        running = build_server(engine_config, frontend)
+        built.append(running)
+        service = beside(running.loopback) if beside is not None else None
+        await _listen_beside(running, service, frontend)
+        if stop_requested.is_set():  # while starting: no model to load
+            await running.stop(grace=0)
+            if service is not None:
+                await service.stop()
+            return 0
         load = asyncio.create_task(running.load(engine_config, frontend))
         waits = [asyncio.create_task(e.wait()) for e in (stop_requested, running.engine_died)]
         await asyncio.wait([load, *waits], return_when=asyncio.FIRST_COMPLETED)
@@ -476,14 +485,15 @@ async def _listen_beside(
         raise
 
 
-def _on_signal(signum: int, stop_requested: asyncio.Event, running: RunningServer) -> None:
+def _on_signal(signum: int, stop_requested: asyncio.Event, built: list[RunningServer]) -> None:
     name = signal.Signals(signum).name
     if not stop_requested.is_set():
         logger.info("%s received: stopping gracefully (send it again to stop at once)", name)
         stop_requested.set()
     else:
         logger.warning("%s received again: cancelling the calls in flight", name)
-        running.hurry()
+        for running in built:
+            running.hurry()
 
 
 def _exit_code(load: asyncio.Task, running: RunningServer) -> int:

@@ -190,10 +190,54 @@ def test_admin_rpcs_answer_grpcurl(grpcurl, address):
 
 
 def test_start_up_warns_that_neither_key_nor_tls_is_set(serve, address):
-    assert any("no --api-key and no TLS" in line for line in serve.log)
+    deadline = time.monotonic() + 30  # logged just after the listening line `address` waits for
+    while not (warned := any("no --api-key and no TLS" in line for line in serve.log)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert warned, "".join(serve.log)
 
 
 def test_sigterm_stops_the_server_with_status_0(serve, address):
     serve.process.send_signal(signal.SIGTERM)
     assert serve.process.wait(timeout=60) == 0
     assert any("SIGTERM received" in line for line in serve.log)
+
+
+_CTRL_C_WHILE_BUILDING = """
+import os, signal, sys
+from llmrpc.cli import main
+from llmrpc.server import app
+
+real_build = app.build_server
+
+
+def build_server(*args):  # Ctrl-C while the server is built, before it listens
+    os.kill(os.getpid(), signal.SIGINT)
+    return real_build(*args)
+
+
+app.build_server = build_server
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("engine", ["process", "in-process"])
+def test_ctrl_c_while_starting_stops_the_server_with_status_0(tiny_llama_dir, engine):
+    """SIGINT before the server's own handlers were installed cancelled its main task inside
+    the gRPC server's start: a traceback ("InvalidStateError: invalid state") and status 1.
+    Now the handlers come first, and a stop asked for while starting loads no model."""
+    flags = ["--host=127.0.0.1", "--grpc-port=0", "--port=0", "--dtype=float32"]
+    if engine == "in-process":
+        flags.append("--disable-frontend-multiprocessing")
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_BUILDING, str(tiny_llama_dir), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert "SIGINT received" in log and "Traceback" not in log, log[-3000:]
+    assert "engine_core: loading" not in log, log[-3000:]
