@@ -16,6 +16,7 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import sys
 
 from llmrpc.common.fd_limit import raise_open_file_limit
@@ -48,8 +49,13 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
     limit_arenas()  # before the engine, gRPC and tokenizer threads start allocating
     raise_open_file_limit()  # before the listeners' connection caps are derived from it
 
+    # SIGINT/SIGTERM before the server's own handlers are set: remembered, and acted on once
+    # they are (not a KeyboardInterrupt, nor asyncio.run cancelling the start half done)
+    signalled: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: signalled.append(signum))
     try:
-        return asyncio.run(serve(engine_config, frontend))
+        return asyncio.run(serve(engine_config, frontend, signalled))
     except (BindError, RestBindError) as error:
         logger.error("%s", error)
         return 1
@@ -57,9 +63,11 @@ def run_serve(serve_parser: argparse.ArgumentParser, argv: list[str]) -> int:
         serve_parser.error(str(error))
 
 
-async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
+async def serve(
+    engine_config: EngineConfig, frontend: FrontendConfig, signalled: list[int] | None = None
+) -> int:
     """The gRPC server until it stops, with the REST gateway beside it unless
-    --no-rest-gateway; the exit status."""
+    --no-rest-gateway; the exit status. ``signalled``: signals received before it starts."""
     if not frontend.disable_frontend_multiprocessing:
         _keep_torch_out()
     from llmrpc.cli import rest
@@ -68,7 +76,7 @@ async def serve(engine_config: EngineConfig, frontend: FrontendConfig) -> int:
     beside = None
     if frontend.rest_gateway:
         beside = functools.partial(rest.in_process_gateway, frontend)
-    return await app.serve(engine_config, frontend, beside=beside)
+    return await app.serve(engine_config, frontend, beside=beside, signalled=signalled)
 
 
 def _keep_torch_out() -> None:

@@ -424,9 +424,11 @@ async def serve(
     engine_config: EngineConfig,
     frontend: FrontendConfig,
     beside: BesideFactory | None = None,
+    signalled: list[int] | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT (exit status 0), the engine dies (1) or loading fails (1, or 2
-    for a bad flag value).
+    for a bad flag value). ``signalled``: such signals received before this started, which it
+    acts on as if they came now.
 
     ``beside`` builds a service to run beside the server from its in-process channel (the REST
     gateway of ``llmrpc serve``); it is built before any port is bound and binds its own port
@@ -439,6 +441,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, _on_signal, signum, stop_requested, built)
+    for signum in signalled or ():
+        _on_signal(signum, stop_requested, built)
     try:
         running = build_server(engine_config, frontend)
         built.append(running)

@@ -204,34 +204,40 @@ def test_sigterm_stops_the_server_with_status_0(serve, address):
     assert any("SIGTERM received" in line for line in serve.log)
 
 
-_CTRL_C_WHILE_BUILDING = """
+_CTRL_C_WHILE_STARTING = """
 import os, signal, sys
 from llmrpc.cli import main
+from llmrpc.cli import serve as serve_cli
 from llmrpc.server import app
 
-real_build = app.build_server
+def ctrl_c_before(function):
+    def sends_sigint_first(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        return function(*args)
+    return sends_sigint_first
 
-
-def build_server(*args):  # Ctrl-C while the server is built, before it listens
-    os.kill(os.getpid(), signal.SIGINT)
-    return real_build(*args)
-
-
-app.build_server = build_server
-sys.exit(main(["serve", *sys.argv[1:]]))
+if sys.argv[1] == "building":  # while the server is built, before it listens
+    app.build_server = ctrl_c_before(app.build_server)
+else:  # before the server's code runs at all: its modules are still to be imported
+    serve_cli._keep_torch_out = ctrl_c_before(serve_cli._keep_torch_out)
+sys.exit(main(["serve", *sys.argv[2:]]))
 """
 
 
-@pytest.mark.parametrize("engine", ["process", "in-process"])
-def test_ctrl_c_while_starting_stops_the_server_with_status_0(tiny_llama_dir, engine):
+@pytest.mark.parametrize(
+    ("when", "engine"),
+    [("building", "process"), ("building", "in-process"), ("importing", "process")],
+)
+def test_ctrl_c_while_starting_stops_the_server_with_status_0(tiny_llama_dir, when, engine):
     """SIGINT before the server's own handlers were installed cancelled its main task inside
     the gRPC server's start: a traceback ("InvalidStateError: invalid state") and status 1.
-    Now the handlers come first, and a stop asked for while starting loads no model."""
+    Now one that comes before is remembered, the handlers come first, and a stop asked for
+    while starting loads no model."""
     flags = ["--host=127.0.0.1", "--grpc-port=0", "--port=0", "--dtype=float32"]
     if engine == "in-process":
         flags.append("--disable-frontend-multiprocessing")
     done = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_WHILE_BUILDING, str(tiny_llama_dir), *flags],
+        [sys.executable, "-c", _CTRL_C_WHILE_STARTING, when, str(tiny_llama_dir), *flags],
         capture_output=True,
         text=True,
         timeout=120,
