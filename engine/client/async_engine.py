@@ -378,7 +378,18 @@ class AsyncEngine(EngineClient):
             target=engine._run, args=(config, loaded), name="llmrpc-engine", daemon=True
         )
         engine._thread.start()
-        await asyncio.wrap_future(loaded)  # raises what loading raised
+        loading = asyncio.wrap_future(loaded)
+        try:
+            await asyncio.shield(loading)  # raises what loading raised
+        except asyncio.CancelledError:
+            # Stopped while loading: the thread loads on (torch cannot be interrupted), then
+            # takes the Shutdown. Joined here, so no torch work runs on as the process exits,
+            # which would abort it ("terminate called without an active exception").
+            engine._inbox.put(Shutdown())
+            await asyncio.to_thread(engine._thread.join)
+            if loading.done():
+                loading.exception()  # a failed load, if it failed: nobody waits for it now
+            raise
         return engine
 
     @property
