@@ -59,6 +59,22 @@ def test_a_rows_tile_output_is_the_same_alone_and_in_any_batch():
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+def test_many_rows_split_over_threads_give_each_row_its_bits_alone():
+    """From 192 rows two threads split the dot-product kernel's rows, not its blocks (an uneven
+    split here: 5 blocks): every row still has the output it has alone."""
+    layer = BlockedLinear(_linear(80, 96))
+    layer.kernel_by_bucket = [0] * len(ROW_BUCKETS)
+    x = _rows(251, 96)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(251)])
+    cpu_ops.set_kernel_threads(2)
+    try:
+        for rows in (191, 192, 251):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+    finally:
+        cpu_ops.set_kernel_threads(0)
+
+
 @needs_amx
 def test_each_call_takes_its_buckets_kernel():
     """The C++ op's buckets are Python's: at each bucket's ends the output is the one of the
