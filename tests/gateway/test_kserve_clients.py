@@ -69,11 +69,17 @@ def clients_saw(served) -> dict:
     }  # fmt: skip
     script = str(Path(__file__).with_name("oip_clients.py"))
     seen = {}
-    for run in (["grpc", "http"], ["kserve"]):  # tritonclient and kserve: a process each
-        arguments = [str(OIP_PYTHON), script, json.dumps({**config, "run": run})]
-        done = subprocess.run(arguments, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        seen |= json.loads(done.stdout.strip().splitlines()[-1])
+    # paced, so that a stream's tokens come a step apart: on a fast machine the tiny model's five
+    # can all be ready before the first is sent, and go as one piece
+    slow_down(running.engine, 0.01)
+    try:
+        for run in (["grpc", "http"], ["kserve"]):  # tritonclient and kserve: a process each
+            arguments = [str(OIP_PYTHON), script, json.dumps({**config, "run": run})]
+            done = subprocess.run(arguments, capture_output=True, text=True, timeout=240)
+            assert done.returncode == 0, done.stderr[-3000:]
+            seen |= json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        restore_speed(running.engine)
     return seen
 
 
@@ -164,9 +170,13 @@ def test_generate_with_sampling_parameters_and_extra_outputs(served):
 
 
 def test_generate_stream_sends_one_event_a_piece(served):
-    _, gateway = served
+    running, gateway = served
     body = {"text_input": "Hello", "parameters": GREEDY}
-    reply = post(gateway, f"/v2/models/{MODEL}/generate_stream", body)
+    slow_down(running.engine, 0.01)  # tokens a step apart, as in clients_saw
+    try:
+        reply = post(gateway, f"/v2/models/{MODEL}/generate_stream", body)
+    finally:
+        restore_speed(running.engine)
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event")
     blocks = reply.text.split("\n\n")
     assert blocks[-1] == "" and all(block.startswith("data: ") for block in blocks[:-1])
