@@ -53,7 +53,6 @@ namespace {
 constexpr int64_t kBlockOutputs = 16;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = kBlockOutputs * kGroup / 2;  // int4; Q8_0 twice that
-constexpr int kMaxRows = 12;  // rows computed together: each unpacked weight serves all of them
 // Weights are read in address order; asking for the bytes this far ahead took one row's pass over
 // SmolLM2's 30 layers (53 MB, one thread) from 2.9-3.1 to 1.9-2.2 ms (distances of 1 to 64 KB
 // tried; 16-32 KB best).
@@ -62,6 +61,15 @@ constexpr int64_t kPrefetchAhead = 16384;
 // What a group's scales hold: int4 weights always a (scale, zero) pair per 32 inputs; int8 codes
 // one of the three layouts described at the top.
 enum class Scales { kInt4, kQ8, kQ8Zeros, kQ8Halves };
+
+// Rows computed together: each unpacked weight serves all of them. Per kind, by measurement
+// (tests/bench/kernel_bench.py's shapes, 1 thread, AMD EPYC family 26): int8 codes at 128-512
+// rows did 153-160 GMAC/s in tiles of 12 rows, 220-229 in tiles of 9-11; with a scale per 16
+// inputs (whose first half's sums stay live beside the rest) 123-127 at 12, 173-181 at 4-6.
+template <Scales kScales>
+constexpr int kMaxRows = kScales == Scales::kInt4      ? 12
+                         : kScales == Scales::kQ8Halves ? 6
+                                                        : 10;
 
 template <Scales kScales>
 constexpr bool kIsQ8 = kScales != Scales::kInt4;
@@ -229,13 +237,13 @@ void blocked_linear(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const int64_t ldq = groups * kGroup, ldy = blocks * kBlockOutputs;
   const int64_t block_bytes = groups * (kQ8 ? 2 : 1) * kGroupBytes;
   const int64_t block_scales = scales.numel() / blocks;
-  // rows in tiles of near-equal size (16 rows: 8 + 8, not 12 + 4)
-  const int64_t num_tiles = (rows + kMaxRows - 1) / kMaxRows;
+  // rows in tiles of near-equal size (int4's 16 rows: 8 + 8, not 12 + 4)
+  const int64_t num_tiles = (rows + kMaxRows<kScales> - 1) / kMaxRows<kScales>;
   const int64_t tile = (rows + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += tile) {
-        rows_of_block<kMaxRows, kScales>(
+        rows_of_block<kMaxRows<kScales>, kScales>(
             w + b * block_bytes, sc + b * block_scales, qs + r * ldq, ldq, ds + r * groups,
             d_sums + r * groups, d_halves + r * groups, rows * groups, groups,
             out + r * ldy + b * kBlockOutputs, ldy, std::min<int64_t>(tile, rows - r));
