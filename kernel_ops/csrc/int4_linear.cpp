@@ -64,7 +64,7 @@ enum class Scales { kInt4, kQ8, kQ8Zeros, kQ8Halves };
 
 // Rows computed together: each unpacked weight serves all of them. Per kind, by measurement
 // (tests/bench/kernel_bench.py's shapes, 1 thread, AMD EPYC family 26): int8 codes at 128-512
-// rows did 153-160 GMAC/s in tiles of 12 rows, 220-229 in tiles of 9-11; with a scale per 16
+// rows did 153-160 GMAC/s in tiles of 12 rows, 219-229 in tiles of 9-11; with a scale per 16
 // inputs (whose first half's sums stay live beside the rest) 123-127 at 12, 173-181 at 4-6.
 template <Scales kScales>
 constexpr int kMaxRows = kScales == Scales::kInt4      ? 12
