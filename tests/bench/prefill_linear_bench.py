@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from llmrpc.engine.loading.loader import _convert_cached
-from llmrpc.engine.loading.model_source import packaged_gguf_path
+from llmrpc.engine.loading.loader import resolve_model_dir
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear_tuning import _module
 
@@ -34,9 +33,7 @@ def main() -> None:
         sys.exit("this CPU or build has no AVX512-BF16 blocked kernel")
     torch.set_num_threads(threads)
     cpu_ops.set_kernel_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(
-        _convert_cached(packaged_gguf_path(), None), dtype=torch.bfloat16
-    )
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.bfloat16)
     body = []
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
