@@ -50,12 +50,11 @@ class CompileLane:
         self._lock = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._began: dict[int, float] = {}  # busy thread -> when its compile began
-        self._threads = 0
         self._idle = 0
         self._starting = 0  # started threads yet to look at the queue
         self._numbers = itertools.count()
         self._recheck: threading.Timer | None = None
-        self._workers: set[threading.Thread] = set()
+        self._workers: set[threading.Thread] = set()  # its threads: their count, joined at exit
         self._closed = False
         _lanes.add(self)
 
@@ -96,9 +95,8 @@ class CompileLane:
         while (
             len(self._queue) > self._idle + self._starting
             and len(fast) + self._starting < self.width
-            and self._threads < self.max_threads
+            and len(self._workers) < self.max_threads
         ):
-            self._threads += 1
             self._starting += 1
             number = next(self._numbers)
             name = f"{self.name}-{number}"
@@ -106,7 +104,7 @@ class CompileLane:
             self._workers.add(worker)
             worker.start()
         waiting = len(self._queue) > self._idle + self._starting
-        if waiting and fast and self._threads < self.max_threads and self._recheck is None:
+        if waiting and fast and len(self._workers) < self.max_threads and self._recheck is None:
             self._recheck = threading.Timer(min(fast) + SLOW_S - now, self._look_again)
             self._recheck.daemon = True
             self._recheck.start()
@@ -126,8 +124,7 @@ class CompileLane:
                     self._idle += 1
                     woken = self._lock.wait(_IDLE_EXIT_S)
                     self._idle -= 1
-                    if not woken and not self._queue and self._threads > self.width:
-                        self._threads -= 1
+                    if not woken and not self._queue and len(self._workers) > self.width:
                         self._workers.discard(threading.current_thread())
                         return
                     continue

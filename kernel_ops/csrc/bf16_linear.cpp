@@ -622,8 +622,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   // Many rows: each thread takes every block for its share of the rows (a split by blocks
   // leaves one thread a group more where the groups do not divide evenly). A row's sums are the
   // same whichever tile or thread computes it.
-  const int64_t parts = at::get_num_threads();
-  if (parts > 1 && rows >= kRowSplitMin) {
+  const int64_t parts = rows >= kRowSplitMin ? at::get_num_threads() : 1;
+  if (parts > 1) {
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t first = rows * t / parts, last = rows * (t + 1) / parts;

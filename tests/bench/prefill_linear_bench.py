@@ -1,5 +1,5 @@
-"""A prefill's linear layers in bfloat16: the packaged SmolLM2-135M's 120 body layers, fused as the
-engine runs them (qkv, o, gate_up, down), each called with the same rows, through our blocked
+"""A prefill's linear layers in bfloat16: the packaged SmolLM2-135M's 120 body layers as the engine
+builds them (qkv, o, gate_up, down), each called with the same rows, through our blocked
 dot-product kernel and through oneDNN's packed matmul. Passes alternate which goes first; the
 fastest of 7 counts. Prints each kernel's time over the 120 layers and blocked / oneDNN.
 Run: python tests/bench/prefill_linear_bench.py [threads] [rows] (1 and 512 by default);
@@ -10,19 +10,14 @@ import time
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig
 
-from llmrpc.engine.loading.loader import resolve_model_dir
+from llmrpc.engine.loading.loader import iter_weights, resolve_model_dir
+from llmrpc.engine.models import build_model
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.linear_tuning import _module
 
 KERNELS = ("blocked-avx512bf16", "onednn")
-
-
-def fused(parts: list[nn.Linear]) -> nn.Linear:
-    layer = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=False)
-    layer.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
-    return layer
 
 
 @torch.inference_mode()
@@ -33,16 +28,13 @@ def main() -> None:
         sys.exit("this CPU or build has no AVX512-BF16 blocked kernel")
     torch.set_num_threads(threads)
     cpu_ops.set_kernel_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.bfloat16)
-    body = []
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        body += [
-            fused([attention.q_proj, attention.k_proj, attention.v_proj]),
-            attention.o_proj,
-            fused([mlp.gate_proj, mlp.up_proj]),
-            mlp.down_proj,
-        ]
+    folder = resolve_model_dir(None)
+    model = build_model(AutoConfig.from_pretrained(folder), torch.bfloat16, iter_weights(folder))
+    body = [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.startswith("layers.")
+    ]
     modules = {kernel: [_module(layer, kernel) for layer in body] for kernel in KERNELS}
     generator = torch.Generator().manual_seed(0)
     xs = {
