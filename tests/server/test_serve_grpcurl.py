@@ -256,4 +256,6 @@ def test_ctrl_c_while_starting_stops_the_server_with_status_0(tiny_llama_dir, wh
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]
     assert "SIGINT received" in log and "Traceback" not in log, log[-3000:]
+    # the engine's "loading <model> (<dtype>)": only where the signal came as it began to load
+    assert ("engine_core: loading " in log) == (when == "loading"), log[-3000:]
     assert ("engine_core: loading" in log) == (when == "loading"), log[-3000:]
