@@ -172,10 +172,53 @@ def paged_attention(
             query[rows], key_cache, value_cache, metadata, scale, kv_scales, window, softcap
         )
     for seq in metadata.prefills:
+        kernel = _planned_prefill(query, key_cache, seq) if fits else "torch-sdpa"
+        prefill(
+            query, key_cache, value_cache, seq, scale, output, kernel, kv_scales, window, softcap
+        )
+    return output
+
+
+# Each attention shape's path for prompt chunks on this machine, by the chunk's rows: set at
+# model load from attention_tuning's measurements. A shape without one takes torch's.
+_prefill_kernels: dict[tuple, tuple[tuple[int | None, str], ...]] = {}
+
+
+def set_prefill_kernels(shape: tuple, buckets: tuple[tuple[int | None, str], ...]) -> None:
+    """``shape``: (query heads, block size, KV heads, head size, dtype); ``buckets``: (last row
+    or None for no end, path) in rising order."""
+    _prefill_kernels[shape] = buckets
+
+
+def _planned_prefill(query, key_cache, seq: PrefillSeq) -> str:
+    buckets = _prefill_kernels.get((query.shape[1], *key_cache.shape[1:], key_cache.dtype))
+    if buckets is None or not prefill_kernel_fits(key_cache):
+        return "torch-sdpa"
+    rows = seq.query_end - seq.query_start
+    return next(kernel for last, kernel in buckets if last is None or rows <= last)
+
+
+def prefill_kernel_fits(key_cache) -> bool:
+    """Whether the C++ prefill kernel takes this cache's head size (where the decode kernel
+    takes the shapes: ``decode_kernel_fits``)."""
+    return key_cache.shape[-1] % 16 == 0
+
+
+def prefill(
+    query, key_cache, value_cache, seq: PrefillSeq, scale, output, kernel: str,
+    kv_scales=(1.0, 1.0), window=None, softcap=None,
+) -> None:  # fmt: skip
+    """One prompt chunk's attention into its rows of ``output`` by ``kernel``: ``cpp-prefill``
+    (the C++ kernel, which must fit: no window, softcap or fp8 cache) or ``torch-sdpa``."""
+    rows = slice(seq.query_start, seq.query_end)
+    if kernel == "cpp-prefill":
+        output[rows] = torch.ops.llmrpc_cpu.prefill_attention.default(
+            query[rows], key_cache, value_cache, seq.block_ids, seq.seq_len, scale
+        )
+    else:
         _prefill_attention(
             query, key_cache, value_cache, seq, scale, output, kv_scales, window, softcap
         )
-    return output
 
 
 def _triton_attention(

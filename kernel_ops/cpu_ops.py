@@ -43,6 +43,7 @@ _SOURCES = [
     _CSRC / "elementwise.cpp",
     _CSRC / "int4_linear.cpp",
     _CSRC / "linear.cpp",  # packed_linear, for torch.compile (engine/runner/compilation.py)
+    _CSRC / "prefill_attention.cpp",
 ]
 _HEADERS = [
     _CSRC / "amx_bf16.h",

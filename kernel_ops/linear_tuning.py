@@ -128,6 +128,10 @@ class LayerChoice:
     kernels: tuple[str, ...]  # per bucket of ROW_BUCKETS
     times_us: dict[str, list[float | None]]  # kernel -> per bucket (None: not timed)
 
+    @property
+    def op(self) -> str:
+        return f"linear {self.shape}"
+
     def describe(self) -> str:
         if len(self.times_us) < 2:
             return f"{self.shape} ({self.num_layers} layers): {self.kernels[0]}, the one candidate"

@@ -72,6 +72,7 @@ from llmrpc.engine.structured_output.grammar import Grammar
 from llmrpc.engine.structured_output.step import GrammarStep
 from llmrpc.engine.timings import record_step, start_timings
 from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.attention_tuning import AttentionChoice, plan_prefill_attention
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
 from llmrpc.kernels.linear_tuning import LayerChoice, bucket_name, layouts, plan_linear_kernels
 
@@ -213,14 +214,16 @@ def check_batch_invariant(model, attention_backend: str, kv_in_model_dtype: bool
             )
 
 
-def kernel_choices(plan: dict[str, LayerChoice]) -> tuple[KernelChoice, ...]:
-    """The measured choices as GetServerInfo reports them: one per shape and bucket of rows."""
+def kernel_choices(plan: dict[str, LayerChoice | AttentionChoice]) -> tuple[KernelChoice, ...]:
+    """The measured choices as GetServerInfo reports them: one per shape and bucket of rows
+    (a prompt chunk's attention from two rows)."""
     rows = []
-    for shape, choice in plan.items():
-        for index, kernel in enumerate(choice.kernels):
+    for choice in plan.values():
+        first = 1 if isinstance(choice, AttentionChoice) else 0
+        for index, kernel in enumerate(choice.kernels[first:], first):
             times = {k: t[index] for k, t in choice.times_us.items() if t[index] is not None}
             bucket = bucket_name(index)
-            rows.append(KernelChoice(f"linear {shape}", choice.num_layers, bucket, kernel, times))
+            rows.append(KernelChoice(choice.op, choice.num_layers, bucket, kernel, times))
     return tuple(rows)
 
 
@@ -268,7 +271,8 @@ class EngineCore:
         # a compiled engine's budget moves its kernels' threads alone (csrc/kernel_threads.h)
         self._budget_kernels_only = False
         self._kernel_threads = 0
-        self.linear_kernels: dict[str, LayerChoice] = {}  # shape -> measured choice (CPU)
+        # shape -> measured choice (CPU): the linear layers', prompt chunks' attention's
+        self.measured_kernels: dict[str, LayerChoice | AttentionChoice] = {}
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
         self.model_dir = loader.resolve_model_dir(model_config.model)
@@ -343,6 +347,14 @@ class EngineCore:
         )
         self.runner.lora = self.lora
         self.runner.parallel = self.parallel
+        # a prompt chunk's attention path, measured (with an fp8 cache: torch's always)
+        cpu_torch = self.device.type == "cpu" and self.attention_backend == "torch"
+        heads = getattr(self.hf_config, "num_attention_heads", None)
+        if cpu_torch and heads and self.parallel is None and self.kv_cache_dtype == self.dtype:
+            plan = plan_prefill_attention(
+                heads, self.runner.kv_caches, loader.cache_root() / "kernels"
+            )
+            self.measured_kernels.update(plan)
         if profile:
             num_blocks = self.runner.kv_blocks_on_device(
                 num_tokens, config.scheduler.max_num_seqs, config.cache.gpu_memory_utilization
@@ -539,7 +551,7 @@ class EngineCore:
                 "%s", describe_linear_layers(model, packed, None if draft else config.quantization)
             )
             kernels |= plan_quantized_kernels(model, loader.cache_root() / "kernels")
-            self.linear_kernels.update(kernels)
+            self.measured_kernels.update(kernels)
             for choice in kernels.values():
                 logger.info("linear kernels: %s", choice.describe())
         moved, huge = gather_weights(model)
@@ -591,7 +603,7 @@ class EngineCore:
             structured_output=self.structured_config,
             runner=self.pooling.runner,
             embedding_size=self.pooling.hidden_size,
-            kernels=kernel_choices(self.linear_kernels),
+            kernels=kernel_choices(self.measured_kernels),
         )
 
     @property

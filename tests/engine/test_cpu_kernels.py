@@ -1,7 +1,8 @@
-"""The C++ decode-attention kernel (kernel_ops/csrc) against the pure-torch path it replaces."""
+"""The C++ attention kernels (kernel_ops/csrc) against the pure-torch paths they replace."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -14,8 +15,14 @@ from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.request import SamplingParams
 from llmrpc.engine.runner.model_runner import _pad_tables
-from llmrpc.kernels import cpu_ops, elementwise
-from llmrpc.kernels.attention import AttentionMetadata, decode_attention_torch, store_kv_rows
+from llmrpc.kernels import attention, attention_tuning, cpu_ops, elementwise
+from llmrpc.kernels.attention import (
+    AttentionMetadata,
+    PrefillSeq,
+    decode_attention_torch,
+    prefill,
+    store_kv_rows,
+)
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -104,6 +111,130 @@ def test_decode_kernel_names_a_bad_layout():
         _kernel(query.double(), key_cache, value_cache, metadata, 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
         _kernel(query[:, :3], key_cache, value_cache, metadata, 0.125)  # 3 heads over 2 KV heads
+
+
+def _prefill_case(dtype, num_kv_heads, group, head_dim, block_size, seq_len, rows, seed=0):
+    """A sequence of ``seq_len`` positions whose last ``rows`` are the prompt chunk: random caches
+    (never zeros), its blocks scattered over them, queries for the chunk's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = -(-seq_len // block_size)
+    block_ids = torch.randperm(needed + 5, generator=gen)[:needed]
+    shape = (needed + 5, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = (2 * torch.randn(rows, num_kv_heads * group, head_dim, generator=gen)).to(dtype)
+    return query, key_cache, value_cache, PrefillSeq(0, rows, seq_len, block_ids)
+
+
+def _prefill_kernel(query, key_cache, value_cache, seq, scale):
+    return torch.ops.llmrpc_cpu.prefill_attention(
+        query, key_cache, value_cache, seq.block_ids, seq.seq_len, scale
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "block_size"),
+    [(3, 3, 64, 16), (1, 8, 64, 32), (2, 1, 128, 16), (4, 2, 128, 32), (1, 4, 256, 16)],
+)
+def test_prefill_kernel_matches_torch_path(dtype, num_kv_heads, group, head_dim, block_size):
+    # whole prompts and later chunks; tiles of 32 positions whole and cut short, key chunks of 64
+    # whole and cut short, one row
+    for seq_len, rows in [(2, 2), (40, 40), (100, 37), (300, 300), (777, 500), (1000, 1)]:
+        query, key_cache, value_cache, seq = _prefill_case(
+            dtype, num_kv_heads, group, head_dim, block_size, seq_len, rows
+        )
+        scale = head_dim**-0.5
+        expected = torch.empty_like(query)
+        prefill(query, key_cache, value_cache, seq, scale, expected, "torch-sdpa")
+        got = _prefill_kernel(query, key_cache, value_cache, seq, scale)
+        assert got.dtype == dtype and got.shape == expected.shape
+        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_prefill_kernel_gives_each_row_its_bits_in_any_chunk_and_on_any_thread_count():
+    """A row's output depends on its position and the cache alone: the same bits whether its
+    prompt runs in one chunk or several, and on one thread or two (so where the scheduler cuts a
+    prompt, and what else the step holds, changes nothing)."""
+    query, key_cache, value_cache, seq = _prefill_case(torch.bfloat16, 3, 3, 64, 16, 300, 300)
+    whole = _prefill_kernel(query, key_cache, value_cache, seq, 0.125)
+    before = torch.get_num_threads()
+    try:
+        for threads, cuts in [(1, [0, 1, 33, 130, 300]), (2, [0, 97, 98, 299, 300])]:
+            torch.set_num_threads(threads)
+            for start, end in itertools.pairwise(cuts):
+                chunk = PrefillSeq(0, end - start, end, seq.block_ids)
+                got = _prefill_kernel(query[start:end], key_cache, value_cache, chunk, 0.125)
+                assert torch.equal(got, whole[start:end]), (threads, start, end)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prefill_kernel_reads_only_its_own_blocks():
+    # Other blocks, and the last block past the sequence's length, hold NaN.
+    query, key_cache, value_cache, seq = _prefill_case(torch.float32, 2, 3, 64, 16, 70, 30)
+    used = set(seq.block_ids.tolist())
+    for block in range(key_cache.shape[0]):
+        if block not in used:
+            key_cache[block], value_cache[block] = float("nan"), float("nan")
+    key_cache[seq.block_ids[-1], 70 % 16 :] = float("nan")
+    value_cache[seq.block_ids[-1], 70 % 16 :] = float("nan")
+    assert torch.isfinite(_prefill_kernel(query, key_cache, value_cache, seq, 0.125)).all()
+
+
+def test_prefill_kernel_names_a_bad_input():
+    query, key_cache, value_cache, seq = _prefill_case(torch.float32, 2, 2, 64, 16, 40, 20)
+    op = torch.ops.llmrpc_cpu.prefill_attention
+    with pytest.raises(RuntimeError, match="20 query rows cannot end a sequence of 19 positions"):
+        op(query, key_cache, value_cache, seq.block_ids, 19, 0.125)
+    with pytest.raises(RuntimeError, match="sequence of 49 positions in 3 blocks of 16"):
+        op(query, key_cache, value_cache, seq.block_ids, 49, 0.125)
+    bad = seq.block_ids.clone()
+    bad[1] = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id .* out of range"):
+        op(query, key_cache, value_cache, bad, 40, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(query.double(), key_cache, value_cache, seq.block_ids, 40, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        op(query[:, :3], key_cache, value_cache, seq.block_ids, 40, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
+        narrow = [t[..., :56].contiguous() for t in (query, key_cache, value_cache)]
+        op(*narrow, seq.block_ids, 40, 0.125)
+
+
+def test_engine_prompt_chunks_take_the_measured_path_with_the_same_tokens(
+    tiny_llama_dir, monkeypatch
+):
+    """A 300-token prompt, 64 tokens a step: its chunks past the decode kernel's context take the
+    C++ prefill kernel where the plan says so, and torch's attention where it says that, with the
+    same tokens and logprobs at every prompt and output position."""
+    prompt = [(7 * i) % 3000 + 50 for i in range(300)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=3)
+    calls = []
+    real = attention.prefill
+
+    def counted(query, key_cache, value_cache, seq, scale, output, kernel, *rest):
+        calls.append(kernel)
+        real(query, key_cache, value_cache, seq, scale, output, kernel, *rest)
+
+    monkeypatch.setattr(attention, "prefill", counted)
+    outputs = {}
+    for kernel in ("cpp-prefill", "torch-sdpa"):
+        monkeypatch.setattr(
+            attention_tuning, "choose", lambda shape, count, times, k=kernel: (
+                attention_tuning.AttentionChoice(shape, count, (k,) * 6, times)
+            ),
+        )  # fmt: skip
+        core = make_core(tiny_llama_dir, max_num_batched_tokens=64)
+        calls.clear()
+        out = run_to_completion(core, {"long": (prompt, params)})["long"]
+        # one chunk a layer: the last (256-300); the others end within the decode kernel's reach
+        assert calls == [kernel] * core.model.config.num_hidden_layers, kernel
+        outputs[kernel] = (out.token_ids, [entry.top for entry in out.prompt_logprobs[1:]])
+    assert outputs["cpp-prefill"][0] == outputs["torch-sdpa"][0]
+    for got, expected in zip(*(outputs[k][1] for k in outputs), strict=True):
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) < 1e-4
 
 
 def _qkv_case(dtype, num_kv_heads, group, head_dim, block_size):

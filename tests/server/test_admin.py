@@ -66,14 +66,24 @@ async def test_server_info_has_version_capabilities_and_config(admin, server: Ru
     # among the candidates timed here: the fastest of the layout the shape keeps
     vocab = len(server.tokenization.tokenizer)
     shapes = {"64x128", "64x64", "64x256", "128x64", f"64x{vocab}"}  # qkv, o, gate_up, down, head
-    assert {k.op.removeprefix("linear float32 ") for k in info.kernels} == shapes
-    for op in {k.op for k in info.kernels}:
-        rows = [k.rows for k in info.kernels if k.op == op]
+    linear = [k for k in info.kernels if k.op.startswith("linear ")]
+    assert {k.op.removeprefix("linear float32 ") for k in linear} == shapes
+    for op in {k.op for k in linear}:
+        rows = [k.rows for k in linear if k.op == op]
         assert rows == ["1", "2-8", "9-32", "33-128", "129-1024", "1025+"]
-    for choice in info.kernels:
+    for choice in linear:
         assert choice.kernel == "onednn" and choice.num_layers >= 1  # the float32 candidate
         if choice.times_us:
             assert choice.kernel in choice.times_us
+    # a prompt chunk's attention (its 4 query heads over 2 KV heads of 16), by the chunk's rows
+    # from two: the faster of the C++ kernel and torch's, both timed here
+    attention = [k for k in info.kernels if k.op.startswith("prefill attention ")]
+    assert {k.op for k in attention} == {"prefill attention 4/2x16 heads, blocks of 16, float32"}
+    assert [k.rows for k in attention] == ["2-8", "9-32", "33-128", "129-1024", "1025+"]
+    for choice in attention:
+        assert set(choice.times_us) == {"cpp-prefill", "torch-sdpa"} and choice.num_layers == 2
+        assert choice.kernel == min(choice.times_us, key=choice.times_us.get)
+    assert len(info.kernels) == len(linear) + len(attention)
 
 
 async def test_model_info_and_list_models(admin, server: RunningServer):
