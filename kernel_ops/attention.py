@@ -1,7 +1,8 @@
 """Paged attention over the block-structured KV cache: the dispatcher, and the torch path (CPU).
 
-``metadata.backend`` picks the path: "torch" (here, with the C++ decode kernel where it is
-built) or "triton" (``kernel_ops/triton_attention.py``, on CUDA, or interpreted on the CPU).
+``metadata.backend`` picks the path: "torch" (here, with the C++ decode and prefill kernels where
+they are built) or "triton" (``kernel_ops/triton_attention.py``, on CUDA, or interpreted on the
+CPU).
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A request's tokens live in the blocks named by its row of ``block_tables``; ``slot_mapping`` gives

@@ -11,7 +11,9 @@ The candidates (where the shape allows the first):
 
 A prompt chunk reaches them only with a context past ``model_runner``'s rows-as-decodes limit, so
 each bucket of ``ROW_BUCKETS`` past one row is timed at its ``TIMED_ROWS`` rows ending a context of
-at least ``CONTEXT`` positions: one call per candidate, the fastest of ``REPEATS`` after a warm-up.
+at least ``CONTEXT`` positions: one call per candidate, the fastest of ``REPEATS`` after a warm-up,
+within ``BUDGET_S`` (a bucket left untimed takes the last timed bucket's choice, and is timed again
+at the next start).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from llmrpc.kernels.linear_tuning import (
 logger = logging.getLogger(__name__)
 
 CONTEXT = 1024  # the least context a timed chunk ends
-BUDGET_S = 4.0
+BUDGET_S = 2.0  # seconds of timing at start-up (the linear layers have 8)
 MAX_ROWS = 2048  # the last bucket's rows (its chunks are at most max_num_batched_tokens long)
 
 

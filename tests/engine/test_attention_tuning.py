@@ -56,3 +56,15 @@ def test_the_plan_times_both_paths_and_sets_what_chunks_take(tmp_path, caplog):
         assert again == plan and "timed prefill attention" not in caplog.text
     finally:
         attention._prefill_kernels.clear()
+
+
+def test_the_timing_stops_at_its_deadline():
+    shape = attention_tuning.Shape(8, 16, 2, 64, torch.bfloat16)
+    ticks = iter(range(100))
+    times, short = attention_tuning.time_shape(
+        shape, ["cpp-prefill", "torch-sdpa"], deadline=0.5, clock=lambda: next(ticks)
+    )
+    assert short  # the clock passed the deadline after the first bucket timed (2-8 rows)
+    for path in ("cpp-prefill", "torch-sdpa"):
+        assert times[path][0] is None and times[path][2:] == [None] * 4
+        assert times[path][1] > 0
