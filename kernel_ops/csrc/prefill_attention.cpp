@@ -4,8 +4,9 @@
 //
 // Flash-style, as torch's CPU attention computes it: for each KV head and tile of query
 // positions, key chunks in turn; each chunk's scores scaled after the dot product, a running
-// maximum and total per query row, the exponentials rounded to the cache's dtype for the
-// weighted sum of values (their float32 total divides it at the end), every sum in float32.
+// maximum and total per query row, the exponentials (ATen's exp_u20, as torch's flash attention
+// takes them) rounded to the cache's dtype for the weighted sum of values (their float32 total
+// divides it at the end), every sum in float32.
 //
 // A tile holds kQueries positions times the group of query heads sharing the KV head: its rows,
 // laid one per vector lane (scores [key][row], output [dim][row]), so the softmax's maxima,
@@ -263,7 +264,7 @@ void attend_tile(const Chunk<T>& c, int64_t h, int64_t t, Tile& tile) {
       }
       Vec sum(0.f);
       for (int64_t k = 0; k < n; ++k) {
-        const Vec e = (Vec::loadu(scores + k * R + r) - top).exp();
+        const Vec e = (Vec::loadu(scores + k * R + r) - top).exp_u20();  // torch's exponential
         round_to<T>(e).store(scores + k * R + r);
         sum = sum + e;
       }
