@@ -213,8 +213,13 @@ def prefill(
     (the C++ kernel, which must fit: no window, softcap or fp8 cache) or ``torch-sdpa``."""
     rows = slice(seq.query_start, seq.query_end)
     if kernel == "cpp-prefill":
+        chunk = query[rows]
+        if (
+            chunk.stride(2) != 1 or chunk.stride(1) != chunk.shape[2]
+        ):  # the kernel reads dense heads
+            chunk = chunk.contiguous()
         output[rows] = torch.ops.llmrpc_cpu.prefill_attention.default(
-            query[rows], key_cache, value_cache, seq.block_ids, seq.seq_len, scale
+            chunk, key_cache, value_cache, seq.block_ids, seq.seq_len, scale
         )
     else:
         _prefill_attention(

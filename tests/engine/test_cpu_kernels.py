@@ -152,6 +152,18 @@ def test_prefill_kernel_matches_torch_path(dtype, num_kv_heads, group, head_dim,
         torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
+def test_a_prompt_chunk_with_strided_heads_takes_the_kernel_as_a_dense_one():
+    """Transformers' attention hands over its query as [heads, tokens, dim] transposed: the C++
+    path reads a dense copy, with the dense query's output."""
+    query, key_cache, value_cache, seq = _prefill_case(torch.bfloat16, 2, 2, 64, 16, 300, 300)
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert strided.stride(1) != 64 and torch.equal(strided, query)
+    got, expected = torch.empty_like(query), torch.empty_like(query)
+    prefill(strided, key_cache, value_cache, seq, 0.125, got, "cpp-prefill")
+    prefill(query, key_cache, value_cache, seq, 0.125, expected, "cpp-prefill")
+    assert torch.equal(got, expected)
+
+
 def test_prefill_kernel_gives_each_row_its_bits_in_any_chunk_and_on_any_thread_count():
     """A row's output depends on its position and the cache alone: the same bits whether its
     prompt runs in one chunk or several, and on one thread or two (so where the scheduler cuts a
