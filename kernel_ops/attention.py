@@ -193,7 +193,7 @@ def set_prefill_kernels(shape: tuple, buckets: tuple[tuple[int | None, str], ...
 
 def _planned_prefill(query, key_cache, seq: PrefillSeq) -> str:
     buckets = _prefill_kernels.get((query.shape[1], *key_cache.shape[1:], key_cache.dtype))
-    if buckets is None or not prefill_kernel_fits(key_cache):
+    if buckets is None:  # (a shape the kernel cannot take was planned torch's path throughout)
         return "torch-sdpa"
     rows = seq.query_end - seq.query_start
     return next(kernel for last, kernel in buckets if last is None or rows <= last)

@@ -15,9 +15,10 @@
 // cache rows as they are, the values from pairs of key rows interleaved); elsewhere float32
 // multiply-adds on the rows converted.
 //
-// Registered as torch.ops.llmrpc_cpu.prefill_attention; kernel_ops/attention.py calls it for
-// each prompt chunk it takes (no sliding window, no logit softcap, the cache in the query's
-// dtype) and keeps torch's scaled_dot_product_attention for the rest.
+// Registered as torch.ops.llmrpc_cpu.prefill_attention; kernel_ops/attention.py calls it for the
+// prompt chunks it takes (no sliding window, no logit softcap, the cache in the query's dtype)
+// where kernel_ops/attention_tuning.py timed it faster than torch's scaled_dot_product_attention
+// for the chunk's rows, and torch's for the rest.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -77,7 +78,7 @@ struct Chunk {
 // A thread's buffers for one tile: R rows (kQueries positions times the group; the positions
 // past the chunk's end repeat its last one and are never stored).
 struct Tile {
-  int64_t rows = 0, vecs = 0;
+  int64_t rows = 0;
   std::vector<float> queries;  // [head_dim][rows], or [head_dim / 2][rows] bfloat16 pairs
   std::vector<float> scores;   // [kKeys][rows]
   std::vector<float> out;      // [head_dim][rows]
@@ -88,7 +89,6 @@ struct Tile {
 
   void size(int64_t r, int64_t head_dim) {
     rows = r;
-    vecs = r / kV;
     queries.resize(head_dim * r);
     scores.resize(kKeys * r);
     out.resize(head_dim * r);
@@ -250,7 +250,7 @@ void attend_tile(const Chunk<T>& c, int64_t h, int64_t t, Tile& tile) {
     }
     // softmax, lane-wise: scale, mask keys past each row's position, the new peak and total
     const bool diagonal = k0 + n - 1 > c.offset + first;  // some row cannot see the last key
-    for (int64_t v = 0; v < tile.vecs; ++v) {
+    for (int64_t v = 0; v < R / kV; ++v) {
       const int64_t r = v * kV;
       const Vec position = Vec::loadu(tile.position.data() + r);
       const Vec lowest(-std::numeric_limits<float>::infinity());

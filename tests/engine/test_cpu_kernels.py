@@ -23,6 +23,7 @@ from llmrpc.kernels.attention import (
     prefill,
     store_kv_rows,
 )
+from llmrpc.kernels.linear_tuning import ROW_BUCKETS
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -234,7 +235,7 @@ def test_engine_prompt_chunks_take_the_measured_path_with_the_same_tokens(
     for kernel in ("cpp-prefill", "torch-sdpa"):
         monkeypatch.setattr(
             attention_tuning, "choose", lambda shape, count, times, k=kernel: (
-                attention_tuning.AttentionChoice(shape, count, (k,) * 6, times)
+                attention_tuning.AttentionChoice(shape, count, (k,) * len(ROW_BUCKETS), times)
             ),
         )  # fmt: skip
         core = make_core(tiny_llama_dir, max_num_batched_tokens=64)
