@@ -247,7 +247,10 @@ def test_a_client_leaving_the_stream_stops_its_request(served):
         body = {"text_input": "Hi", "parameters": {"max_tokens": 400, "ignore_eos": True}}
         url = gateway.url + f"/v2/models/{MODEL}/generate_stream"
         with httpx.stream("POST", url, json=body, headers=AUTH, timeout=60) as reply:
-            next(reply.iter_lines())  # generation has begun
+            # generation has begun; the iterator is kept: one dropped closes the connection
+            # (httpx ends the stream when its line generator is collected)
+            lines = reply.iter_lines()
+            next(lines)
             assert num_live_requests(running.engine) == 1
         for _ in range(500):
             if num_live_requests(running.engine) == 0:
