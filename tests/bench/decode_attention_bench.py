@@ -1,0 +1,64 @@
+"""A decode step's attention on the CPU: the C++ decode kernel against torch's path (each row's
+blocks gathered from the cache, then scaled_dot_product_attention: kernel_ops/attention.py's
+``decode_attention_torch``), for SmolLM2-135M's heads (9 query heads over 3 KV heads of 64,
+blocks of 16) in the given dtype, at batches of 1 to 256 sequences. Calls alternate which path
+goes first; the fastest of 7 counts. Prints each path's time and torch's time / ours.
+Run: python tests/bench/decode_attention_bench.py [threads] [dtype] (2 and bfloat16 by default);
+docs/performance.md cites it."""
+
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from llmrpc.kernels import cpu_ops
+from llmrpc.kernels.attention import decode_attention_torch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CASES = ((1, 1024), (1, 4096), (8, 1024), (32, 1024), (128, 1024), (256, 512))  # (rows, context)
+PATHS = ("cpp-decode", "torch-sdpa")
+
+
+def attend(path: str, query, keys, values, tables, lens, scale) -> torch.Tensor:
+    if path == "cpp-decode":
+        return torch.ops.llmrpc_cpu.decode_attention.default(
+            query, keys, values, tables, lens, scale
+        )
+    metadata = SimpleNamespace(decode_block_tables=tables, decode_seq_lens=lens)
+    return decode_attention_torch(query, keys, values, metadata, scale)
+
+
+@torch.inference_mode()
+def main() -> None:
+    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
+    if not cpu_ops.load():
+        sys.exit("the C++ kernels did not build here")
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    scale = HEAD_DIM**-0.5
+    for rows, context in CASES:
+        num_blocks = rows * -(-context // BLOCK)
+        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+        tables = torch.randperm(num_blocks, generator=generator).view(rows, -1)
+        lens = torch.full((rows,), context, dtype=torch.long)
+        query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype)
+        best = dict.fromkeys(PATHS, float("inf"))
+        for repeat in range(8):
+            for path in PATHS if repeat % 2 else PATHS[::-1]:
+                started = time.perf_counter()
+                attend(path, query, keys, values, tables, lens, scale)
+                if repeat:  # the first is a warm-up
+                    best[path] = min(best[path], time.perf_counter() - started)
+        shown = ", ".join(f"{p} {t * 1e6:.0f} us" for p, t in best.items())
+        ratio = best["torch-sdpa"] / best["cpp-decode"]
+        print(
+            f"{dtype} {rows} rows of {context} positions, {threads} threads: {shown}; "
+            f"torch/ours {ratio:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
