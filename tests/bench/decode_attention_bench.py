@@ -6,11 +6,12 @@ goes first; the fastest of 7 counts. Prints each path's time and torch's time / 
 Run: python tests/bench/decode_attention_bench.py [threads] [dtype] (2 and bfloat16 by default);
 docs/performance.md cites it."""
 
+import functools
 import sys
-import time
 from types import SimpleNamespace
 
 import torch
+from alternate import fastest
 
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import decode_attention_torch
@@ -20,7 +21,7 @@ CASES = ((1, 1024), (1, 4096), (8, 1024), (32, 1024), (128, 1024), (256, 512))  
 PATHS = ("cpp-decode", "torch-sdpa")
 
 
-def attend(path: str, query, keys, values, tables, lens, scale) -> torch.Tensor:
+def attend(query, keys, values, tables, lens, scale, path: str) -> torch.Tensor:
     if path == "cpp-decode":
         return torch.ops.llmrpc_cpu.decode_attention.default(
             query, keys, values, tables, lens, scale
@@ -45,13 +46,7 @@ def main() -> None:
         tables = torch.randperm(num_blocks, generator=generator).view(rows, -1)
         lens = torch.full((rows,), context, dtype=torch.long)
         query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype)
-        best = dict.fromkeys(PATHS, float("inf"))
-        for repeat in range(8):
-            for path in PATHS if repeat % 2 else PATHS[::-1]:
-                started = time.perf_counter()
-                attend(path, query, keys, values, tables, lens, scale)
-                if repeat:  # the first is a warm-up
-                    best[path] = min(best[path], time.perf_counter() - started)
+        best = fastest(PATHS, functools.partial(attend, query, keys, values, tables, lens, scale))
         shown = ", ".join(f"{p} {t * 1e6:.0f} us" for p, t in best.items())
         ratio = best["torch-sdpa"] / best["cpp-decode"]
         print(

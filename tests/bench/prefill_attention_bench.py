@@ -6,10 +6,11 @@ first; the fastest of 7 counts. Prints each path's time, its GFLOP/s and torch's
 Run: python tests/bench/prefill_attention_bench.py [threads] [dtype] (2 and bfloat16 by default);
 docs/performance.md cites it."""
 
+import functools
 import sys
-import time
 
 import torch
+from alternate import fastest
 
 from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import PrefillSeq, prefill
@@ -34,13 +35,9 @@ def main() -> None:
         query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype)
         seq = PrefillSeq(0, rows, context, torch.randperm(num_blocks, generator=generator))
         output = torch.empty_like(query)
-        best = dict.fromkeys(PATHS, float("inf"))
-        for repeat in range(8):
-            for path in PATHS if repeat % 2 else PATHS[::-1]:
-                started = time.perf_counter()
-                prefill(query, *caches, seq, HEAD_DIM**-0.5, output, path)
-                if repeat:  # the first is a warm-up
-                    best[path] = min(best[path], time.perf_counter() - started)
+        best = fastest(
+            PATHS, functools.partial(prefill, query, *caches, seq, HEAD_DIM**-0.5, output)
+        )
         flop = 4 * HEADS * HEAD_DIM * rows * (context - rows / 2)  # causal: about half the pairs
         shown = ", ".join(
             f"{p} {t * 1e3:.1f} ms ({flop / t / 1e9:.0f} GFLOP/s)" for p, t in best.items()
