@@ -155,10 +155,8 @@ def paged_attention(
         window = None  # no row's context reaches past it
     fits = window is None and softcap is None and decode_kernel_fits(query, key_cache, value_cache)
     if metadata.decodes_only and fits:
-        dense_heads = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         return torch.ops.llmrpc_cpu.decode_attention.default(
-            query if dense_heads else query.contiguous(), key_cache, value_cache,
-            metadata.decode_block_tables,
+            _dense_heads(query), key_cache, value_cache, metadata.decode_block_tables,
             metadata.decode_seq_lens, scale,
         )  # fmt: skip
     output = torch.empty_like(query)
@@ -213,18 +211,21 @@ def prefill(
     (the C++ kernel, which must fit: no window, softcap or fp8 cache) or ``torch-sdpa``."""
     rows = slice(seq.query_start, seq.query_end)
     if kernel == "cpp-prefill":
-        chunk = query[rows]
-        if (
-            chunk.stride(2) != 1 or chunk.stride(1) != chunk.shape[2]
-        ):  # the kernel reads dense heads
-            chunk = chunk.contiguous()
         output[rows] = torch.ops.llmrpc_cpu.prefill_attention.default(
-            chunk, key_cache, value_cache, seq.block_ids, seq.seq_len, scale
+            _dense_heads(query[rows]), key_cache, value_cache, seq.block_ids, seq.seq_len, scale
         )
     else:
         _prefill_attention(
             query, key_cache, value_cache, seq, scale, output, kv_scales, window, softcap
         )
+
+
+def _dense_heads(query: torch.Tensor) -> torch.Tensor:
+    """``query`` as the C++ kernels read it: each row's heads dense (its rows may be strided, as
+    the qkv projection's are); a copy only where they are not (heads-first layouts)."""
+    if query.stride(2) == 1 and query.stride(1) == query.shape[2]:
+        return query
+    return query.contiguous()
 
 
 def _triton_attention(
