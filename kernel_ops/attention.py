@@ -117,6 +117,8 @@ def decode_attention_qkv(
         return None
     if qkv.stride(1) != 1 or not qkv_kernel_fits(qkv, rotary, key_cache, value_cache):
         return None
+    if not decode_kernel_planned(num_heads, key_cache, qkv.shape[0]):
+        return None
     cos, sin = rotary
     return torch.ops.llmrpc_cpu.decode_attention_qkv.default(
         qkv, cos, sin, key_cache, value_cache, metadata.slot_mapping,
@@ -154,22 +156,22 @@ def paged_attention(
     if not metadata.past_window:
         window = None  # no row's context reaches past it
     fits = window is None and softcap is None and decode_kernel_fits(query, key_cache, value_cache)
-    if metadata.decodes_only and fits:
-        return torch.ops.llmrpc_cpu.decode_attention.default(
-            _dense_heads(query), key_cache, value_cache, metadata.decode_block_tables,
-            metadata.decode_seq_lens, scale,
-        )  # fmt: skip
-    output = torch.empty_like(query)
     rows = metadata.decode_indices
-    if rows.numel() and fits:
-        output[rows] = torch.ops.llmrpc_cpu.decode_attention.default(
-            query[rows].contiguous(), key_cache, value_cache, metadata.decode_block_tables,
-            metadata.decode_seq_lens, scale,
-        )  # fmt: skip
-    elif rows.numel():
-        output[rows] = decode_attention_torch(
-            query[rows], key_cache, value_cache, metadata, scale, kv_scales, window, softcap
-        )
+    # the decode rows' path: the C++ kernel where it fits and was not measured slower here (in
+    # a step of decodes alone, counted from the query: a compiled graph that read
+    # decode_indices' size would guard on it and recompile for each new batch size)
+    count = query.shape[0] if metadata.decodes_only else rows.shape[0]
+    cpp_decode = fits and decode_kernel_planned(query.shape[1], key_cache, count)
+    decode_path = functools.partial(
+        decode, key_cache=key_cache, value_cache=value_cache, metadata=metadata, scale=scale,
+        kernel="cpp-decode" if cpp_decode else "torch-sdpa", kv_scales=kv_scales, window=window,
+        softcap=softcap,
+    )  # fmt: skip
+    if metadata.decodes_only:
+        return decode_path(query)
+    output = torch.empty_like(query)
+    if rows.numel():
+        output[rows] = decode_path(query[rows])
     for seq in metadata.prefills:
         kernel = _planned_prefill(query, key_cache, seq) if fits else "torch-sdpa"
         prefill(
@@ -178,23 +180,63 @@ def paged_attention(
     return output
 
 
-# Each attention shape's path for prompt chunks on this machine, by the chunk's rows: set at
-# model load from attention_tuning's measurements. A shape without one takes torch's.
-_prefill_kernels: dict[tuple, tuple[tuple[int | None, str], ...]] = {}
+# Each attention shape's measured path by bucket of rows, for prompt chunks ("prefill", by the
+# chunk's rows) and for a step's decode rows ("decode", by their number): set at model load from
+# attention_tuning's measurements. A shape without a plan takes torch's path for prompt chunks
+# and the C++ decode kernel for decode rows (where each fits).
+_planned: dict[tuple, tuple[tuple[int | None, str], ...]] = {}
 
 
-def set_prefill_kernels(shape: tuple, buckets: tuple[tuple[int | None, str], ...]) -> None:
-    """``shape``: (query heads, block size, KV heads, head size, dtype); ``buckets``: (last row
-    or None for no end, path) in rising order."""
-    _prefill_kernels[shape] = buckets
+def reset_kernels() -> None:
+    """Every shape unplanned (each engine plans its own at load)."""
+    _planned.clear()
+
+
+def set_kernels(stage: str, shape: tuple, buckets: tuple[tuple[int | None, str], ...]) -> None:
+    """``stage``: "prefill" or "decode"; ``shape``: (query heads, block size, KV heads, head
+    size, dtype); ``buckets``: (last row or None for no end, path) in rising order."""
+    _planned[(stage, *shape)] = buckets
+
+
+def planned_kernel(stage: str, num_heads: int, key_cache, rows: int) -> str | None:
+    """The measured path of ``rows`` rows of ``stage`` for this shape, or None: not measured."""
+    buckets = _planned.get((stage, num_heads, *key_cache.shape[1:], key_cache.dtype))
+    if buckets is None:
+        return None
+    return next(kernel for last, kernel in buckets if last is None or rows <= last)
+
+
+def decode_kernel_planned(num_heads: int, key_cache, rows: int) -> bool:
+    """Whether ``rows`` decode rows of a step take the C++ decode kernel (which must fit) by the
+    measured plan: yes but where torch's path was timed faster for their bucket. A compiled step
+    holds the kernel, and the compiled forward takes no more rows than ``compiled_decode_rows``."""
+    if torch.compiler.is_compiling():
+        return True
+    return planned_kernel("decode", num_heads, key_cache, rows) != "torch-sdpa"
+
+
+def compiled_decode_rows() -> int | None:
+    """The most decode rows a compiled step may take (None: any): the last row of the buckets,
+    from one row up, whose measured decode path is the C++ kernel (0: not even one row)."""
+    limits = []
+    for (stage, *_), buckets in _planned.items():
+        if stage != "decode":
+            continue
+        last_cpp = 0
+        for last, kernel in buckets:
+            if kernel != "cpp-decode":
+                limits.append(last_cpp)
+                break
+            if last is None:
+                break
+            last_cpp = last
+    return min(limits, default=None)
 
 
 def _planned_prefill(query, key_cache, seq: PrefillSeq) -> str:
-    buckets = _prefill_kernels.get((query.shape[1], *key_cache.shape[1:], key_cache.dtype))
-    if buckets is None:  # (a shape the kernel cannot take was planned torch's path throughout)
-        return "torch-sdpa"
     rows = seq.query_end - seq.query_start
-    return next(kernel for last, kernel in buckets if last is None or rows <= last)
+    # (a shape the kernel cannot take was planned torch's path throughout)
+    return planned_kernel("prefill", query.shape[1], key_cache, rows) or "torch-sdpa"
 
 
 def prefill_kernel_fits(key_cache) -> bool:
@@ -261,6 +303,23 @@ def _triton_attention(
             window=window, softcap=softcap,
         )  # fmt: skip
     return output
+
+
+def decode(
+    query, key_cache, value_cache, metadata, scale, kernel: str, kv_scales=(1.0, 1.0),
+    window=None, softcap=None,
+) -> torch.Tensor:  # fmt: skip
+    """A step's decode rows' attention (``query``: those rows, ``[num_decodes, num_heads,
+    head_dim]``) by ``kernel``: ``cpp-decode`` (the C++ kernel, which must fit: no window, softcap
+    or fp8 cache) or ``torch-sdpa``."""
+    if kernel == "cpp-decode":
+        return torch.ops.llmrpc_cpu.decode_attention.default(
+            _dense_heads(query), key_cache, value_cache, metadata.decode_block_tables,
+            metadata.decode_seq_lens, scale,
+        )  # fmt: skip
+    return decode_attention_torch(
+        query, key_cache, value_cache, metadata, scale, kv_scales, window, softcap
+    )
 
 
 def decode_attention_torch(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrpc.kernels.attention import AttentionMetadata, qkv_kernel_fits
+from llmrpc.kernels.attention import AttentionMetadata, decode_kernel_planned, qkv_kernel_fits
 
 # A linear layer's kind, as csrc/decode_layer.cpp reads it.
 INT4, Q8, BF16, PACKED = 0, 1, 2, 3
@@ -106,18 +106,25 @@ def layer_stack(specs, norms, eps, num_heads, scale, windowed) -> LayerStack | N
 
 
 def fits(
-    spec: LayerSpec | LayerStack, hidden, rotary, kv_cache, metadata: AttentionMetadata
+    spec: LayerSpec | LayerStack,
+    hidden,
+    rotary,
+    kv_cache,
+    metadata: AttentionMetadata,
+    num_heads: int,
 ) -> bool:
     """Whether the call takes this step, a decodes-only step on the torch backend (the caller
     knows it is): rows the linear kernels take in their dtype, and attention the decode kernel
-    takes."""
+    takes and was not measured slower at for so many rows (``attention_tuning``)."""
     if metadata.padded or hidden.dtype != spec.dtype:
         return False
     # a compiled graph runs steps of at most max_rows rows only (engine/runner/compilation.py)
     compiling = torch.compiler.is_compiling()
     if spec.max_rows is not None and not compiling and hidden.shape[0] > spec.max_rows:
         return False
-    return qkv_kernel_fits(hidden, rotary, *kv_cache)
+    if not qkv_kernel_fits(hidden, rotary, *kv_cache):
+        return False
+    return decode_kernel_planned(num_heads, kv_cache[0], hidden.shape[0])
 
 
 def decode_layer(

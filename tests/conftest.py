@@ -84,6 +84,27 @@ def _gpu_tests_run_natively(request: pytest.FixtureRequest) -> None:
         assert not interpreting(), "TRITON_INTERPRET=1 is set on a machine with a CUDA device"
 
 
+@pytest.fixture
+def cpp_decode_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines started in the test plan decode rows onto the C++ decode kernel wherever it is a
+    candidate, whatever their timing said: for tests of the calls it takes part in (the fused
+    qkv and layer calls, the compiled step), where a busy machine's timing of a tiny model's
+    heads may go either way (kernel_ops/attention_tuning.py)."""
+    import dataclasses
+
+    from llmrpc.kernels import attention_tuning
+
+    choose = attention_tuning.choose
+
+    def on_the_kernel(stage, shape, num_layers, times):
+        choice = choose(stage, shape, num_layers, times)
+        if stage != "decode" or "cpp-decode" not in times:
+            return choice
+        return dataclasses.replace(choice, kernels=("cpp-decode",) * len(choice.kernels))
+
+    monkeypatch.setattr(attention_tuning, "choose", on_the_kernel)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A 2-layer random-weight Llama (hidden 64, GQA 4/2, tied embeddings), SmolLM2 tokenizer."""

@@ -71,8 +71,8 @@ from llmrpc.engine.structured_output.compiler import GrammarCompiler
 from llmrpc.engine.structured_output.grammar import Grammar
 from llmrpc.engine.structured_output.step import GrammarStep
 from llmrpc.engine.timings import record_step, start_timings
-from llmrpc.kernels import cpu_ops
-from llmrpc.kernels.attention_tuning import AttentionChoice, plan_prefill_attention
+from llmrpc.kernels import attention, cpu_ops
+from llmrpc.kernels.attention_tuning import AttentionChoice, plan_attention
 from llmrpc.kernels.linear import PackedLinear, pack_linear_layers
 from llmrpc.kernels.linear_tuning import LayerChoice, bucket_name, layouts, plan_linear_kernels
 
@@ -219,7 +219,7 @@ def kernel_choices(plan: dict[str, LayerChoice | AttentionChoice]) -> tuple[Kern
     (a prompt chunk's attention from two rows)."""
     rows = []
     for choice in plan.values():
-        first = 1 if isinstance(choice, AttentionChoice) else 0
+        first = choice.first_bucket if isinstance(choice, AttentionChoice) else 0
         for index, kernel in enumerate(choice.kernels[first:], first):
             times = {k: t[index] for k, t in choice.times_us.items() if t[index] is not None}
             bucket = bucket_name(index)
@@ -271,7 +271,7 @@ class EngineCore:
         # a compiled engine's budget moves its kernels' threads alone (csrc/kernel_threads.h)
         self._budget_kernels_only = False
         self._kernel_threads = 0
-        # shape -> measured choice (CPU): the linear layers', prompt chunks' attention's
+        # shape -> measured choice (CPU): the linear layers', attention's
         self.measured_kernels: dict[str, LayerChoice | AttentionChoice] = {}
         model_config, cache_config = config.model, config.cache
         self.model_config = model_config
@@ -347,12 +347,15 @@ class EngineCore:
         )
         self.runner.lora = self.lora
         self.runner.parallel = self.parallel
-        # a prompt chunk's attention path, measured (with an fp8 cache: torch's always)
+        # the attention paths of prompt chunks and decode rows, measured (with an fp8 cache:
+        # torch's always); under --batch-invariant decode rows keep the C++ kernel
+        attention.reset_kernels()  # (what an engine before this one in the process planned)
         cpu_torch = self.device.type == "cpu" and self.attention_backend == "torch"
         heads = getattr(self.hf_config, "num_attention_heads", None)
         if cpu_torch and heads and self.parallel is None and self.kv_cache_dtype == self.dtype:
-            plan = plan_prefill_attention(
-                heads, self.runner.kv_caches, loader.cache_root() / "kernels"
+            stages = ("prefill",) if model_config.batch_invariant else ("prefill", "decode")
+            plan = plan_attention(
+                heads, self.runner.kv_caches, loader.cache_root() / "kernels", stages
             )
             self.measured_kernels.update(plan)
         if profile:

@@ -196,8 +196,10 @@ class LlamaDecoderLayer(nn.Module):
         each residual add is fused with the norm after it. The first layer gets ``residual``
         None and starts the stream."""
         spec = self._layer_spec(metadata)
-        if spec is not None and fused_layer.fits(spec, hidden, rotary, kv_cache, metadata):
-            attention = self.self_attn
+        attention = self.self_attn
+        if spec is not None and fused_layer.fits(
+            spec, hidden, rotary, kv_cache, metadata, attention.num_heads
+        ):
             norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
             return fused_layer.decode_layer(
                 spec, hidden, residual, norms, self.input_layernorm.eps, rotary, kv_cache,
@@ -293,7 +295,10 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rotary.cos_sin(positions, hidden.dtype, metadata.rope_long_rows)
         stack = self._layer_stack(metadata)
         # every layer's caches have layer 0's shape and dtype (ModelRunner.allocate_kv_cache)
-        if stack is not None and fused_layer.fits(stack, hidden, rotary, kv_caches[0], metadata):
+        fits = stack is not None and fused_layer.fits(
+            stack, hidden, rotary, kv_caches[0], metadata, stack.num_heads
+        )
+        if fits:
             hidden, residual = fused_layer.decode_layers(stack, hidden, rotary, kv_caches, metadata)
         else:
             residual = None

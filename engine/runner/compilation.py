@@ -41,7 +41,7 @@ from llmrpc.engine.loading.loader import cache_root
 from llmrpc.engine.models.transformers_impl import TransformersForCausalLM
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.runner.device import model_device
-from llmrpc.kernels import cpu_ops
+from llmrpc.kernels import attention, cpu_ops
 from llmrpc.kernels.attention import AttentionMetadata
 from llmrpc.kernels.fake_kernels import missing_fake_kernels, register_fake_kernels
 
@@ -85,9 +85,12 @@ def compile_arguments(device: torch.device) -> dict:
 
 def max_compiled_rows(model: nn.Module) -> int | None:
     """The most rows a compiled step may take (None: any): a quantized layer picks its kernel by
-    the number of rows, and the graph holds the packed kernel's branch only."""
+    the number of rows, and the graph holds the packed kernel's branch only; it holds the C++
+    decode attention kernel, which steps of more rows than ``compiled_decode_rows`` do without
+    where torch's path was measured faster for them (``kernel_ops/attention_tuning.py``)."""
     limits = [m.dense_above for m in model.modules() if isinstance(m, QuantizedLinear)]
-    return min(limits, default=None)
+    limits.append(attention.compiled_decode_rows())
+    return min(filter(lambda limit: limit is not None, limits), default=None)
 
 
 def why_not_compiled(model: nn.Module, backend: str) -> str | None:
@@ -102,6 +105,12 @@ def why_not_compiled(model: nn.Module, backend: str) -> str | None:
         return f"kernels {', '.join(missing_fake_kernels())} are not built"
     if backend != "triton" and not cpu_ops.loaded():
         return "the C++ kernels are not loaded"
+    rows = attention.compiled_decode_rows()
+    if rows is not None and rows < max(WARM_UP_NUM_TOKENS):
+        return (
+            f"decode attention was measured faster on torch's path than in the C++ kernel, "
+            f"which the compiled step holds, from {rows + 1} rows"
+        )
     return None
 
 

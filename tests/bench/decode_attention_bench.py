@@ -1,8 +1,9 @@
 """A decode step's attention on the CPU: the C++ decode kernel against torch's path (each row's
-blocks gathered from the cache, then scaled_dot_product_attention: kernel_ops/attention.py's
-``decode_attention_torch``), for SmolLM2-135M's heads (9 query heads over 3 KV heads of 64,
-blocks of 16) in the given dtype, at batches of 1 to 256 sequences. Calls alternate which path
-goes first; the fastest of 7 counts. Prints each path's time and torch's time / ours.
+blocks gathered from the cache, then scaled_dot_product_attention), each as
+kernel_ops/attention.py's ``decode`` runs it, for SmolLM2-135M's heads (9 query heads over 3 KV
+heads of 64, blocks of 16) in the given dtype, at batches of 1 to 256 sequences. Calls alternate
+which path goes first; the fastest of 7 counts. Prints each path's time and torch's time / ours.
+(The engine times the two at its first start, kernel_ops/attention_tuning.py.)
 Run: python tests/bench/decode_attention_bench.py [threads] [dtype] (2 and bfloat16 by default);
 docs/performance.md cites it."""
 
@@ -14,7 +15,7 @@ import torch
 from alternate import fastest
 
 from llmrpc.kernels import cpu_ops
-from llmrpc.kernels.attention import decode_attention_torch
+from llmrpc.kernels.attention import decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = ((1, 1024), (1, 4096), (8, 1024), (32, 1024), (128, 1024), (256, 512))  # (rows, context)
@@ -22,12 +23,8 @@ PATHS = ("cpp-decode", "torch-sdpa")
 
 
 def attend(query, keys, values, tables, lens, scale, path: str) -> torch.Tensor:
-    if path == "cpp-decode":
-        return torch.ops.llmrpc_cpu.decode_attention.default(
-            query, keys, values, tables, lens, scale
-        )
     metadata = SimpleNamespace(decode_block_tables=tables, decode_seq_lens=lens)
-    return decode_attention_torch(query, keys, values, metadata, scale)
+    return decode(query, keys, values, metadata, scale, path)
 
 
 @torch.inference_mode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -235,10 +236,8 @@ def test_engine_prompt_chunks_take_the_measured_path_with_the_same_tokens(
     outputs = {}
     for kernel in ("cpp-prefill", "torch-sdpa"):
         monkeypatch.setattr(
-            attention_tuning, "choose", lambda shape, count, times, k=kernel: (
-                attention_tuning.AttentionChoice(shape, count, (k,) * len(ROW_BUCKETS), times)
-            ),
-        )  # fmt: skip
+            attention_tuning, "choose", _forced_choice("prefill", (kernel,) * len(ROW_BUCKETS))
+        )
         core = make_core(tiny_llama_dir, max_num_batched_tokens=64)
         calls.clear()
         out = run_to_completion(core, {"long": (prompt, params)})["long"]
@@ -249,6 +248,62 @@ def test_engine_prompt_chunks_take_the_measured_path_with_the_same_tokens(
     for got, expected in zip(*(outputs[k][1] for k in outputs), strict=True):
         assert [t for t, _ in got] == [t for t, _ in expected]
         assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) < 1e-4
+
+
+def _forced_choice(stage: str, kernels: tuple[str, ...]):
+    """``attention_tuning.choose`` giving ``stage``'s buckets ``kernels`` whatever was timed
+    (and the other stage what was)."""
+    real = attention_tuning.choose
+
+    def choose(choice_stage, shape, count, times):
+        choice = real(choice_stage, shape, count, times)
+        return dataclasses.replace(choice, kernels=kernels) if choice_stage == stage else choice
+
+    return choose
+
+
+def test_engine_decode_rows_take_the_measured_path_with_the_same_tokens(
+    tiny_llama_dir, monkeypatch
+):
+    """Where the plan gives decode steps of two rows or more torch's path, such steps make no
+    C++ decode attention call (not the kernel, the fused qkv call nor the layers' call), the
+    one-row steps still do, and greedy tokens and logprobs match the C++ kernel's throughout.
+    Four 20-token prompts (one step of 80 rows as decodes), two steps of four decodes, then
+    three of one."""
+    params = {name: SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+              for name in "abc"}  # fmt: skip
+    params["d"] = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = {
+        name: [(11 * i + 7 * n) % 3000 + 50 for i in range(20)] for n, name in enumerate(params)
+    }
+    outputs, counts = {}, {}
+    plans = {
+        "C++ kernel": ("cpp-decode",) * len(ROW_BUCKETS),
+        "torch from 2 rows": ("cpp-decode",) + ("torch-sdpa",) * (len(ROW_BUCKETS) - 1),
+    }
+    for plan, kernels in plans.items():
+        monkeypatch.setattr(attention_tuning, "choose", _forced_choice("decode", kernels))
+        try:
+            core = make_core(tiny_llama_dir)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = run_to_completion(core, {n: (prompts[n], params[n]) for n in params})
+        finally:
+            attention.reset_kernels()
+        counts[plan] = {event.key: event.count for event in prof.key_averages()}
+        outputs[plan] = {n: (o.token_ids, [e.top for e in o.logprobs]) for n, o in out.items()}
+    layers = core.model.config.num_hidden_layers
+    assert counts["C++ kernel"].get("llmrpc_cpu::decode_layers") == 6
+    forced = counts["torch from 2 rows"]
+    assert forced.get("llmrpc_cpu::decode_layers") == 3  # the one-row steps
+    assert forced.get("llmrpc_cpu::decode_attention_qkv") == 3 * layers  # (decode_layers')
+    assert forced.get("llmrpc_cpu::decode_attention") is None
+    assert forced.get("aten::scaled_dot_product_attention") == 3 * layers
+    for name, (tokens, tops) in outputs["C++ kernel"].items():
+        got_tokens, got_tops = outputs["torch from 2 rows"][name]
+        assert got_tokens == tokens, name
+        for got, expected in zip(got_tops, tops, strict=True):
+            assert [t for t, _ in got] == [t for t, _ in expected], name
+            assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) < 1e-4
 
 
 def _qkv_case(dtype, num_kv_heads, group, head_dim, block_size):
@@ -459,7 +514,9 @@ def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(
             )
 
 
-def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(tiny_llama_dir):
+def test_decode_steps_run_rotary_the_kv_store_and_attention_in_one_call(
+    tiny_llama_dir, cpp_decode_attention
+):
     """The Llama layers' decodes-only steps take the fused kernel (the prompt's step too: 40
     tokens of context run as rows of the decode kernel): no separate rotary, KV store or decode
     attention call is left. The step's layers are one ``decode_layers`` call, which makes it."""

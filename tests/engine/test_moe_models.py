@@ -81,7 +81,7 @@ def test_sparse_layers_follow_the_config(tmp_path, smollm2_dir):
     assert sparse == [1, 5]
 
 
-def test_compiled_and_speculative_steps_of_a_moe_model(tmp_path, smollm2_dir):
+def test_compiled_and_speculative_steps_of_a_moe_model(tmp_path, smollm2_dir, cpp_decode_attention):
     """The experts under -O3 (one opaque operation in the compiled decode step) and under
     speculative decoding (several rows of one request verified in a step; drafts that follow
     the expected tokens, one made wrong in every other proposal): Transformers' greedy tokens."""

@@ -20,6 +20,7 @@ from server_utils import (
     wait_until,
 )
 
+from llmrpc.kernels import attention_tuning
 from llmrpc.server.app import RunningServer, start_server
 from llmrpc.v1 import admin_pb2, common_pb2, generation_pb2
 
@@ -83,7 +84,17 @@ async def test_server_info_has_version_capabilities_and_config(admin, server: Ru
     for choice in attention:
         assert set(choice.times_us) == {"cpp-prefill", "torch-sdpa"} and choice.num_layers == 2
         assert choice.kernel == min(choice.times_us, key=choice.times_us.get)
-    assert len(info.kernels) == len(linear) + len(attention)
+    # a step's decode rows, by their number from one: the faster of the two (torch's by a
+    # margin), timed up to 1024 rows (more take the 129-1024 bucket's choice)
+    decode = [k for k in info.kernels if k.op.startswith("decode attention ")]
+    assert {k.op for k in decode} == {"decode attention 4/2x16 heads, blocks of 16, float32"}
+    assert [k.rows for k in decode] == ["1", "2-8", "9-32", "33-128", "129-1024", "1025+"]
+    edge = {"cpp-decode": attention_tuning.DECODE_EDGE, "torch-sdpa": 1.0}
+    for choice in decode[:-1]:
+        assert set(choice.times_us) == {"cpp-decode", "torch-sdpa"} and choice.num_layers == 2
+        assert choice.kernel == min(edge, key=lambda k, c=choice: c.times_us[k] * edge[k])
+    assert not decode[-1].times_us and decode[-1].kernel == decode[-2].kernel
+    assert len(info.kernels) == len(linear) + len(attention) + len(decode)
 
 
 async def test_model_info_and_list_models(admin, server: RunningServer):
