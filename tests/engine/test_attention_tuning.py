@@ -234,3 +234,20 @@ def test_compiled_steps_take_the_rows_the_kernel_was_planned_for():
     other = (4, 16, 2, 64, torch.bfloat16)
     attention.set_kernels("decode", other, ((1, "torch-sdpa"), (None, "torch-sdpa")))
     assert attention.compiled_decode_rows() == 0  # the fewest of every shape's
+
+
+def test_a_compiled_step_is_refused_where_the_kernel_was_planned_for_too_few_rows():
+    """The compiled step holds the C++ kernel: it takes the rows the plan gives the kernel, and
+    where those are fewer than its warm-up's, the engine runs eager and says why."""
+    from llmrpc.engine.runner.compilation import max_compiled_rows, why_not_compiled
+
+    model = torch.nn.Linear(2, 2)  # (no quantized layer: no limit of its own)
+    attention.set_kernels("decode", SHAPE, ((8, "cpp-decode"), (None, "torch-sdpa")))
+    assert max_compiled_rows(model) == 8 and why_not_compiled(model, "torch") is None
+    attention.set_kernels("decode", SHAPE, ((1, "cpp-decode"), (None, "torch-sdpa")))
+    assert max_compiled_rows(model) == 1
+    reason = why_not_compiled(model, "torch")
+    assert reason == (
+        "decode attention was measured faster on torch's path than in the C++ kernel, which "
+        "the compiled step holds, from 2 rows"
+    )

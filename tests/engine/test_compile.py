@@ -4,6 +4,7 @@ once and the engine runs eager."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -18,6 +19,7 @@ from llmrpc.engine.models.llama import LlamaDecoderLayer
 from llmrpc.engine.quantization.layers import QuantizedLinear
 from llmrpc.engine.request import SamplingParams
 from llmrpc.engine.runner import compilation
+from llmrpc.kernels import attention_tuning
 
 COMPILED = CompilationConfig({"level": 3})
 TOP = 5
@@ -119,6 +121,33 @@ def test_compiled_decode_steps_give_eager_tokens_and_logprobs(
     # all ran the graph compiled at load (a new compile would have raised and ended it)...
     assert compiled.failure is None
     assert calls[0] == num_steps - 1  # ... but the step with the 300-token prefill, eager
+
+
+@pytest.mark.parametrize("dtype", ["float32"], indirect=True)
+def test_steps_past_the_rows_planned_for_the_decode_kernel_run_eager(
+    tiny_llama_dir, dtype, eager_outputs, monkeypatch
+):
+    """Where torch's path was timed faster for decode steps past 32 rows, the compiled step,
+    which holds the C++ kernel, takes steps of up to 32: the first step (a 40-token prompt as
+    rows of the decode kernel) runs eager, on torch's path, every other decodes-only step
+    compiled, and the tokens are eager's."""
+    choose = attention_tuning.choose
+
+    def torch_past_32(stage, shape, num_layers, times):
+        choice = choose(stage, shape, num_layers, times)
+        if stage != "decode":
+            return choice
+        return dataclasses.replace(choice, kernels=("cpp-decode",) * 3 + ("torch-sdpa",) * 3)
+
+    monkeypatch.setattr(attention_tuning, "choose", torch_past_32)
+    core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
+    compiled = core.runner.compiled_decode
+    assert compiled is not None and compiled.failure is None and compiled.max_rows == 32
+    calls = count_compiled_calls(core, monkeypatch)
+    outputs, num_steps = run_mixed_workload(core)
+    assert_same_outputs(outputs, eager_outputs, TOLERANCE)
+    assert compiled.failure is None
+    assert calls[0] == num_steps - 2  # the 40-row step and the 300-token prefill's, eager
 
 
 def test_the_cpu_graph_takes_the_step_sizes_as_its_only_int_arguments(tiny_llama_dir, monkeypatch):
