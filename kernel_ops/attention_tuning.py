@@ -24,12 +24,13 @@ where the shape allows the first:
 Each bucket up to 1024 rows is timed at its ``DECODE_ROWS`` rows of ``DECODE_CONTEXT`` positions,
 their blocks scattered over at most ``DECODE_BYTES`` of cache, as a step's lie scattered; more
 rows take the 129-1024 bucket's choice. Each timing is one call per candidate, the fastest of
-``REPEATS`` after a warm-up, within ``BUDGET_S`` for both stages (a bucket left untimed takes the
-last timed bucket's choice, and is timed again at the next start). The decode kernel keeps a
-bucket unless torch's path took under ``DECODE_EDGE`` of its time. So that large shapes fit the
-budget, a bucket whose call would pass ``PREFILL_FLOP`` or read more than ``DECODE_BYTES`` of keys
-is timed at fewer rows, never under its first. ``--batch-invariant`` plans no decode rows: they
-take the C++ kernel, whose rows do not depend on each other.
+``REPEATS`` after a warm-up (one, for a path over twice another's time), within ``BUDGET_S`` for
+both stages (a bucket left untimed takes the last timed bucket's choice, and is timed again at the
+next start). The decode kernel keeps a bucket unless torch's path took under ``DECODE_EDGE`` of
+its time. So that large shapes fit the budget, a bucket whose call would pass ``PREFILL_FLOP`` or
+read more than ``DECODE_BYTES`` of keys is timed at fewer rows, never under its first.
+``--batch-invariant`` plans no decode rows: they take the C++ kernel, whose rows do not depend on
+each other.
 """
 
 from __future__ import annotations
@@ -149,15 +150,23 @@ def choose(
     return AttentionChoice(stage, shape, num_layers, tuple(kernels), times)
 
 
-def _fastest_us(call: Callable[[], object]) -> float:
-    """Microseconds of ``call``'s fastest of ``REPEATS`` runs after a warm-up."""
+def _fastest_us(call: Callable[[], object], best_us: float = math.inf) -> float:
+    """Microseconds of ``call``'s fastest of ``REPEATS`` runs after a warm-up; after one run
+    taking over twice ``best_us`` (another candidate's), that run's: a path so far behind is
+    not timed again."""
     fastest = math.inf
     for repeat in range(REPEATS + 1):
         started = time.perf_counter()
         call()
         if repeat:
             fastest = min(fastest, time.perf_counter() - started)
+            if fastest * 1e6 > 2 * best_us:
+                break
     return fastest * 1e6
+
+
+def _timed(times: dict[str, list[float | None]], index: int) -> list[float]:
+    return [t[index] for t in times.values() if t[index] is not None]
 
 
 def _prefill_flop(shape: Shape, rows: int) -> int:
@@ -229,7 +238,7 @@ def time_shape(
                 run = functools.partial(
                     attention.decode, query, key_cache, value_cache, metadata, scale, kernel
                 )
-                times[kernel][index] = _fastest_us(run)
+                times[kernel][index] = _fastest_us(run, min(_timed(times, index), default=math.inf))
         else:
             output = torch.empty_like(query)
             seq = attention.PrefillSeq(0, rows, max(rows, CONTEXT), torch.arange(num_blocks))
@@ -237,7 +246,7 @@ def time_shape(
                 run = functools.partial(
                     attention.prefill, query, key_cache, value_cache, seq, scale, output, kernel
                 )
-                times[kernel][index] = _fastest_us(run)
+                times[kernel][index] = _fastest_us(run, min(_timed(times, index), default=math.inf))
     return times, False
 
 
