@@ -235,8 +235,7 @@ def compiled_decode_rows() -> int | None:
 
 def _planned_prefill(query, key_cache, seq: PrefillSeq) -> str:
     rows = seq.query_end - seq.query_start
-    # (a shape the kernel cannot take was planned torch's path throughout)
-    return planned_kernel("prefill", query.shape[1], key_cache, rows) or "torch-sdpa"
+    return planned_kernel("prefill", query.shape[1], key_cache, rows) or "torch-sdpa"  # (unplanned)
 
 
 def prefill_kernel_fits(key_cache) -> bool:

@@ -165,10 +165,6 @@ def _fastest_us(call: Callable[[], object], best_us: float = math.inf) -> float:
     return fastest * 1e6
 
 
-def _timed(times: dict[str, list[float | None]], index: int) -> list[float]:
-    return [t[index] for t in times.values() if t[index] is not None]
-
-
 def _prefill_flop(shape: Shape, rows: int) -> int:
     """A timed chunk's attention work: two products of its rows and context, every head."""
     return 4 * rows * max(rows, CONTEXT) * shape.num_heads * shape.head_dim
@@ -234,19 +230,18 @@ def time_shape(
                 decode_seq_lens=torch.full((rows,), DECODE_CONTEXT),
                 prefills=[],
             )
-            for kernel in kernels:
-                run = functools.partial(
-                    attention.decode, query, key_cache, value_cache, metadata, scale, kernel
-                )
-                times[kernel][index] = _fastest_us(run, min(_timed(times, index), default=math.inf))
+            call = functools.partial(
+                attention.decode, query, key_cache, value_cache, metadata, scale
+            )
         else:
             output = torch.empty_like(query)
             seq = attention.PrefillSeq(0, rows, max(rows, CONTEXT), torch.arange(num_blocks))
-            for kernel in kernels:
-                run = functools.partial(
-                    attention.prefill, query, key_cache, value_cache, seq, scale, output, kernel
-                )
-                times[kernel][index] = _fastest_us(run, min(_timed(times, index), default=math.inf))
+            call = functools.partial(
+                attention.prefill, query, key_cache, value_cache, seq, scale, output
+            )
+        for kernel in kernels:
+            best = min((t[index] for t in times.values() if t[index] is not None), default=math.inf)
+            times[kernel][index] = _fastest_us(functools.partial(call, kernel=kernel), best)
     return times, False
 
 
