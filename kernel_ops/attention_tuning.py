@@ -24,13 +24,13 @@ where the shape allows the first:
 Each bucket up to 1024 rows is timed at its ``DECODE_ROWS`` rows of ``DECODE_CONTEXT`` positions,
 their blocks scattered over at most ``DECODE_BYTES`` of cache, as a step's lie scattered; more
 rows take the 129-1024 bucket's choice. Each timing is one call per candidate, the fastest of
-``REPEATS`` after a warm-up (one, for a path over twice another's time), within ``BUDGET_S`` for
-both stages (a bucket left untimed takes the last timed bucket's choice, and is timed again at the
-next start). The decode kernel keeps a bucket unless torch's path took under ``DECODE_EDGE`` of
-its time. So that large shapes fit the budget, a bucket whose call would pass ``PREFILL_FLOP`` or
-read more than ``DECODE_BYTES`` of keys is timed at fewer rows, never under its first.
-``--batch-invariant`` plans no decode rows: they take the C++ kernel, whose rows do not depend on
-each other.
+``linear_tuning.REPEATS`` after a warm-up (one, for a path over twice another's time), within
+``BUDGET_S`` for both stages (a bucket left untimed takes the last timed bucket's choice, and is
+timed again at the next start). The decode kernel keeps a bucket unless torch's path took under
+``DECODE_EDGE`` of its time. So that large shapes fit the budget, a bucket whose call would pass
+``PREFILL_FLOP`` or read more than ``DECODE_BYTES`` of keys is timed at fewer rows, never under
+its first. ``--batch-invariant`` plans no decode rows: they take the C++ kernel, whose rows do not
+depend on each other.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ import torch
 
 from llmrpc.kernels import attention
 from llmrpc.kernels.linear_tuning import (
-    REPEATS,
     ROW_BUCKETS,
     TIMED_ROWS,
     bucket_name,
     cached_or_timed,
+    call_time,
     machine_key,
 )
 
@@ -150,21 +150,6 @@ def choose(
     return AttentionChoice(stage, shape, num_layers, tuple(kernels), times)
 
 
-def _fastest_us(call: Callable[[], object], best_us: float = math.inf) -> float:
-    """Microseconds of ``call``'s fastest of ``REPEATS`` runs after a warm-up; after one run
-    taking over twice ``best_us`` (another candidate's), that run's: a path so far behind is
-    not timed again."""
-    fastest = math.inf
-    for repeat in range(REPEATS + 1):
-        started = time.perf_counter()
-        call()
-        if repeat:
-            fastest = min(fastest, time.perf_counter() - started)
-            if fastest * 1e6 > 2 * best_us:
-                break
-    return fastest * 1e6
-
-
 def _prefill_flop(shape: Shape, rows: int) -> int:
     """A timed chunk's attention work: two products of its rows and context, every head."""
     return 4 * rows * max(rows, CONTEXT) * shape.num_heads * shape.head_dim
@@ -241,7 +226,7 @@ def time_shape(
             )
         for kernel in kernels:
             best = min((t[index] for t in times.values() if t[index] is not None), default=math.inf)
-            times[kernel][index] = _fastest_us(functools.partial(call, kernel=kernel), best)
+            times[kernel][index] = call_time(functools.partial(call, kernel=kernel), best_us=best)
     return times, False
 
 

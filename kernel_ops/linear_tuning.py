@@ -214,16 +214,31 @@ def _slice(linear: nn.Linear, out: int) -> nn.Linear:
     return part
 
 
-def _pass_time(modules: list[nn.Module], x: torch.Tensor) -> float:
-    """Seconds per layer of the fastest of REPEATS passes over ``modules`` (after a warm-up)."""
+def call_time(
+    call: Callable[[], object], repeats: int = REPEATS, best_us: float = math.inf
+) -> float:
+    """Microseconds of the fastest of ``repeats`` calls, after one warm-up; after a call taking
+    over twice ``best_us`` (another candidate's), that call's: a path so far behind is not timed
+    again."""
     fastest = math.inf
-    for repeat in range(REPEATS + 1):
+    for repeat in range(repeats + 1):
         started = time.perf_counter()
-        for module in modules:
-            module(x)
+        call()
         if repeat:
             fastest = min(fastest, time.perf_counter() - started)
-    return fastest / len(modules)
+            if fastest * 1e6 > 2 * best_us:
+                break
+    return fastest * 1e6
+
+
+def _pass_time(modules: list[nn.Module], x: torch.Tensor) -> float:
+    """Seconds per layer of the fastest of REPEATS passes over ``modules`` (after a warm-up)."""
+
+    def one_pass() -> None:
+        for module in modules:
+            module(x)
+
+    return call_time(one_pass) * 1e-6 / len(modules)
 
 
 @torch.inference_mode()

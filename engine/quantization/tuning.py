@@ -41,11 +41,11 @@ from llmrpc.engine.quantization.layers import (
 )
 from llmrpc.kernels.linear_tuning import (
     MAX_FLOP,
-    REPEATS,
     ROW_BUCKETS,
     TIMED_ROWS,
     LayerChoice,
     cached_or_timed,
+    call_time,
     machine_key,
 )
 
@@ -67,17 +67,6 @@ def shape_key(layer: QuantizedLinear) -> str:
         planes = "a zero per 32" if layer.zeros else "a scale per 16"
         kind += f" ({planes})" if layer.scales.dim() == 4 else ""
     return f"{kind} {layer.dtype} {layer.in_features}x{layer.out_features}"
-
-
-def _call_time(call: Callable[[], object], repeats: int = REPEATS) -> float:
-    """Microseconds of the fastest of ``repeats`` calls, after one warm-up."""
-    fastest = math.inf
-    for repeat in range(repeats + 1):
-        started = time.perf_counter()
-        call()
-        if repeat:
-            fastest = min(fastest, time.perf_counter() - started)
-    return fastest * 1e6
 
 
 def kernels(layer: QuantizedLinear) -> list[str]:
@@ -116,16 +105,16 @@ def time_layer(
         x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
         packed_us = None
         if packed:
-            times["packed"][index] = _call_time(functools.partial(layer.packed_matmul, x, 0))
+            times["packed"][index] = call_time(functools.partial(layer.packed_matmul, x, 0))
             if "tiles" in times:
-                times["tiles"][index] = _call_time(functools.partial(layer.packed_matmul, x, 1))
+                times["tiles"][index] = call_time(functools.partial(layer.packed_matmul, x, 1))
             packed_us = _packed_time(times, index)
         if packed_us is not None and packed_us < dequantize_us:
             # the dequantization alone is slower: its time stands for the dense path's (a lower
             # bound), the matmul untimed
             times["dense"][index] = dequantize_us
         else:
-            matmul_us = _call_time(functools.partial(F.linear, x, weight))
+            matmul_us = call_time(functools.partial(F.linear, x, weight))
             times["dense"][index] = dequantize_us + matmul_us
         packed = packed_us is not None and packed_us <= 3 * times["dense"][index]
     return times, False

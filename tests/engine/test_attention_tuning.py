@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from llmrpc.kernels import attention, attention_tuning, cpu_ops
+from llmrpc.kernels import attention, attention_tuning, cpu_ops, linear_tuning
 from llmrpc.kernels.attention import AttentionMetadata
 
 SHAPE = (8, 16, 2, 64, torch.bfloat16)  # query heads, block size, KV heads, head size, dtype
@@ -258,11 +258,11 @@ def test_a_compiled_step_is_refused_where_the_kernel_was_planned_for_too_few_row
 def test_a_path_over_twice_anothers_time_is_timed_once():
     calls = []
     run = functools.partial(calls.append, None)
-    attention_tuning._fastest_us(run)
-    assert len(calls) == attention_tuning.REPEATS + 1  # a warm-up and the timed runs
+    linear_tuning.call_time(run)
+    assert len(calls) == linear_tuning.REPEATS + 1  # a warm-up and the timed runs
     calls.clear()
-    assert attention_tuning._fastest_us(run, best_us=0.0) > 0
+    assert linear_tuning.call_time(run, best_us=0.0) > 0
     assert len(calls) == 2  # a warm-up and one timed run
     calls.clear()
-    attention_tuning._fastest_us(run, best_us=1e6)  # (a second: no call of this takes two)
-    assert len(calls) == attention_tuning.REPEATS + 1
+    linear_tuning.call_time(run, best_us=1e6)  # (a second: no call of this takes two)
+    assert len(calls) == linear_tuning.REPEATS + 1
