@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+from engine_pace import restore_speed, slow_down
 from server_utils import field_violations
 
 from llmrpc.v1 import common_pb2, generation_pb2
@@ -40,9 +41,15 @@ async def test_generate_returns_text_tokens_and_usage(generation, server):
     assert response.request_id  # the server made one
 
 
-async def test_stream_deltas_concatenate_to_the_unary_output(generation):
+async def test_stream_deltas_concatenate_to_the_unary_output(generation, server):
     unary = await generation.Generate(greedy_request(max_tokens=20))
-    messages = await collect_stream(generation, greedy_request(max_tokens=20))
+    # 20 ms a step: a stream reader that lags the engine gets its deltas merged, and the tiny
+    # model's 20 steps could all pass within one lag of a busy machine's
+    slow_down(server.engine, 0.02)
+    try:
+        messages = await collect_stream(generation, greedy_request(max_tokens=20))
+    finally:
+        restore_speed(server.engine)
     assert len(messages) > 1
     assert "".join(m.text for m in messages) == unary.text
     assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)

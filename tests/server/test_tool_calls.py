@@ -16,6 +16,7 @@ import grpc
 import jsonschema
 import pytest
 import pytest_asyncio
+from engine_pace import restore_speed, slow_down
 from scripted_outputs import TOOL_TEMPLATE, script
 from server_utils import field_violations, frontend_config, tiny_engine_config
 
@@ -116,7 +117,11 @@ async def test_a_call_is_parsed_out_of_the_content(server, generation):
 
 async def test_streamed_calls_come_once_each_where_their_text_completes(server, generation):
     request = await scripted(server, "Checking both.\n" + CALL + "\n" + SECOND)
-    messages = await read_stream(generation, request)
+    slow_down(server.engine, 0.02)  # (a reader that lags the engine gets its deltas merged)
+    try:
+        messages = await read_stream(generation, request)
+    finally:
+        restore_speed(server.engine)
     assert len(messages) > 10  # token by token
     assert "".join(m.text for m in messages) == "Checking both.\n\n"
     with_calls = [i for i, m in enumerate(messages) if m.tool_calls]
