@@ -23,14 +23,15 @@ where the shape allows the first:
 
 Each bucket up to 1024 rows is timed at its ``DECODE_ROWS`` rows of ``DECODE_CONTEXT`` positions,
 their blocks scattered over at most ``DECODE_BYTES`` of cache, as a step's lie scattered; more
-rows take the 129-1024 bucket's choice. Each timing is one call per candidate, the fastest of
-``linear_tuning.REPEATS`` after a warm-up (one, for a path over twice another's time), within
-``BUDGET_S`` for both stages (a bucket left untimed takes the last timed bucket's choice, and is
-timed again at the next start). The decode kernel keeps a bucket unless torch's path took under
-``DECODE_EDGE`` of its time. So that large shapes fit the budget, a bucket whose call would pass
-``PREFILL_FLOP`` or read more than ``DECODE_BYTES`` of keys is timed at fewer rows, never under
-its first. ``--batch-invariant`` plans no decode rows: they take the C++ kernel, whose rows do not
-depend on each other.
+rows take the 129-1024 bucket's choice. Each candidate's time in a bucket is its fastest call of
+``linear_tuning.REPEATS`` after a warm-up, or of as many as take ``MIN_SECONDS`` (at most 64), but
+no more once past that where it took over twice another's time; all within ``BUDGET_S`` for both
+stages (a bucket left untimed takes the last timed bucket's choice, and is timed again at the next
+start). The decode kernel keeps a bucket unless torch's path took under ``DECODE_EDGE`` of its
+time. So that large shapes fit the budget, a bucket whose call would pass ``PREFILL_FLOP`` or read
+more than ``DECODE_BYTES`` of keys is timed at fewer rows, never under its first.
+``--batch-invariant`` plans no decode rows: they take the C++ kernel, whose rows do not depend on
+each other.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ DECODE_CONTEXT = 512  # positions of each timed decode row
 # the most keys a timed decode call reads (past it a bucket is timed at fewer rows, from its
 # first), and the most cache of keys, and of values, its rows' blocks are drawn from
 DECODE_BYTES = 64 * 2**20
+MIN_SECONDS = 0.02  # each candidate's timed calls in a bucket, at the least (short calls: more)
 # Decode rows take torch's path only where it took under this share of the C++ kernel's time:
 # the kernel's rows also keep the fused qkv/attention and whole-layer calls and the compiled
 # step, whose gains a timing of attention alone does not see.
@@ -226,7 +228,9 @@ def time_shape(
             )
         for kernel in kernels:
             best = min((t[index] for t in times.values() if t[index] is not None), default=math.inf)
-            times[kernel][index] = call_time(functools.partial(call, kernel=kernel), best_us=best)
+            times[kernel][index] = call_time(
+                functools.partial(call, kernel=kernel), best_us=best, min_seconds=MIN_SECONDS
+            )
     return times, False
 
 

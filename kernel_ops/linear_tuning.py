@@ -215,19 +215,24 @@ def _slice(linear: nn.Linear, out: int) -> nn.Linear:
 
 
 def call_time(
-    call: Callable[[], object], repeats: int = REPEATS, best_us: float = math.inf
+    call: Callable[[], object],
+    repeats: int = REPEATS,
+    best_us: float = math.inf,
+    min_seconds: float = 0.0,
 ) -> float:
-    """Microseconds of the fastest of ``repeats`` calls, after one warm-up; after a call taking
-    over twice ``best_us`` (another candidate's), that call's: a path so far behind is not timed
-    again."""
-    fastest = math.inf
-    for repeat in range(repeats + 1):
+    """Microseconds of the fastest of ``repeats`` calls, after one warm-up, and of more while the
+    timed calls have taken under ``min_seconds`` in all (a short call's fastest of many is less
+    at the mercy of a busy moment; at most 64). Once they have, a path over twice ``best_us``
+    (another candidate's) is not timed again."""
+    fastest, spent, timed = math.inf, 0.0, 0
+    call()  # the warm-up
+    while timed < repeats or (spent < min_seconds and timed < 64):
         started = time.perf_counter()
         call()
-        if repeat:
-            fastest = min(fastest, time.perf_counter() - started)
-            if fastest * 1e6 > 2 * best_us:
-                break
+        took = time.perf_counter() - started
+        fastest, spent, timed = min(fastest, took), spent + took, timed + 1
+        if fastest * 1e6 > 2 * best_us and spent >= min_seconds:
+            break
     return fastest * 1e6
 
 

@@ -109,7 +109,7 @@ def why_not_compiled(model: nn.Module, backend: str) -> str | None:
     if rows is not None and rows < max(WARM_UP_NUM_TOKENS):
         return (
             f"decode attention was measured faster on torch's path than in the C++ kernel, "
-            f"which the compiled step holds, from {rows + 1} rows"
+            f"which the compiled step holds, from {rows + 1} row{'s' if rows else ''}"
         )
     return None
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -255,7 +256,7 @@ def test_a_compiled_step_is_refused_where_the_kernel_was_planned_for_too_few_row
     )
 
 
-def test_a_path_over_twice_anothers_time_is_timed_once():
+def test_a_call_is_timed_repeats_times_or_for_min_seconds_and_less_when_far_behind():
     calls = []
     run = functools.partial(calls.append, None)
     linear_tuning.call_time(run)
@@ -266,3 +267,17 @@ def test_a_path_over_twice_anothers_time_is_timed_once():
     calls.clear()
     linear_tuning.call_time(run, best_us=1e6)  # (a second: no call of this takes two)
     assert len(calls) == linear_tuning.REPEATS + 1
+    calls.clear()
+    linear_tuning.call_time(run, min_seconds=60.0)  # more runs, up to 64, for a short call
+    assert len(calls) == 65
+    calls.clear()
+
+    def slow() -> None:  # 4 ms or more a call: 20 ms take at most 5 past the warm-up
+        calls.append(None)
+        time.sleep(0.004)
+
+    linear_tuning.call_time(slow, min_seconds=0.02)
+    assert linear_tuning.REPEATS + 1 < len(calls) <= 6
+    calls.clear()
+    linear_tuning.call_time(slow, min_seconds=0.02, best_us=0.0)  # far behind: after 20 ms
+    assert linear_tuning.REPEATS + 1 < len(calls) <= 6
