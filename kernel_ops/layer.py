@@ -115,7 +115,7 @@ def fits(
 ) -> bool:
     """Whether the call takes this step, a decodes-only step on the torch backend (the caller
     knows it is): rows the linear kernels take in their dtype, and attention the decode kernel
-    takes and was not measured slower at for so many rows (``attention_tuning``)."""
+    takes and the measured plan gives it for so many rows (``attention_tuning``)."""
     if metadata.padded or hidden.dtype != spec.dtype:
         return False
     # a compiled graph runs steps of at most max_rows rows only (engine/runner/compilation.py)
