@@ -162,16 +162,13 @@ def paged_attention(
     # decode_indices' size would guard on it and recompile for each new batch size)
     count = query.shape[0] if metadata.decodes_only else rows.shape[0]
     cpp_decode = fits and decode_kernel_planned(query.shape[1], key_cache, count)
-    decode_path = functools.partial(
-        decode, key_cache=key_cache, value_cache=value_cache, metadata=metadata, scale=scale,
-        kernel="cpp-decode" if cpp_decode else "torch-sdpa", kv_scales=kv_scales, window=window,
-        softcap=softcap,
-    )  # fmt: skip
+    kernel = "cpp-decode" if cpp_decode else "torch-sdpa"
+    more = (scale, kernel, kv_scales, window, softcap)
     if metadata.decodes_only:
-        return decode_path(query)
+        return decode(query, key_cache, value_cache, metadata, *more)
     output = torch.empty_like(query)
     if rows.numel():
-        output[rows] = decode_path(query[rows])
+        output[rows] = decode(query[rows], key_cache, value_cache, metadata, *more)
     for seq in metadata.prefills:
         kernel = _planned_prefill(query, key_cache, seq) if fits else "torch-sdpa"
         prefill(
@@ -183,24 +180,32 @@ def paged_attention(
 # Each attention shape's measured path by bucket of rows, for prompt chunks ("prefill", by the
 # chunk's rows) and for a step's decode rows ("decode", by their number): set at model load from
 # attention_tuning's measurements. A shape without a plan takes torch's path for prompt chunks
-# and the C++ decode kernel for decode rows (where each fits).
-_planned: dict[tuple, tuple[tuple[int | None, str], ...]] = {}
+# and the C++ decode kernel for decode rows (where each fits), so a decode plan that gives the
+# kernel every bucket is not kept: most steps then find no decode plan at all.
+_planned: dict[str, dict[tuple, tuple[tuple[int | None, str], ...]]] = {
+    "prefill": {},
+    "decode": {},
+}
 
 
 def reset_kernels() -> None:
     """Every shape unplanned (each engine plans its own at load)."""
-    _planned.clear()
+    for plans in _planned.values():
+        plans.clear()
 
 
 def set_kernels(stage: str, shape: tuple, buckets: tuple[tuple[int | None, str], ...]) -> None:
     """``stage``: "prefill" or "decode"; ``shape``: (query heads, block size, KV heads, head
     size, dtype); ``buckets``: (last row or None for no end, path) in rising order."""
-    _planned[(stage, *shape)] = buckets
+    if stage == "decode" and all(kernel == "cpp-decode" for _, kernel in buckets):
+        _planned[stage].pop(shape, None)  # what an unplanned shape takes
+    else:
+        _planned[stage][shape] = buckets
 
 
 def planned_kernel(stage: str, num_heads: int, key_cache, rows: int) -> str | None:
     """The measured path of ``rows`` rows of ``stage`` for this shape, or None: not measured."""
-    buckets = _planned.get((stage, num_heads, *key_cache.shape[1:], key_cache.dtype))
+    buckets = _planned[stage].get((num_heads, *key_cache.shape[1:], key_cache.dtype))
     if buckets is None:
         return None
     return next(kernel for last, kernel in buckets if last is None or rows <= last)
@@ -210,7 +215,7 @@ def decode_kernel_planned(num_heads: int, key_cache, rows: int) -> bool:
     """Whether ``rows`` decode rows of a step take the C++ decode kernel (which must fit) by the
     measured plan: yes but where torch's path was timed faster for their bucket. A compiled step
     holds the kernel, and the compiled forward takes no more rows than ``compiled_decode_rows``."""
-    if torch.compiler.is_compiling():
+    if not _planned["decode"] or torch.compiler.is_compiling():
         return True
     return planned_kernel("decode", num_heads, key_cache, rows) != "torch-sdpa"
 
@@ -219,15 +224,11 @@ def compiled_decode_rows() -> int | None:
     """The most decode rows a compiled step may take (None: any): the last row of the buckets,
     from one row up, whose measured decode path is the C++ kernel (0: not even one row)."""
     limits = []
-    for (stage, *_), buckets in _planned.items():
-        if stage != "decode":
-            continue
+    for buckets in _planned["decode"].values():
         last_cpp = 0
         for last, kernel in buckets:
             if kernel != "cpp-decode":
                 limits.append(last_cpp)
-                break
-            if last is None:
                 break
             last_cpp = last
     return min(limits, default=None)

@@ -90,19 +90,13 @@ def cpp_decode_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     candidate, whatever their timing said: for tests of the calls it takes part in (the fused
     qkv and layer calls, the compiled step), where a busy machine's timing of a tiny model's
     heads may go either way (kernel_ops/attention_tuning.py)."""
-    import dataclasses
+    from attention_plans import forced_choice
 
     from llmrpc.kernels import attention_tuning
+    from llmrpc.kernels.linear_tuning import ROW_BUCKETS
 
-    choose = attention_tuning.choose
-
-    def on_the_kernel(stage, shape, num_layers, times):
-        choice = choose(stage, shape, num_layers, times)
-        if stage != "decode" or "cpp-decode" not in times:
-            return choice
-        return dataclasses.replace(choice, kernels=("cpp-decode",) * len(choice.kernels))
-
-    monkeypatch.setattr(attention_tuning, "choose", on_the_kernel)
+    kernels = ("cpp-decode",) * len(ROW_BUCKETS)
+    monkeypatch.setattr(attention_tuning, "choose", forced_choice("decode", kernels))
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,11 @@ Run: python tests/bench/decode_attention_bench.py [threads] [dtype] (2 and bfloa
 docs/performance.md cites it."""
 
 import functools
-import sys
 from types import SimpleNamespace
 
 import torch
-from alternate import fastest
+from alternate import fastest, setup
 
-from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -29,11 +27,7 @@ def attend(query, keys, values, tables, lens, scale, path: str) -> torch.Tensor:
 
 @torch.inference_mode()
 def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
-    if not cpu_ops.load():
-        sys.exit("the C++ kernels did not build here")
-    torch.set_num_threads(threads)
+    threads, dtype = setup()
     generator = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
     for rows, context in CASES:

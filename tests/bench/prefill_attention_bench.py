@@ -7,12 +7,10 @@ Run: python tests/bench/prefill_attention_bench.py [threads] [dtype] (2 and bflo
 docs/performance.md cites it."""
 
 import functools
-import sys
 
 import torch
-from alternate import fastest
+from alternate import fastest, setup
 
-from llmrpc.kernels import cpu_ops
 from llmrpc.kernels.attention import PrefillSeq, prefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -22,11 +20,7 @@ PATHS = ("cpp-prefill", "torch-sdpa")
 
 @torch.inference_mode()
 def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
-    if not cpu_ops.load():
-        sys.exit("the C++ kernels did not build here")
-    torch.set_num_threads(threads)
+    threads, dtype = setup()
     generator = torch.Generator().manual_seed(0)
     for context, rows in CASES:
         num_blocks = -(-context // BLOCK)

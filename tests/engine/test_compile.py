@@ -4,13 +4,13 @@ once and the engine runs eager."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import msgspec
 import pytest
 import torch
+from attention_plans import forced_choice
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig
@@ -131,14 +131,7 @@ def test_steps_past_the_rows_planned_for_the_decode_kernel_run_eager(
     which holds the C++ kernel, takes steps of up to 32: the first step (a 40-token prompt as
     rows of the decode kernel) runs eager, on torch's path, every other decodes-only step
     compiled, and the tokens are eager's."""
-    choose = attention_tuning.choose
-
-    def torch_past_32(stage, shape, num_layers, times):
-        choice = choose(stage, shape, num_layers, times)
-        if stage != "decode":
-            return choice
-        return dataclasses.replace(choice, kernels=("cpp-decode",) * 3 + ("torch-sdpa",) * 3)
-
+    torch_past_32 = forced_choice("decode", ("cpp-decode",) * 3 + ("torch-sdpa",) * 3)
     monkeypatch.setattr(attention_tuning, "choose", torch_past_32)
     core = make_core(tiny_llama_dir, dtype, compilation=COMPILED)
     compiled = core.runner.compiled_decode

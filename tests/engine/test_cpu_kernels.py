@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_plans import forced_choice
 from engine_utils import make_core, run_to_completion
 
 from llmrpc.engine.request import SamplingParams
@@ -236,7 +236,7 @@ def test_engine_prompt_chunks_take_the_measured_path_with_the_same_tokens(
     outputs = {}
     for kernel in ("cpp-prefill", "torch-sdpa"):
         monkeypatch.setattr(
-            attention_tuning, "choose", _forced_choice("prefill", (kernel,) * len(ROW_BUCKETS))
+            attention_tuning, "choose", forced_choice("prefill", (kernel,) * len(ROW_BUCKETS))
         )
         core = make_core(tiny_llama_dir, max_num_batched_tokens=64)
         calls.clear()
@@ -248,18 +248,6 @@ def test_engine_prompt_chunks_take_the_measured_path_with_the_same_tokens(
     for got, expected in zip(*(outputs[k][1] for k in outputs), strict=True):
         assert [t for t, _ in got] == [t for t, _ in expected]
         assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) < 1e-4
-
-
-def _forced_choice(stage: str, kernels: tuple[str, ...]):
-    """``attention_tuning.choose`` giving ``stage``'s buckets ``kernels`` whatever was timed
-    (and the other stage what was)."""
-    real = attention_tuning.choose
-
-    def choose(choice_stage, shape, count, times):
-        choice = real(choice_stage, shape, count, times)
-        return dataclasses.replace(choice, kernels=kernels) if choice_stage == stage else choice
-
-    return choose
 
 
 def test_engine_decode_rows_take_the_measured_path_with_the_same_tokens(
@@ -282,7 +270,7 @@ def test_engine_decode_rows_take_the_measured_path_with_the_same_tokens(
         "torch from 2 rows": ("cpp-decode",) + ("torch-sdpa",) * (len(ROW_BUCKETS) - 1),
     }
     for plan, kernels in plans.items():
-        monkeypatch.setattr(attention_tuning, "choose", _forced_choice("decode", kernels))
+        monkeypatch.setattr(attention_tuning, "choose", forced_choice("decode", kernels))
         try:
             core = make_core(tiny_llama_dir)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
