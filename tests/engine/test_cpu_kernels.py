@@ -85,6 +85,49 @@ def test_decode_kernel_matches_torch_path(dtype, num_kv_heads, group, head_dim, 
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128)])
+def test_decode_kernel_rows_match_on_any_thread_count_and_in_any_batch(
+    num_kv_heads, group, head_dim
+):
+    """Fewer sequences than threads split each sequence's KV heads over the threads: the same
+    sums, so the same bits as one thread and as the sequence among many."""
+    seq_lens = [700, 33, 1000, 16]
+    query, key_cache, value_cache, metadata = _case(
+        torch.bfloat16, num_kv_heads, group, head_dim, 16, seq_lens
+    )
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch = _kernel(query, key_cache, value_cache, metadata, 0.125)
+        for threads in (2, 3, 4, 9):
+            torch.set_num_threads(threads)
+            for n in range(len(seq_lens)):
+                alone = AttentionMetadata(
+                    **{
+                        **metadata.__dict__,
+                        "decode_block_tables": metadata.decode_block_tables[n : n + 1],
+                        "decode_seq_lens": metadata.decode_seq_lens[n : n + 1],
+                    }
+                )
+                got = _kernel(query[n : n + 1], key_cache, value_cache, alone, 0.125)
+                assert torch.equal(got[0], batch[n]), (threads, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_decode_kernel_gives_one_sequence_every_thread():
+    """One stream's decode step keeps both cores busy: its KV heads are split between them."""
+    query, key_cache, value_cache, metadata = _case(torch.float32, 4, 2, 128, 16, [4096])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        call = lambda: _kernel(query, key_cache, value_cache, metadata, 0.1)  # noqa: E731
+        assert _threads_busy_during(call) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_decode_kernel_reads_only_its_own_blocks():
     # Other blocks hold NaN: a read outside the sequence's table or past its length shows up.
     query, key_cache, value_cache, metadata = _case(torch.float32, 2, 3, 64, 16, [7, 40])
