@@ -5,6 +5,11 @@ API for a benchmark client, ``GET /v1/models`` and streamed ``POST /v1/completio
 (server-sent events, vLLM's ``ignore_eos`` and ``stream_options.include_usage``, text or
 token-id prompts), answered by forwarding to a real llmrpc server over gRPC. HTTP/1.1 with
 one request per connection, written on asyncio streams to need no web framework.
+
+With ``unannounced_close`` its completions come in chunked encoding with no ``Connection:
+close``, so a client may keep the connection for another request, which the stand-in drops
+unanswered: llama.cpp's server, streaming, lost 15-24 of 96 requests that way to an aiohttp
+client that kept its connections (32 at once).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from llmrpc.clients import AsyncClient
 
 
 class OpenAIStandIn:
-    def __init__(self, grpc_target: str) -> None:
+    def __init__(self, grpc_target: str, unannounced_close: bool = False) -> None:
         self.grpc_target = grpc_target
+        self.unannounced_close = unannounced_close
         self.num_completions = 0
+        self.num_dropped = 0  # requests that came on a connection already used
 
     async def start(self) -> int:
         """Listen on a loopback port chosen by the OS; returns it."""
@@ -38,6 +45,8 @@ class OpenAIStandIn:
                 await self._models(writer)
             elif (method, path) == ("POST", "/v1/completions"):
                 await self._completions(writer, json.loads(body))
+                if self.unannounced_close and await reader.read(1):  # a second request
+                    self.num_dropped += 1
             else:
                 # it closes every connection after one request, and says so: a client that kept
                 # this one for its next request (GET /metrics, then a completion) would lose it
@@ -58,9 +67,12 @@ class OpenAIStandIn:
 
     async def _completions(self, writer, request: dict) -> None:
         self.num_completions += 1
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
-        )
+        framing = b"Transfer-Encoding: chunked" if self.unannounced_close else b"Connection: close"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n%s\r\n\r\n" % framing)
+
+        def send(data: bytes) -> None:
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data) if self.unannounced_close else data)
+
         stream = self.client.stream(
             request["prompt"],
             model=request["model"],
@@ -71,19 +83,21 @@ class OpenAIStandIn:
         async for delta in stream:
             finish = delta.finish_reason.value if delta.finish_reason else None
             choice = {"index": 0, "text": delta.text, "finish_reason": finish}
-            _send_event(writer, {"object": "text_completion", "choices": [choice]})
+            send(_event({"object": "text_completion", "choices": [choice]}))
             if delta.usage is not None and request.get("stream_options", {}).get("include_usage"):
                 usage = {
                     "prompt_tokens": delta.usage.prompt_tokens,
                     "completion_tokens": delta.usage.completion_tokens,
                 }
-                _send_event(writer, {"object": "text_completion", "choices": [], "usage": usage})
+                send(_event({"object": "text_completion", "choices": [], "usage": usage}))
             await writer.drain()
-        writer.write(b"data: [DONE]\n\n")
+        send(b"data: [DONE]\n\n")
+        if self.unannounced_close:
+            writer.write(b"0\r\n\r\n")
 
 
-def _send_event(writer, payload: dict) -> None:
-    writer.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 async def _read_request(reader) -> tuple[str, str, bytes]:
