@@ -90,8 +90,9 @@ class BlockedLinear(nn.Module):
         )
         self.bias = None if linear.bias is None else linear.bias.detach()
         # the kernel for each bucket of rows per call (linear_tuning.ROW_BUCKETS): 0 dot products,
-        # 1 AMX tiles, 2 the one-row kernel, 3 AVX2 fused multiply-adds; empty: the dot products
-        # for every call where the build has them, else the fused multiply-adds
+        # 1 AMX tiles, 2 the one-row kernel, 3 AVX2 fused multiply-adds, 4 their one-row form;
+        # empty: the dot products for every call where the build has them, else the fused
+        # multiply-adds
         self.kernel_by_bucket: list[int] = []
 
     @staticmethod

@@ -9,6 +9,8 @@ The candidates (those the layer and the CPU allow):
 - ``blocked-avx2``: the same layout and weights, AVX2 fused multiply-adds in float32 (the same
   file), where the CPU lacks AVX512-BF16 (where it has it, the dot products do the same work in
   half the instructions);
+- ``blocked-gemv-avx2``: its one-row form, reading one block at a time as ``blocked-gemv`` does (the
+  same file), timed in the first bucket alone;
 - ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``).
 
 Not a candidate: the plain weight with ``torch.nn.functional.linear``, which reorders the weight on
@@ -75,19 +77,26 @@ SLICE_BYTES = 64 * 2**20  # a larger layer is timed on its first outputs (time s
 MAX_FLOP = 4e9  # per timed call: larger buckets are timed at fewer rows (never under the first)
 REPEATS = 3  # timed passes per candidate and bucket (the fastest counts), after one warm-up
 BUDGET_S = 8.0
-KERNELS = ("blocked-avx512bf16", "blocked-amx", "blocked-gemv", "blocked-avx2", "onednn")
+KERNELS = (
+    "blocked-avx512bf16", "blocked-amx", "blocked-gemv", "blocked-avx2", "blocked-gemv-avx2",
+    "onednn",
+)  # fmt: skip
 LAYOUT = {
     "blocked-avx512bf16": "blocked",
     "blocked-amx": "blocked",
     "blocked-gemv": "blocked",
     "blocked-avx2": "blocked",
+    "blocked-gemv-avx2": "blocked",
     "onednn": "onednn",
 }
 # csrc/bf16_linear.cpp's ids
 BLOCKED_KERNEL_IDS = {
     "blocked-avx512bf16": 0, "blocked-amx": 1, "blocked-gemv": 2, "blocked-avx2": 3,
+    "blocked-gemv-avx2": 4,
 }  # fmt: skip
-ONE_ROW_KERNELS = {"blocked-gemv"}  # serve the first bucket (one row) only
+# the kernels that serve the first bucket (one row) only, and the kernel of their instruction set
+# that serves the buckets past it where none was timed
+ONE_ROW_KERNELS = {"blocked-gemv": "blocked-avx512bf16", "blocked-gemv-avx2": "blocked-avx2"}
 
 
 def row_bucket(rows: int) -> int:
@@ -112,7 +121,7 @@ def candidates(linear: nn.Linear) -> list[str]:
             names.append("blocked-amx")
         names.append("blocked-gemv")
     elif BlockedLinear.fits(linear):
-        names.append("blocked-avx2")
+        names += ["blocked-avx2", "blocked-gemv-avx2"]
     if can_pack(linear.weight.dtype, linear.weight.device):
         names.append("onednn")
     return names
@@ -174,8 +183,8 @@ def choose(
             previous = min(
                 (k for k in allowed if times[k][index] is not None), key=lambda k: times[k][index]
             )
-        elif index and previous in ONE_ROW_KERNELS:  # past one row, none timed: dot products
-            previous = "blocked-avx512bf16"
+        elif index and previous in ONE_ROW_KERNELS:  # past one row, none timed
+            previous = ONE_ROW_KERNELS[previous]
         kernels.append(previous)  # an untimed bucket keeps the last timed bucket's choice
     return LayerChoice(shape, num_layers, layout, tuple(kernels), times)
 
@@ -188,7 +197,8 @@ def _module(linear: nn.Linear, kernel: str) -> nn.Module:
         module = BlockedLinear(linear)
         module.kernel_by_bucket = [BLOCKED_KERNEL_IDS[kernel]] * len(ROW_BUCKETS)
         if kernel in ONE_ROW_KERNELS:  # timed at one row only; the rest never reach it
-            module.kernel_by_bucket[1:] = [0] * (len(ROW_BUCKETS) - 1)
+            sibling = BLOCKED_KERNEL_IDS[ONE_ROW_KERNELS[kernel]]
+            module.kernel_by_bucket[1:] = [sibling] * (len(ROW_BUCKETS) - 1)
         return module
     return PackedLinear(linear)
 

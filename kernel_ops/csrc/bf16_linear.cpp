@@ -30,12 +30,14 @@
 // some last bits, and --batch-invariant never takes it.
 //
 // A fourth kernel serves CPUs without AVX512-BF16 (AVX2 and FMA): float32 fused multiply-adds over
-// the same layout, each weight converted in registers (fma_linear below).
+// the same layout, each weight converted in registers (fma_linear below), with a one-row form
+// that reads one block at a time as the third does.
 //
 // Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
 // for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the
-// dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only), 3 the AVX2 one (none
-// given: the dot products where built, else the AVX2 one); kernel_ops/linear_tuning.py chooses
+// dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only), 3 the AVX2 one, 4 its
+// one-row form (first bucket only) (none given: the dot products where built, else the AVX2
+// one); kernel_ops/linear_tuning.py chooses
 // them by timing each. bf16_linear_supported() says whether this build has the dot products
 // (AVX512-BF16), bf16_amx_supported() whether it has the tiles and Linux granted them,
 // bf16_fma_supported() whether it has the AVX2 kernel.
@@ -481,12 +483,53 @@ void fma_blocks_rows(const Avx2Operands& o, int64_t rows, int64_t begin, int64_t
   }
 }
 
+// One row, one block at a time (the one-row kernel's way on this build): each block's pairs as one
+// stream in four chains (p mod 4), the weights asked for kFmaGemvAhead bytes ahead. Its sums are in
+// another order than fma_tile's, so some outputs' last bits differ.
+constexpr int64_t kFmaGemvAhead = 4096;
+
+void fma_gemv_blocks(const Avx2Operands& o, int64_t begin, int64_t end) {
+  constexpr int64_t ahead = kFmaGemvAhead / sizeof(at::BFloat16);
+  const __m256i odd_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t block = begin; block < end; ++block) {
+    const at::BFloat16* weight = o.weight + block * o.block_stride;
+    __m256 sums[4][2];
+    for (int c = 0; c < 4; ++c) sums[c][0] = sums[c][1] = _mm256_setzero_ps();
+    const auto add_pair = [&](int c, int64_t p) {
+      const __m256 even = _mm256_broadcast_ss(o.x + 2 * p);
+      const __m256 odd = _mm256_broadcast_ss(o.x + 2 * p + 1);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i line =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight + p * 32 + 16 * h));
+        const __m256 low = _mm256_castsi256_ps(_mm256_slli_epi32(line, 16));
+        const __m256 high = _mm256_castsi256_ps(_mm256_and_si256(line, odd_half));
+        sums[c][h] = _mm256_fmadd_ps(high, odd, _mm256_fmadd_ps(low, even, sums[c][h]));
+      }
+    };
+    int64_t p = 0;
+    for (; p + 4 <= o.pairs; p += 4) {
+      for (int c = 0; c < 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(weight + p * 32 + ahead + 32 * c), _MM_HINT_T0);
+        add_pair(c, p + c);
+      }
+    }
+    for (; p < o.pairs; ++p) add_pair(0, p);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t first = 16 * block + 8 * h;
+      __m256 sum = _mm256_add_ps(_mm256_add_ps(sums[0][h], sums[1][h]),
+                                 _mm256_add_ps(sums[2][h], sums[3][h]));
+      if (o.bias != nullptr) sum = _mm256_add_ps(sum, load_bf16x8(o.bias + first));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.y + first), round_to_bf16(sum));
+    }
+  }
+}
+
 // Calls of up to this many inputs in all (a decode step's) convert x into a buffer the calling
 // thread keeps; larger ones into a new tensor.
 constexpr int64_t kFmaKeptFloats = 16384;
 
 void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloat16* bias,
-                at::BFloat16* y, int64_t rows, int64_t blocks, int64_t pairs) {
+                at::BFloat16* y, int64_t rows, int64_t blocks, int64_t pairs, bool one_row) {
   const int64_t count = rows * pairs * 2;
   thread_local std::vector<float> kept(kFmaKeptFloats);
   at::Tensor converted;
@@ -506,6 +549,10 @@ void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloa
   // serves every row of the tile), the rows in chunks whose float32 inputs fit kFmaChunkBytes,
   // every block of a thread's share for one chunk before the next: the chunk stays in the core's
   // L2 cache while the weights pass.
+  if (one_row) {
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) { fma_gemv_blocks(o, begin, end); });
+    return;
+  }
   const int64_t group = rows == 1 ? 4 : 1;
   const int64_t chunk = std::max<int64_t>(24, kFmaChunkBytes / (8 * pairs) / 4 * 4);
   at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
@@ -558,7 +605,7 @@ bool fma_supported() {
 }
 
 // Kernel ids (kernel_ops/linear_tuning.py's BLOCKED_KERNEL_IDS).
-constexpr int64_t kDotProducts = 0, kAmxTiles = 1, kOneRow = 2, kFma = 3;
+constexpr int64_t kDotProducts = 0, kAmxTiles = 1, kOneRow = 2, kFma = 3, kFmaOneRow = 4;
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, at::IntArrayRef kernel_by_bucket) {
@@ -581,10 +628,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t fallback = supported() ? kDotProducts : kFma;
   const int64_t kernel =
       kernel_by_bucket.empty() ? fallback : kernel_by_bucket[row_bucket(rows)];
-  TORCH_CHECK(kernel >= kDotProducts && kernel <= kFma, "bf16_linear: kernel ", kernel,
-              " is none of 0 (dot products), 1 (AMX tiles), 2 (one row), 3 (AVX2 FMA)");
-  TORCH_CHECK(kernel == kFma || supported(), "bf16_linear: this build has no AVX512-BF16 kernel");
-  TORCH_CHECK(kernel != kFma || fma_supported(), "bf16_linear: this build has no AVX2 kernel");
+  TORCH_CHECK(kernel >= kDotProducts && kernel <= kFmaOneRow, "bf16_linear: kernel ", kernel,
+              " is none of 0 (dot products), 1 (AMX tiles), 2 (one row), 3 (AVX2 FMA), 4 (AVX2 "
+              "FMA, one row)");
+  const bool fma = kernel == kFma || kernel == kFmaOneRow;
+  TORCH_CHECK(fma || supported(), "bf16_linear: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(!fma || fma_supported(), "bf16_linear: this build has no AVX2 kernel");
   TORCH_CHECK(kernel != kAmxTiles || (amx_supported() && pairs % 16 == 0),
               "bf16_linear: the AMX kernel needs AMX-BF16 and inputs in multiples of 32");
   auto y = at::empty({rows, blocks * 16}, x.options());
@@ -592,13 +641,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   // it names, there is nothing to compute.
   if (rows == 0) return y;
   const llmrpc_cpu::KernelThreadsScope threads;
-  TORCH_CHECK(kernel != kOneRow || rows == 1,
+  TORCH_CHECK((kernel != kOneRow && kernel != kFmaOneRow) || rows == 1,
               "bf16_linear: the one-row kernel takes one row, not ", rows);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (kernel == kFma) {
+  if (fma) {
     fma_linear(weight.data_ptr<at::BFloat16>(), x,
                bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
-               y.data_ptr<at::BFloat16>(), rows, blocks, pairs);
+               y.data_ptr<at::BFloat16>(), rows, blocks, pairs, kernel == kFmaOneRow);
     return y;
   }
 #endif

@@ -18,6 +18,12 @@ from llmrpc.kernels.linear_tuning import ROW_BUCKETS, choose, row_bucket
 
 BLOCKED = cpu_ops.load() and torch.ops.llmrpc_cpu.bf16_linear_supported()
 AMX = BLOCKED and torch.ops.llmrpc_cpu.bf16_amx_supported()
+FMA = cpu_ops.load() and torch.ops.llmrpc_cpu.bf16_fma_supported()
+# each one-row kernel (csrc/bf16_linear.cpp's id) with the kernel of its instruction set
+ONE_ROW = [
+    pytest.param(2, 0, id="gemv", marks=pytest.mark.skipif(not BLOCKED, reason="no AVX512-BF16")),
+    pytest.param(4, 3, id="gemv-avx2", marks=pytest.mark.skipif(not FMA, reason="no AVX2 and FMA")),
+]
 needs_amx = pytest.mark.skipif(not AMX, reason="the tile kernel needs a CPU with AMX-BF16")
 EDGES = [1, 2, 8, 9, 32, 33, 128, 129, 1024, 1025]  # each bucket's ends
 
@@ -92,12 +98,14 @@ def test_each_call_takes_its_buckets_kernel():
     assert differed >= 5
 
 
-@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
+@pytest.mark.parametrize(("one_row", "sibling"), ONE_ROW)
 @pytest.mark.parametrize(
     ("out_features", "in_features", "bias"),
     [(16, 34, True), (48, 64, False), (208, 576, True), (64, 1542, True), (32, 2112, False)],
 )
-def test_the_one_row_kernel_gives_the_exact_products_rounded(out_features, in_features, bias):
+def test_the_one_row_kernel_gives_the_exact_products_rounded(
+    out_features, in_features, bias, one_row, sibling
+):
     """The dot-product kernel's bound, over pair counts with every tail past the four chains
     (17, 32, 288, 771, 1056 pairs)."""
     linear, x = _linear(out_features, in_features, bias), _rows(1, in_features)
@@ -107,21 +115,23 @@ def test_the_one_row_kernel_gives_the_exact_products_rounded(out_features, in_fe
     magnitude = x.double().abs() @ linear.weight.double().abs().T
     bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-23 + 1e-30
     layer = BlockedLinear(linear)
-    layer.kernel_by_bucket = [2] + [0] * 5
+    layer.kernel_by_bucket = [one_row] + [sibling] * 5
     error = (layer(x).double() - exact).abs()
     assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
-    layer.kernel_by_bucket = [0] * 6
     two = _rows(2, in_features)
-    assert layer(two).shape == (2, out_features)  # past one row the list's dot products serve
+    assert layer(two).shape == (2, out_features)  # past one row the list's next kernel serves
+    layer.kernel_by_bucket = [one_row] * 6
+    with pytest.raises(RuntimeError, match="the one-row kernel takes one row, not 2"):
+        layer(two)
 
 
-@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
-@pytest.mark.parametrize("kernel", ["blocked-avx512bf16", "blocked-amx", "blocked-gemv"])
+@pytest.mark.parametrize("kernel", [k for k in linear_tuning.BLOCKED_KERNEL_IDS])
 def test_a_call_of_no_rows_gives_no_rows_whichever_kernel_its_bucket_names(kernel):
     """A step that only pools computes logits for no row: the head is called with zero rows,
     which fall in the first bucket (the one-row kernel's). Such a call stopped the engine."""
-    if kernel == "blocked-amx" and not AMX:
-        pytest.skip("the tile kernel needs a CPU with AMX-BF16")
+    built = {"blocked-amx": AMX, "blocked-avx2": FMA, "blocked-gemv-avx2": FMA}.get(kernel, BLOCKED)
+    if not built:
+        pytest.skip(f"this build or CPU has no {kernel} kernel")
     layer = BlockedLinear(_linear(48, 64))
     layer.kernel_by_bucket = [linear_tuning.BLOCKED_KERNEL_IDS[kernel]] * len(ROW_BUCKETS)
     assert layer(_rows(0, 64)).shape == (0, 48)
@@ -135,16 +145,26 @@ def test_the_one_row_kernel_serves_one_row_and_never_a_uniform_layer():
     assert "blocked-gemv" not in uniform.kernels and len(set(uniform.kernels)) == 1
     only = choose("s", 1, {"blocked-gemv": times["blocked-gemv"]}, tied=False, uniform=False)
     assert only.kernels == ("blocked-gemv",) + ("blocked-avx512bf16",) * 5
+    avx2 = {
+        "blocked-avx2": [9.0, 20.0, 40.0, 80.0, 300.0, None],
+        "blocked-gemv-avx2": [7.0] + [None] * 5,
+        "onednn": [8.0, 30.0, 50.0, 90.0, 320.0, None],
+    }
+    choice = choose("s", 1, avx2, tied=False, uniform=False)
+    assert choice.kernels == ("blocked-gemv-avx2",) + ("blocked-avx2",) * 5
+    only = choose("s", 1, {"blocked-gemv-avx2": [7.0] + [None] * 5}, tied=False, uniform=False)
+    assert only.kernels == ("blocked-gemv-avx2",) + ("blocked-avx2",) * 5
 
 
-@pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
-def test_the_one_row_kernel_is_timed_at_one_row_only():
+@pytest.mark.parametrize(("one_row", "sibling"), ONE_ROW)
+def test_the_one_row_kernel_is_timed_at_one_row_only(one_row, sibling):
+    names = {i: name for name, i in linear_tuning.BLOCKED_KERNEL_IDS.items()}
     layers = [nn.Linear(64, 128).bfloat16() for _ in range(2)]
-    kernels = ["blocked-avx512bf16", "blocked-gemv"]
+    kernels = [names[sibling], names[one_row]]
     times, short = linear_tuning.time_shape(layers, kernels, deadline=float("inf"))
     assert not short
-    assert times["blocked-gemv"][0] > 0 and times["blocked-gemv"][1:] == [None] * 5
-    assert all(t is not None for t in times["blocked-avx512bf16"][:5])
+    assert times[names[one_row]][0] > 0 and times[names[one_row]][1:] == [None] * 5
+    assert all(t is not None for t in times[names[sibling]][:5])
 
 
 @pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
@@ -154,9 +174,10 @@ def test_the_op_refuses_a_bad_kernel_list():
     with pytest.raises(RuntimeError, match="takes 6 kernels"):
         op(x, layer.weight_blocks, layer.bias, [0, 1])
     with pytest.raises(RuntimeError, match="none of 0"):
-        op(x, layer.weight_blocks, layer.bias, [4] * 6)
-    with pytest.raises(RuntimeError, match="takes one row, not 3"):
-        op(x, layer.weight_blocks, layer.bias, [2] * 6)
+        op(x, layer.weight_blocks, layer.bias, [5] * 6)
+    for one_row in (2, 4):
+        with pytest.raises(RuntimeError, match="takes one row, not 3"):
+            op(x, layer.weight_blocks, layer.bias, [one_row] * 6)
     if AMX:  # 64 inputs pass; 48 are not a multiple of 32
         layer = BlockedLinear(_linear(16, 48))
         with pytest.raises(RuntimeError, match="multiples of 32"):
