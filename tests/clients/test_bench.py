@@ -138,8 +138,12 @@ def test_serve_with_a_sharegpt_file_and_a_request_rate(server, tmp_path):
         assert summary["total_input_tokens"] == sum(client.tokenize(p).count for p in prompts)
 
 
-async def test_serve_over_the_openai_api(server, tmp_path):
-    standin = OpenAIStandIn(server.address)
+@pytest.mark.parametrize("unannounced_close", [False, True])
+async def test_serve_over_the_openai_api(server, tmp_path, unannounced_close):
+    """With ``unannounced_close`` the server closes a kept-alive connection after a streamed reply
+    without saying so: a request the client sent on it would be lost, and counted against that
+    server's throughput. Each request takes a connection of its own."""
+    standin = OpenAIStandIn(server.address, unannounced_close)
     port = await standin.start()
     out = tmp_path / "result.json"
     try:
@@ -153,29 +157,10 @@ async def test_serve_over_the_openai_api(server, tmp_path):
     assert code == 0, stderr + stdout  # the table counts failed requests, with their errors
     summary = json.loads(out.read_text())
     assert_consistent(summary, num_prompts=4, output_len=6)
+    assert (summary["completed"], summary["errors"], standin.num_dropped) == (4, 0, 0)
     assert summary["total_input_tokens"] == 4 * 12
     assert summary["config"]["model"] == server.running.engine.model_info.served_model_names[0]
     assert standin.num_completions == 5  # the first test request, then the four measured
-
-
-async def test_serve_over_the_openai_api_sends_each_request_on_its_own_connection(server, tmp_path):
-    """A server may close a kept-alive connection after a streamed reply without saying so; a
-    request the client sends on it is lost, and counted against that server's throughput."""
-    standin = OpenAIStandIn(server.address, unannounced_close=True)
-    port = await standin.start()
-    out = tmp_path / "result.json"
-    try:
-        code, stdout, stderr = await bench_async(
-            "serve", "--backend", "openai", "--url", f"http://127.0.0.1:{port}",
-            "--vocab-size", "49152", "--num-prompts", "6", "--concurrency", "2",
-            "--input-len", "12", "--output-len", "4", "--output-json", str(out),
-        )  # fmt: skip
-    finally:
-        await standin.stop()
-    assert code == 0, stderr + stdout
-    summary = json.loads(out.read_text())
-    assert (summary["completed"], summary["errors"], standin.num_dropped) == (6, 0, 0)
-    assert standin.num_completions == 7
 
 
 OPENAI_LOAD = ["--num-prompts", "3", "--concurrency", "3", "--input-len", "12", "--output-len", "4"]
