@@ -36,11 +36,10 @@
 // Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
 // for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the
 // dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only), 3 the AVX2 one, 4 its
-// one-row form (first bucket only) (none given: the dot products where built, else the AVX2
-// one); kernel_ops/linear_tuning.py chooses
-// them by timing each. bf16_linear_supported() says whether this build has the dot products
-// (AVX512-BF16), bf16_amx_supported() whether it has the tiles and Linux granted them,
-// bf16_fma_supported() whether it has the AVX2 kernel.
+// one-row form (first bucket only); none given: the dot products where built, else the AVX2 one.
+// kernel_ops/linear_tuning.py chooses them by timing each. bf16_linear_supported() says whether
+// this build has the dot products (AVX512-BF16), bf16_amx_supported() whether it has the tiles
+// and Linux granted them, bf16_fma_supported() whether it has the AVX2 kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -544,15 +543,17 @@ void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloa
     for (; i < count; ++i) xf[i] = static_cast<float>(in[i]);
   }
   const Avx2Operands o{weight, xf, bias, y, pairs, pairs * 32, pairs * 2, blocks * 16};
+  if (one_row) {  // one block at a time
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      fma_gemv_blocks(o, begin, end);
+    });
+    return;
+  }
   // One row: four blocks a tile (eight chains, each weight used once). More: one block, up to 4
   // rows a tile (8 accumulators: with 6 rows GCC 12 kept the sums on the stack; each weight line
   // serves every row of the tile), the rows in chunks whose float32 inputs fit kFmaChunkBytes,
   // every block of a thread's share for one chunk before the next: the chunk stays in the core's
   // L2 cache while the weights pass.
-  if (one_row) {
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) { fma_gemv_blocks(o, begin, end); });
-    return;
-  }
   const int64_t group = rows == 1 ? 4 : 1;
   const int64_t chunk = std::max<int64_t>(24, kFmaChunkBytes / (8 * pairs) / 4 * 4);
   at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {

@@ -882,14 +882,21 @@ def test_kernels_built_for_narrower_vector_units_match_torch(capability):
     """The AVX2 and plain C++ builds (other code paths, vectors of 8; on an AVX-512 machine, not
     the build the engine loads) are built and checked by the tests above in a process told to
     dispatch so; the AVX2 build's int4 kernel by tests/engine/test_int4_kernel.py as well (all of
-    it but the AMX tile path, which that build lacks)."""
+    it but the AMX tile path, which that build lacks), and its bfloat16 candidates (the one-row
+    form among them) by test_linear_tuning.py's forced-candidate and one-row tests."""
     if capability == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     files, selected = [__file__], "(match or own_blocks) and not narrower"
     if capability == "avx2":
-        files.append(str(Path(__file__).with_name("test_int4_kernel.py")))
-        selected = f"({selected}) or (test_int4_kernel and not tile_path)"
+        files += [
+            str(Path(__file__).with_name(f"test_{name}.py"))
+            for name in ("int4_kernel", "linear_tuning")
+        ]
+        selected = (
+            f"({selected}) or (test_int4_kernel and not tile_path) "
+            "or (test_linear_tuning and avx2 and (one_row or (forced and dtype0)))"
+        )
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", selected],
         env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,

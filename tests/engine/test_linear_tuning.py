@@ -269,8 +269,8 @@ def test_every_candidate_forced_gives_the_models_output_within_its_tolerance(
         pytest.skip(f"{kernel} cannot run {dtype} here")
     monkeypatch.setattr(linear_tuning, "candidates", lambda linear: [kernel])  # the only one
     plan = linear_tuning.plan_linear_kernels(model, None)
-    # the one-row kernel serves one row; calls of more take the dot products
-    rest = "blocked-avx512bf16" if kernel in linear_tuning.ONE_ROW_KERNELS else kernel
+    # a one-row kernel serves one row; calls of more take its instruction set's kernel
+    rest = linear_tuning.ONE_ROW_KERNELS.get(kernel, kernel)
     assert {choice.kernels for choice in plan.values()} == {(kernel,) + (rest,) * 5}
     pack_linear_layers(model, linear_tuning.layouts(plan))
     expected_type = {"blocked": BlockedLinear, "onednn": PackedLinear}
