@@ -151,9 +151,9 @@ async def test_async_completion(gateway, sdk):
     assert completion.choices[0].text == whole.choices[0].text
 
 
-def test_sse_bytes_are_exactly_openais(gateway):
-    # enough tokens to span several events (tokens that come faster than they are read are
-    # sent together)
+def test_sse_bytes_are_exactly_openais(gateway, slow_engine):
+    # enough tokens, a step apart, to span several events (tokens that come faster than they are
+    # read are sent together)
     body = {"prompt": PROMPT, "max_tokens": 32, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
