@@ -13,11 +13,12 @@ from gateway_support import post, sse_data
 
 @pytest.fixture
 def faulty_detokenizer(replica):
-    """The engine's detokenization raises for requests whose id starts with "bad", after their
-    first eight tokens, so the stream has begun (after two, a clean-clone run once saw the
-    fault before the first event: a 500 instead of an SSE error)."""
+    """The engine's detokenization raises for requests whose id starts with "bad-" (a generated
+    id, 32 hex digits, never does; one starting "bad" once failed the request meant to succeed),
+    after their first eight tokens, so the stream has begun (after two, a clean-clone run once
+    saw the fault before the first event: a 500 instead of an SSE error)."""
     engine = replica.running.engine
-    in_core(engine, engine_hooks.fail_requests, "output_processor.add_token", "bad", "unicode", 8)
+    in_core(engine, engine_hooks.fail_requests, "output_processor.add_token", "bad-", "unicode", 8)
     yield
     in_core(engine, engine_hooks.remove_faults)
 

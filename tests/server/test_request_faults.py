@@ -26,10 +26,11 @@ def request(request_id: str, max_tokens: int = 16) -> generation_pb2.GenerateReq
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def faulty_detokenizer(server):
-    """The engine's detokenization raises for requests whose id starts with "bad"."""
+    """The engine's detokenization raises for requests whose id starts with "bad-" (a generated
+    id, hex, never does)."""
     engine = server.engine
     target = "output_processor.add_token"
-    await call_in_core(engine, engine_hooks.fail_requests, target, "bad", "unicode")
+    await call_in_core(engine, engine_hooks.fail_requests, target, "bad-", "unicode")
     yield
     await call_in_core(engine, engine_hooks.remove_faults)
 
