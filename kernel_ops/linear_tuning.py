@@ -10,7 +10,9 @@ The candidates (those the layer and the CPU allow):
   file), where the CPU lacks AVX512-BF16 (where it has it, the dot products do the same work in
   half the instructions);
 - ``blocked-gemv-avx2``: its one-row form, reading one block at a time as ``blocked-gemv`` does (the
-  same file), timed in the first bucket alone;
+  same file), timed in the first bucket alone, beside ``blocked-gemv`` too where both are built
+  (SmolLM2's 120 body layers at one row, AMD EPYC family 26: 7.1-7.4 against 7.5-7.9 ms on one
+  thread, the AVX512-BF16 one faster; another CPU may differ);
 - ``onednn``: oneDNN's packed layout and its matmul (AMX where the CPU has it; ``PackedLinear``).
 
 Not a candidate: the plain weight with ``torch.nn.functional.linear``, which reorders the weight on
@@ -115,13 +117,17 @@ def bucket_name(index: int) -> str:
 def candidates(linear: nn.Linear) -> list[str]:
     """The kernels that can compute ``linear`` here."""
     names = []
-    if BlockedLinear.fits(linear) and torch.ops.llmrpc_cpu.bf16_linear_supported():
+    blocked = BlockedLinear.fits(linear)
+    dot_products = blocked and torch.ops.llmrpc_cpu.bf16_linear_supported()
+    if dot_products:
         names.append("blocked-avx512bf16")
         if linear.in_features % 32 == 0 and torch.ops.llmrpc_cpu.bf16_amx_supported():
             names.append("blocked-amx")
         names.append("blocked-gemv")
-    elif BlockedLinear.fits(linear):
-        names += ["blocked-avx2", "blocked-gemv-avx2"]
+    if blocked and torch.ops.llmrpc_cpu.bf16_fma_supported():
+        # at one row both one-row kernels read at memory speed (which is faster varies), past it
+        # the dot products take half the AVX2 kernel's instructions
+        names += ["blocked-gemv-avx2"] if dot_products else ["blocked-avx2", "blocked-gemv-avx2"]
     if can_pack(linear.weight.dtype, linear.weight.device):
         names.append("onednn")
     return names
