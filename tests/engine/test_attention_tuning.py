@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -256,7 +256,7 @@ def test_a_compiled_step_is_refused_where_the_kernel_was_planned_for_too_few_row
     )
 
 
-def test_a_call_is_timed_repeats_times_or_for_min_seconds_and_less_when_far_behind():
+def test_a_call_is_timed_repeats_times_or_for_min_seconds_and_less_when_far_behind(monkeypatch):
     calls = []
     run = functools.partial(calls.append, None)
     linear_tuning.call_time(run)
@@ -271,13 +271,17 @@ def test_a_call_is_timed_repeats_times_or_for_min_seconds_and_less_when_far_behi
     linear_tuning.call_time(run, min_seconds=60.0)  # more runs, up to 64, for a short call
     assert len(calls) == 65
     calls.clear()
+    clock = [
+        0.0
+    ]  # a call of 4 ms on the clock call_time reads (a slept one overran on a busy machine)
+    monkeypatch.setattr(linear_tuning, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
-    def slow() -> None:  # 4 ms or more a call: 20 ms take at most 5 past the warm-up
+    def slow() -> None:  # 20 ms take 5 calls past the warm-up
         calls.append(None)
-        time.sleep(0.004)
+        clock[0] += 0.004
 
-    linear_tuning.call_time(slow, min_seconds=0.02)
-    assert linear_tuning.REPEATS + 1 < len(calls) <= 6
+    assert linear_tuning.call_time(slow, min_seconds=0.0195) == pytest.approx(4000.0)
+    assert len(calls) == 6
     calls.clear()
-    linear_tuning.call_time(slow, min_seconds=0.02, best_us=0.0)  # far behind: after 20 ms
-    assert linear_tuning.REPEATS + 1 < len(calls) <= 6
+    linear_tuning.call_time(slow, min_seconds=0.0195, best_us=0.0)  # far behind: after 20 ms
+    assert len(calls) == 6
