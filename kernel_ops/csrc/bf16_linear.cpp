@@ -31,12 +31,14 @@
 //
 // A fourth kernel serves CPUs without AVX512-BF16 (AVX2 and FMA): float32 fused multiply-adds over
 // the same layout, each weight converted in registers (fma_linear below), with a one-row form
-// that reads one block at a time as the third does.
+// that reads one block at a time as the third does, and a form for many rows that converts a
+// block's weights a segment at a time into float32 lines for tiles of more rows (the same sums).
 //
 // Registered as torch.ops.llmrpc_cpu.bf16_linear(x, weight, bias, kernel_by_bucket): the kernel
 // for each bucket of rows per call (ROW_BUCKET_ENDS: 1, 2-8, 9-32, 33-128, 129-1024, more), 0 the
 // dot-product kernel, 1 the AMX one, 2 the one-row one (first bucket only), 3 the AVX2 one, 4 its
-// one-row form (first bucket only); none given: the dot products where built, else the AVX2 one.
+// one-row form (first bucket only), 5 its float32-segment form; none given: the dot products where
+// built, else the AVX2 one.
 // kernel_ops/linear_tuning.py chooses them by timing each. bf16_linear_supported() says whether
 // this build has the dot products (AVX512-BF16), bf16_amx_supported() whether it has the tiles
 // and Linux granted them, bf16_fma_supported() whether it has the AVX2 kernel.
@@ -368,6 +370,10 @@ void amx_blocks_rows(const Operands& o, int64_t rows, int64_t begin, int64_t end
 }
 #endif
 
+// Kernel ids (kernel_ops/linear_tuning.py's BLOCKED_KERNEL_IDS).
+constexpr int64_t kDotProducts = 0, kAmxTiles = 1, kOneRow = 2, kFma = 3, kFmaOneRow = 4,
+                  kFmaSegments = 5;
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The fused multiply-add kernel (AVX2 and FMA: Intel Core and Xeon since Haswell, AMD since
 // Excavator), for CPUs without AVX512-BF16. x is converted to float32 once per call (`xf`); a
@@ -482,6 +488,106 @@ void fma_blocks_rows(const Avx2Operands& o, int64_t rows, int64_t begin, int64_t
   }
 }
 
+// Many rows, a block's weights converted to float32 a segment of inputs at a time: the segment's
+// lines ([pair][even input's 16 outputs][odd input's 16 outputs], 8 KB) stay in the L1 cache while
+// every tile of rows reads them, and each tile carries its sums from segment to segment in a buffer
+// (the same chain, in input order: the sums of fma_tile, bit for bit).
+constexpr int64_t kSegmentPairs = 64;
+
+void fma_convert_segment(const at::BFloat16* weight, int64_t pairs, float* out) {
+  const __m256i odd_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i line =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight + p * 32 + 16 * h));
+      _mm256_storeu_ps(out + p * 32 + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(line, 16)));
+      _mm256_storeu_ps(out + p * 32 + 16 + 8 * h,
+                       _mm256_castsi256_ps(_mm256_and_si256(line, odd_half)));
+    }
+  }
+}
+
+// R rows' sums of 16 outputs (sums: 16 floats a row) carried over `pairs` converted lines; x is
+// the first row's inputs at the segment's start.
+template <int R>
+void fma_segment_tile(const float* lines, int64_t pairs, const float* x, int64_t ldx,
+                      float* sums) {
+  // Two arrays of R, each loop unrolled: GCC 12 then keeps the sums in registers (one [2][R]
+  // array kept them on the stack, stored at every pair).
+  __m256 low[R], high[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    low[r] = _mm256_loadu_ps(sums + 16 * r);
+    high[r] = _mm256_loadu_ps(sums + 16 * r + 8);
+  }
+#pragma GCC unroll 2
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* line = lines + p * 32;
+    __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);  // the even input
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 in = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+      low[r] = _mm256_fmadd_ps(w0, in, low[r]);
+      high[r] = _mm256_fmadd_ps(w1, in, high[r]);
+    }
+    w0 = _mm256_loadu_ps(line + 16);  // the odd one
+    w1 = _mm256_loadu_ps(line + 24);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 in = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+      low[r] = _mm256_fmadd_ps(w0, in, low[r]);
+      high[r] = _mm256_fmadd_ps(w1, in, high[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(sums + 16 * r, low[r]);
+    _mm256_storeu_ps(sums + 16 * r + 8, high[r]);
+  }
+}
+
+template <int R>
+void fma_segment_tile_of(const float* lines, int64_t pairs, const float* x, int64_t ldx,
+                         float* sums, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return fma_segment_tile_of<R - 1>(lines, pairs, x, ldx, sums, rows);
+  }
+  fma_segment_tile<R>(lines, pairs, x, ldx, sums);
+}
+
+// Every row for the blocks [begin, end): rows in near-equal tiles of at most 6, 12 sums each.
+void fma_segment_blocks_rows(const Avx2Operands& o, int64_t rows, int64_t begin, int64_t end) {
+  constexpr int64_t R = 6;
+  thread_local std::vector<float> lines(kSegmentPairs * 32);
+  thread_local std::vector<float> sums;
+  sums.resize(rows * 16);
+  const int64_t num_tiles = (rows + R - 1) / R;
+  for (int64_t b = begin; b < end; ++b) {
+    std::fill(sums.begin(), sums.end(), 0.f);
+    for (int64_t p = 0; p < o.pairs; p += kSegmentPairs) {
+      const int64_t pairs = std::min(kSegmentPairs, o.pairs - p);
+      fma_convert_segment(o.weight + b * o.block_stride + p * 32, pairs, lines.data());
+      for (int64_t t = 0, row = 0; t < num_tiles; ++t) {
+        const int64_t tile_rows = (rows - row) / (num_tiles - t);
+        fma_segment_tile_of<R>(lines.data(), pairs, o.x + row * o.ldx + 2 * p, o.ldx,
+                               sums.data() + row * 16, tile_rows);
+        row += tile_rows;
+      }
+    }
+    const __m256 bias_low = o.bias != nullptr ? load_bf16x8(o.bias + 16 * b) : _mm256_setzero_ps();
+    const __m256 bias_high =
+        o.bias != nullptr ? load_bf16x8(o.bias + 16 * b + 8) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      at::BFloat16* out = o.y + r * o.ldy + 16 * b;
+      const float* sum = sums.data() + 16 * r;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                       round_to_bf16(_mm256_add_ps(_mm256_loadu_ps(sum), bias_low)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8),
+                       round_to_bf16(_mm256_add_ps(_mm256_loadu_ps(sum + 8), bias_high)));
+    }
+  }
+}
+
 // One row, one block at a time (the one-row kernel's way on this build): each block's pairs as one
 // stream in four chains (p mod 4), the weights asked for kFmaGemvAhead bytes ahead. Its sums are in
 // another order than fma_tile's, so some outputs' last bits differ.
@@ -528,7 +634,7 @@ void fma_gemv_blocks(const Avx2Operands& o, int64_t begin, int64_t end) {
 constexpr int64_t kFmaKeptFloats = 16384;
 
 void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloat16* bias,
-                at::BFloat16* y, int64_t rows, int64_t blocks, int64_t pairs, bool one_row) {
+                at::BFloat16* y, int64_t rows, int64_t blocks, int64_t pairs, int64_t kernel) {
   const int64_t count = rows * pairs * 2;
   thread_local std::vector<float> kept(kFmaKeptFloats);
   at::Tensor converted;
@@ -543,27 +649,33 @@ void fma_linear(const at::BFloat16* weight, const at::Tensor& x, const at::BFloa
     for (; i < count; ++i) xf[i] = static_cast<float>(in[i]);
   }
   const Avx2Operands o{weight, xf, bias, y, pairs, pairs * 32, pairs * 2, blocks * 16};
-  if (one_row) {  // one block at a time
+  if (kernel == kFmaOneRow) {  // one block at a time
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       fma_gemv_blocks(o, begin, end);
     });
     return;
   }
   // One row: four blocks a tile (eight chains, each weight used once). More: one block, up to 4
-  // rows a tile (8 accumulators: with 6 rows GCC 12 kept the sums on the stack; each weight line
-  // serves every row of the tile), the rows in chunks whose float32 inputs fit kFmaChunkBytes,
-  // every block of a thread's share for one chunk before the next: the chunk stays in the core's
-  // L2 cache while the weights pass.
+  // rows a tile (8 accumulators, with the weight lines and their halves in registers; each weight
+  // line serves every row of the tile), or with kFmaSegments its float32 segments and up to 6 rows
+  // a tile; the rows in chunks whose float32 inputs fit kFmaChunkBytes, every block of a thread's
+  // share for one chunk before the next: the chunk stays in the core's L2 cache while the weights
+  // pass.
   const int64_t group = rows == 1 ? 4 : 1;
   const int64_t chunk = std::max<int64_t>(24, kFmaChunkBytes / (8 * pairs) / 4 * 4);
   at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = group * begin, last = std::min(group * end, blocks);
-    if (rows == 1) return fma_blocks_rows<4, 1>(o, rows, first, last);
+    if (rows == 1 && kernel == kFma) return fma_blocks_rows<4, 1>(o, rows, first, last);
     for (int64_t row = 0; row < rows; row += chunk) {
       Avx2Operands part = o;
       part.x += row * o.ldx;
       part.y += row * o.ldy;
-      fma_blocks_rows<1, 4>(part, std::min(chunk, rows - row), first, last);
+      const int64_t part_rows = std::min(chunk, rows - row);
+      if (kernel == kFmaSegments) {
+        fma_segment_blocks_rows(part, part_rows, first, last);
+      } else {
+        fma_blocks_rows<1, 4>(part, part_rows, first, last);
+      }
     }
   });
 }
@@ -605,9 +717,6 @@ bool fma_supported() {
 #endif
 }
 
-// Kernel ids (kernel_ops/linear_tuning.py's BLOCKED_KERNEL_IDS).
-constexpr int64_t kDotProducts = 0, kAmxTiles = 1, kOneRow = 2, kFma = 3, kFmaOneRow = 4;
-
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, at::IntArrayRef kernel_by_bucket) {
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() &&
@@ -629,10 +738,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t fallback = supported() ? kDotProducts : kFma;
   const int64_t kernel =
       kernel_by_bucket.empty() ? fallback : kernel_by_bucket[row_bucket(rows)];
-  TORCH_CHECK(kernel >= kDotProducts && kernel <= kFmaOneRow, "bf16_linear: kernel ", kernel,
+  TORCH_CHECK(kernel >= kDotProducts && kernel <= kFmaSegments, "bf16_linear: kernel ", kernel,
               " is none of 0 (dot products), 1 (AMX tiles), 2 (one row), 3 (AVX2 FMA), 4 (AVX2 "
-              "FMA, one row)");
-  const bool fma = kernel == kFma || kernel == kFmaOneRow;
+              "FMA, one row), 5 (AVX2 FMA, float32 segments)");
+  const bool fma = kernel == kFma || kernel == kFmaOneRow || kernel == kFmaSegments;
   TORCH_CHECK(fma || supported(), "bf16_linear: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(!fma || fma_supported(), "bf16_linear: this build has no AVX2 kernel");
   TORCH_CHECK(kernel != kAmxTiles || (amx_supported() && pairs % 16 == 0),
@@ -648,7 +757,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   if (fma) {
     fma_linear(weight.data_ptr<at::BFloat16>(), x,
                bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
-               y.data_ptr<at::BFloat16>(), rows, blocks, pairs, kernel == kFmaOneRow);
+               y.data_ptr<at::BFloat16>(), rows, blocks, pairs, kernel);
     return y;
   }
 #endif

@@ -30,12 +30,15 @@ from llmrpc.kernels.linear import (
 )
 
 LOADED = cpu_ops.load()
-# csrc/bf16_linear.cpp's ids: 0 the dot products (AVX512-BF16), 3 the fused multiply-adds (AVX2)
+FMA = LOADED and torch.ops.llmrpc_cpu.bf16_fma_supported()
+# csrc/bf16_linear.cpp's ids: 0 the dot products (AVX512-BF16), 3 the fused multiply-adds (AVX2),
+# 5 their float32-segment form
 KERNELS = [
     pytest.param(kernel, id=name)
     for kernel, name, built in (
         (0, "dot-products", LOADED and torch.ops.llmrpc_cpu.bf16_linear_supported()),
-        (3, "avx2-fma", LOADED and torch.ops.llmrpc_cpu.bf16_fma_supported()),
+        (3, "avx2-fma", FMA),
+        (5, "avx2-fma-f32", FMA),
     )
     if built
 ]
@@ -83,6 +86,16 @@ def test_a_rows_output_is_the_same_alone_and_in_any_batch(out_features, in_featu
     alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
     for rows in range(1, 41):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.skipif(not FMA, reason="the AVX2 kernels need AVX2 and FMA")
+@pytest.mark.parametrize("rows", [2, 6, 7, 13, 37, 100, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (64, 1542)])
+def test_the_float32_segments_give_the_avx2_kernels_bits(out_features, in_features, rows):
+    """The same sums in the same order, segments of 64 pairs carried in a buffer: 1542 inputs are
+    12 segments and a tail of 3 pairs; 300 rows take more than one chunk."""
+    linear, x = bf16_linear_case(out_features, in_features, rows, bias=True, seed=3)
+    assert torch.equal(_layer(linear, 5)(x), _layer(linear, 3)(x))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
