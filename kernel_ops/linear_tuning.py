@@ -11,9 +11,9 @@ The candidates (those the layer and the CPU allow):
   half the instructions);
 - ``blocked-avx2-f32``: its form for many rows, the same sums bit for bit: a block's weights
   converted to float32 a segment of inputs at a time (8 KB, kept in the L1 cache) for tiles of 6
-  rows where the AVX2 kernel converts each weight in registers for tiles of 4 (SmolLM2's 120 body
-  layers at 512 rows, one thread, AMD EPYC family 26 with the AVX2 build: 0.89-0.90 of its time,
-  at 8-32 rows 1.02-1.06);
+  rows, where the AVX2 kernel converts each weight in registers for tiles of 4 (SmolLM2's 120 body
+  layers, AMD EPYC family 26 with the AVX2 build: 0.85-0.89 of its time at 8 to 512 rows, 1.2-1.5x
+  at 2 rows), beside it where the CPU lacks AVX512-BF16;
 - ``blocked-gemv-avx2``: its one-row form, reading one block at a time as ``blocked-gemv`` does (the
   same file), timed in the first bucket alone, beside ``blocked-gemv`` too where both are built
   (SmolLM2's 120 body layers at one row, AMD EPYC family 26: 7.1-7.4 against 7.5-7.9 ms on one
