@@ -883,7 +883,8 @@ def test_kernels_built_for_narrower_vector_units_match_torch(capability):
     the build the engine loads) are built and checked by the tests above in a process told to
     dispatch so; the AVX2 build's int4 kernel by tests/engine/test_int4_kernel.py as well (all of
     it but the AMX tile path, which that build lacks), and its bfloat16 candidates (the one-row
-    form among them) by test_linear_tuning.py's forced-candidate and one-row tests."""
+    form among them) by test_linear_tuning.py's forced-candidate and one-row tests and the
+    float32-segment form's bits by test_bf16_linear.py."""
     if capability == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
@@ -891,11 +892,12 @@ def test_kernels_built_for_narrower_vector_units_match_torch(capability):
     if capability == "avx2":
         files += [
             str(Path(__file__).with_name(f"test_{name}.py"))
-            for name in ("int4_kernel", "linear_tuning")
+            for name in ("int4_kernel", "linear_tuning", "bf16_linear")
         ]
         selected = (
             f"({selected}) or (test_int4_kernel and not tile_path) "
-            "or (test_linear_tuning and avx2 and (one_row or (forced and dtype0)))"
+            "or (test_linear_tuning and avx2 and (one_row or (forced and dtype0))) "
+            "or test_the_float32_segments_give_the_avx2_kernels_bits"
         )
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", selected],
