@@ -38,10 +38,11 @@ adds a pair's two products its own way; the one-row kernel sums in four chains),
 ``--batch-invariant`` a layer takes one kernel for every bucket, never the one-row kernel.
 
 Measurements are cached in a JSON file per machine (CPU model and flags, thread count, the kernels'
-build and torch's version), under the model cache folder: a later start on the same machine reads
-them, and times only shapes it has not seen (or whose timing the budget cut short). The whole
-measurement is bounded by ``BUDGET_S`` (buckets left untimed take the last timed bucket's choice,
-and the log says so). A shape with one candidate (float32: oneDNN's) is not timed.
+build, torch's version and oneDNN's instruction-set cap), under the model cache folder: a later
+start on the same machine reads them, and times only shapes it has not seen (or whose timing the
+budget cut short). The whole measurement is bounded by ``BUDGET_S`` (buckets left untimed take
+the last timed bucket's choice, and the log says so). A shape with one candidate (float32:
+oneDNN's) is not timed.
 """
 
 from __future__ import annotations
@@ -316,7 +317,9 @@ def time_shape(
 
 
 def machine_key() -> dict[str, str]:
-    """What the measurements depend on: the CPU, the thread count, the kernels' build, torch."""
+    """What the measurements depend on: the CPU, the thread count, the kernels' build, torch, and
+    the instruction sets oneDNN is allowed (its candidate is another kernel under a cap: without
+    AMX, say)."""
     model, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -336,6 +339,7 @@ def machine_key() -> dict[str, str]:
         "threads": str(torch.get_num_threads()),
         "build": build,
         "torch": torch.__version__,
+        "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")),
     }
 
 

@@ -308,6 +308,18 @@ def test_a_second_start_reads_the_cache_and_another_machine_does_not(tmp_path, m
         linear_tuning.plan_linear_kernels(_Model(torch.bfloat16), tmp_path)
 
 
+def test_the_cache_is_keyed_by_onednns_instruction_set_cap(monkeypatch, tmp_path):
+    """Under ONEDNN_MAX_CPU_ISA oneDNN runs other code (no AMX, no bfloat16): a timing taken
+    without the cap must not be read back under it."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    free = linear_tuning.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    capped = linear_tuning.machine_key()
+    assert capped["onednn_isa"] == "AVX512_CORE_BF16" and free["onednn_isa"] == ""
+    assert linear_tuning.cache_file(tmp_path, capped) != linear_tuning.cache_file(tmp_path, free)
+
+
 @pytest.mark.skipif(not BLOCKED, reason="the blocked kernels need AVX512-BF16")
 def test_the_cache_is_keyed_by_the_kernels_build_before_anything_loaded_them(monkeypatch):
     """The engine plans its kernels before it loads the C++ op: the key must still name the
