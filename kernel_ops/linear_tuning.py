@@ -35,7 +35,9 @@ timed fastest for its bucket (``BlockedLinear.kernel_by_bucket``). A tied embedd
 the blocked layout wherever it fits, which serves the embedding's rows from the same weights: any
 other layout would hold that weight twice. The blocked kernels do not sum bit for bit alike (AMX
 adds a pair's two products its own way; the one-row kernel sums in four chains), so under
-``--batch-invariant`` a layer takes one kernel for every bucket, never the one-row kernel.
+``--batch-invariant`` a layer takes one kernel's sums for every bucket (the AVX2 kernel and its
+float32-segment form sum alike, so such a layer may take either per bucket), never the one-row
+kernel.
 
 Measurements are cached in a JSON file per machine (CPU model and flags, thread count, the kernels'
 build, torch's version and oneDNN's instruction-set cap), under the model cache folder: a later
@@ -106,6 +108,9 @@ BLOCKED_KERNEL_IDS = {
 # the kernels that serve the first bucket (one row) only, and the kernel of their instruction set
 # that serves the buckets past it where none was timed
 ONE_ROW_KERNELS = {"blocked-gemv": "blocked-avx512bf16", "blocked-gemv-avx2": "blocked-avx2"}
+# kernels whose every output is another kernel's, bit for bit (test_bf16_linear.py checks it): a
+# batch-invariant layer may take either in any bucket
+SAME_SUMS = {"blocked-avx2-f32": "blocked-avx2"}
 
 
 def row_bucket(rows: int) -> int:
@@ -189,10 +194,12 @@ def choose(
     else:
         layout = min(by_layout, key=lambda name: sum(loss(by_layout[name], i) for i in timed))
     members = by_layout[layout]
-    if uniform:  # one kernel for every row count (so none that serves one row only)
-        members = [name for name in members if name not in ONE_ROW_KERNELS]
-        kernel = min(members, key=lambda name: sum(loss([name], i) for i in timed))
-        return LayerChoice(shape, num_layers, layout, (kernel,) * len(ROW_BUCKETS), times)
+    if uniform:  # one kernel's sums for every row count (so none that serves one row only)
+        families: dict[str, list[str]] = {}
+        for name in members:
+            if name not in ONE_ROW_KERNELS:
+                families.setdefault(SAME_SUMS.get(name, name), []).append(name)
+        members = min(families.values(), key=lambda names: sum(loss(names, i) for i in timed))
     kernels, previous = [], members[0]
     for index in range(len(ROW_BUCKETS)):
         allowed = [k for k in members if index == 0 or k not in ONE_ROW_KERNELS]

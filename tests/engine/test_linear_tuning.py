@@ -157,6 +157,23 @@ def test_the_one_row_kernel_serves_one_row_and_never_a_uniform_layer():
     assert only.kernels == ("blocked-gemv-avx2",) + ("blocked-avx2",) * 5
 
 
+def test_a_uniform_layer_may_mix_kernels_that_sum_alike_and_no_others():
+    """The AVX2 kernel and its float32-segment form give the same bits (test_bf16_linear.py), so a
+    batch-invariant layer takes the faster of the two in each bucket; kernels that sum otherwise
+    still never mix."""
+    avx2 = {
+        "blocked-avx2": [9.0, 20.0, 40.0, 80.0, 300.0, None],
+        "blocked-avx2-f32": [20.0, 24.0, 34.0, 68.0, 250.0, None],
+        "blocked-gemv-avx2": [7.0] + [None] * 5,
+    }
+    uniform = choose("s", 1, avx2, tied=False, uniform=True)
+    assert uniform.kernels == ("blocked-avx2",) * 2 + ("blocked-avx2-f32",) * 4
+    mixed = choose(
+        "s", 1, {**TIMES, "blocked-avx2": avx2["blocked-avx2"]}, tied=False, uniform=True
+    )
+    assert len(set(mixed.kernels)) == 1
+
+
 @pytest.mark.parametrize(("one_row", "sibling"), ONE_ROW)
 def test_the_one_row_kernel_is_timed_at_one_row_only(one_row, sibling):
     names = {i: name for name, i in linear_tuning.BLOCKED_KERNEL_IDS.items()}
