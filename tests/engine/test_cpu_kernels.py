@@ -883,8 +883,10 @@ def test_kernels_built_for_narrower_vector_units_match_torch(capability):
     the build the engine loads) are built and checked by the tests above in a process told to
     dispatch so; the AVX2 build's int4 kernel by tests/engine/test_int4_kernel.py as well (all of
     it but the AMX tile path, which that build lacks), and its bfloat16 candidates (the one-row
-    form among them) by test_linear_tuning.py's forced-candidate and one-row tests and the
-    float32-segment form's bits by test_bf16_linear.py."""
+    form among them) by test_linear_tuning.py's forced-candidate and one-row tests, the
+    float32-segment form's bits by test_bf16_linear.py, and --batch-invariant on the torch backend
+    by test_batch_invariance.py (where a layer may take the AVX2 kernel in some buckets and its
+    float32-segment form in others)."""
     if capability == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
@@ -892,12 +894,13 @@ def test_kernels_built_for_narrower_vector_units_match_torch(capability):
     if capability == "avx2":
         files += [
             str(Path(__file__).with_name(f"test_{name}.py"))
-            for name in ("int4_kernel", "linear_tuning", "bf16_linear")
+            for name in ("int4_kernel", "linear_tuning", "bf16_linear", "batch_invariance")
         ]
         selected = (
             f"({selected}) or (test_int4_kernel and not tile_path) "
             "or (test_linear_tuning and avx2 and (one_row or (forced and dtype0))) "
-            "or test_the_float32_segments_give_the_avx2_kernels_bits"
+            "or test_the_float32_segments_give_the_avx2_kernels_bits "
+            "or (test_batch_invariance and torch)"
         )
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", selected],
