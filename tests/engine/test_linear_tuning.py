@@ -168,10 +168,10 @@ def test_a_uniform_layer_may_mix_kernels_that_sum_alike_and_no_others():
     }
     uniform = choose("s", 1, avx2, tied=False, uniform=True)
     assert uniform.kernels == ("blocked-avx2",) * 2 + ("blocked-avx2-f32",) * 4
-    mixed = choose(
+    apart = choose(
         "s", 1, {**TIMES, "blocked-avx2": avx2["blocked-avx2"]}, tied=False, uniform=True
     )
-    assert len(set(mixed.kernels)) == 1
+    assert len(set(apart.kernels)) == 1
 
 
 @pytest.mark.parametrize(("one_row", "sibling"), ONE_ROW)
