@@ -106,7 +106,7 @@ BLOCKED_KERNEL_IDS = {
     "blocked-gemv-avx2": 4, "blocked-avx2-f32": 5,
 }  # fmt: skip
 # the kernels that serve the first bucket (one row) only, and the kernel of their instruction set
-# that serves the buckets past it where none was timed
+# that serves the buckets past it where none was timed and no other candidate was
 ONE_ROW_KERNELS = {"blocked-gemv": "blocked-avx512bf16", "blocked-gemv-avx2": "blocked-avx2"}
 # kernels whose every output is another kernel's, bit for bit (test_bf16_linear.py checks it): a
 # batch-invariant layer may take either in any bucket
@@ -208,7 +208,11 @@ def choose(
                 (k for k in allowed if times[k][index] is not None), key=lambda k: times[k][index]
             )
         elif index and previous in ONE_ROW_KERNELS:  # past one row, none timed
-            previous = ONE_ROW_KERNELS[previous]
+            # the first candidate for many rows (the dot products where built); else the one-row
+            # kernel's own instruction set's (an AVX512-BF16 machine does not time the AVX2 kernel)
+            previous = next(
+                (k for k in members if k not in ONE_ROW_KERNELS), ONE_ROW_KERNELS[previous]
+            )
         kernels.append(previous)  # an untimed bucket keeps the last timed bucket's choice
     return LayerChoice(shape, num_layers, layout, tuple(kernels), times)
 

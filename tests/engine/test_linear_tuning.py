@@ -157,6 +157,19 @@ def test_the_one_row_kernel_serves_one_row_and_never_a_uniform_layer():
     assert only.kernels == ("blocked-gemv-avx2",) + ("blocked-avx2",) * 5
 
 
+def test_past_an_untimed_one_row_bucket_the_first_many_row_candidate_serves():
+    """A budget cut after one row: on a CPU with AVX512-BF16 the AVX2 one-row kernel may win that
+    row, and the rows past it take the dot products, not the AVX2 kernel nobody timed (which a
+    clean-clone run gave, failing test_the_measurement_stops_at_its_budget)."""
+    times = {
+        "blocked-avx512bf16": [10.0] + [None] * 5,
+        "blocked-gemv": [8.0] + [None] * 5,
+        "blocked-gemv-avx2": [7.0] + [None] * 5,
+    }
+    choice = choose("s", 1, times, tied=False, uniform=False)
+    assert choice.kernels == ("blocked-gemv-avx2",) + ("blocked-avx512bf16",) * 5
+
+
 def test_a_uniform_layer_may_mix_kernels_that_sum_alike_and_no_others():
     """The AVX2 kernel and its float32-segment form give the same bits (test_bf16_linear.py), so a
     batch-invariant layer takes the faster of the two in each bucket; kernels that sum otherwise
