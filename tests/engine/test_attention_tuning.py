@@ -271,9 +271,8 @@ def test_a_call_is_timed_repeats_times_or_for_min_seconds_and_less_when_far_behi
     linear_tuning.call_time(run, min_seconds=60.0)  # more runs, up to 64, for a short call
     assert len(calls) == 65
     calls.clear()
-    clock = [
-        0.0
-    ]  # a call of 4 ms on the clock call_time reads (a slept one overran on a busy machine)
+    # a call of 4 ms on the clock call_time reads (a slept one overran on a busy machine)
+    clock = [0.0]
     monkeypatch.setattr(linear_tuning, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def slow() -> None:  # 20 ms take 5 calls past the warm-up
