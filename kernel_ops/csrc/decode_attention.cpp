@@ -257,10 +257,97 @@ void weighted_values(int64_t chunks, int64_t tiles, const T* v_head, const int64
   }
 }
 
+// Scores of blocks [b0, b1) of one sequence for the query heads of the KV heads of `span`
+// (query head h * group + g with KV head h; q holds the sequence's query heads as vectors), into
+// rows of `padded` floats a head. A block holds [block_size, num_kv_heads, head_dim] contiguously.
+template <typename T>
+void score_blocks(const Vec* q, const HeadSpan span, int64_t group, const T* k_base,
+                  const int64_t* table, int64_t len, int64_t b0, int64_t b1, int64_t block_stride,
+                  float* scores, int64_t padded) {
+  constexpr int64_t kV = Vec::size();
+  const int64_t num_kv_heads = span.num_kv_heads, head_dim = span.head_dim;
+  const int64_t block_size = span.block_size, chunks = head_dim / kV;
+  Vec kv[kMaxHeadDim / Vec::size()];
+  // The first blocks' keys now, then each block's keys kBlocksAhead blocks ahead, a few lines at a
+  // time (LineStream).
+  for (int64_t b = b0; b < std::min(b0 + kBlocksAhead, b1); ++b) {
+    span.prefetch(k_base + table[b] * block_stride);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    LineStream ahead;
+    if (b + kBlocksAhead < b1) {
+      ahead = LineStream(span, k_base + table[b + kBlocksAhead] * block_stride);
+    }
+    const T* block = k_base + table[b] * block_stride;
+    const int64_t first = b * block_size, last = std::min(len, first + block_size);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if (block_size % kV == 0) {  // kV positions a call (the softmax pads rows to whole vectors)
+      const int64_t asks = (block_size / kV) * (span.last - span.first);
+      const int64_t lines_an_ask = (ahead.lines() + asks - 1) / asks;
+      for (int64_t start = first; start < last; start += kV) {
+        block_scores(block + (start - first) * num_kv_heads * head_dim, num_kv_heads, span.first,
+                     span.last, group, head_dim, q, scores + start, padded, ahead, lines_an_ask);
+      }
+      continue;
+    }
+#endif
+    ahead.ask(ahead.lines());
+    for (int64_t pos = first; pos < last; ++pos) {
+      const T* row = block + (pos - first) * num_kv_heads * head_dim;
+      for (int64_t h = span.first; h < span.last; ++h) {
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = load_float(row + h * head_dim + c * kV);
+        for (int64_t g = 0; g < group; ++g) {
+          const Vec* qi = q + (h * group + g) * chunks;
+          Vec dot = qi[0] * kv[0];
+          for (int64_t c = 1; c < chunks; ++c) dot = at::vec::fmadd(qi[c], kv[c], dot);
+          scores[(h * group + g) * padded + pos] = llmrpc_cpu::sum_lanes(dot);
+        }
+      }
+    }
+  }
+}
+
+// Softmax of one head's `len` scores, in place, as torch's CPU attention computes it (HF models'
+// default): scores scaled after the dot product, the exponentials rounded to T for the weighted
+// sum; returns their float32 total, which divides that sum at the end. Without the rounding the
+// packaged 135M model's bf16 greedy answer to a test prompt changed. The row is padded to whole
+// vectors (`padded`); the padding is masked.
+template <typename T>
+float softmax_row(float* s, int64_t len, int64_t padded, float scale) {
+  constexpr int64_t kV = Vec::size();
+  const float lowest = -std::numeric_limits<float>::infinity();
+  for (int64_t pos = len; pos < padded; ++pos) s[pos] = lowest;
+  Vec top(lowest);
+  for (int64_t j = 0; j < padded; j += kV) {
+    const Vec scaled = Vec::loadu(s + j) * Vec(scale);
+    scaled.store(s + j);
+    top = at::vec::maximum(top, scaled);
+  }
+  const Vec peak(llmrpc_cpu::max_lanes(top));
+  Vec total(0.f);
+  for (int64_t j = 0; j < padded; j += kV) {
+    const Vec e = (Vec::loadu(s + j) - peak).exp();
+    round_to<T>(e).store(s + j);
+    total = total + e;
+  }
+  return llmrpc_cpu::sum_lanes(total);
+}
+
+// Query heads [first_head, last_head) of one sequence as float vectors, head i at q[i * chunks].
+template <typename T>
+void load_query(const T* query, int64_t first_head, int64_t last_head, int64_t head_dim, Vec* q) {
+  constexpr int64_t kV = Vec::size();
+  const int64_t chunks = head_dim / kV;
+  for (int64_t i = first_head; i < last_head; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      q[i * chunks + c] = load_float(query + i * head_dim + c * kV);
+    }
+  }
+}
+
 // One sequence, the KV heads of `span`: query head h * group + g attends with KV head h over
-// positions [0, len), found through the sequence's row of the block table. A block holds
-// [block_size, num_kv_heads, head_dim] contiguously; the span's part of it is read once for keys
-// and once for values.
+// positions [0, len), found through the sequence's row of the block table; the span's part of each
+// block is read once for keys and once for values.
 template <typename T>
 void attend(const T* query, const HeadSpan span, int64_t group, const T* k_base,
             const T* v_base, const int64_t* table, int64_t len, int64_t block_stride, float scale,
@@ -272,81 +359,20 @@ void attend(const T* query, const HeadSpan span, int64_t group, const T* k_base,
   const int64_t chunks = head_dim / kV;
   const int64_t num_heads = num_kv_heads * group;
   const int64_t first_head = span.first * group, last_head = span.last * group;
-  for (int64_t i = first_head; i < last_head; ++i) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      q[i * chunks + c] = load_float(query + i * head_dim + c * kV);
-    }
-  }
+  load_query(query, first_head, last_head, head_dim, q.data());
   const int64_t padded = (len + kV - 1) / kV * kV;  // rows padded to whole vectors for the softmax
   scores.resize(num_heads * padded + num_heads);  // the softmax totals after the rows
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  Vec kv[kMaxHeadDim / Vec::size()];
-  // The first blocks' keys now, then each block's keys kBlocksAhead blocks ahead, a few lines at a
-  // time (LineStream).
-  for (int64_t b = 0; b < std::min(kBlocksAhead, num_blocks); ++b) {
-    span.prefetch(k_base + table[b] * block_stride);
-  }
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    LineStream ahead;
-    if (b + kBlocksAhead < num_blocks) {
-      ahead = LineStream(span, k_base + table[b + kBlocksAhead] * block_stride);
-    }
-    const T* block = k_base + table[b] * block_stride;
-    const int64_t first = b * block_size, last = std::min(len, first + block_size);
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    if (block_size % kV == 0) {  // kV positions a call (the softmax pads rows to whole vectors)
-      const int64_t asks = (block_size / kV) * (span.last - span.first);
-      const int64_t lines_an_ask = (ahead.lines() + asks - 1) / asks;
-      for (int64_t start = first; start < last; start += kV) {
-        block_scores(block + (start - first) * num_kv_heads * head_dim, num_kv_heads, span.first,
-                     span.last, group, head_dim, q.data(), scores.data() + start, padded, ahead,
-                     lines_an_ask);
-      }
-      continue;
-    }
-#endif
-    ahead.ask(ahead.lines());
-    for (int64_t pos = first; pos < last; ++pos) {
-      const T* row = block + (pos - first) * num_kv_heads * head_dim;
-      for (int64_t h = span.first; h < span.last; ++h) {
-        for (int64_t c = 0; c < chunks; ++c) kv[c] = load_float(row + h * head_dim + c * kV);
-        for (int64_t g = 0; g < group; ++g) {
-          const Vec* qi = q.data() + (h * group + g) * chunks;
-          Vec dot = qi[0] * kv[0];
-          for (int64_t c = 1; c < chunks; ++c) dot = at::vec::fmadd(qi[c], kv[c], dot);
-          scores[(h * group + g) * padded + pos] = llmrpc_cpu::sum_lanes(dot);
-        }
-      }
-    }
-  }
+  score_blocks(q.data(), span, group, k_base, table, len, 0, num_blocks, block_stride,
+               scores.data(), padded);
   // The first blocks' values while the softmax runs (the rest come kBlocksAhead blocks ahead of
   // their pass).
   for (int64_t b = 0; b < std::min(kBlocksAhead, num_blocks); ++b) {
     span.prefetch(v_base + table[b] * block_stride);
   }
-  // Softmax as torch's CPU attention computes it (HF models' default): scores scaled after the
-  // dot product, the exponentials rounded to T for the weighted sum (their float32 total divides
-  // it at the end). Without that rounding the packaged 135M model's bf16 greedy answer to a
-  // test prompt changed.
-  const float lowest = -std::numeric_limits<float>::infinity();
   float* totals = scores.data() + num_heads * padded;
   for (int64_t i = first_head; i < last_head; ++i) {
-    float* s = scores.data() + i * padded;
-    for (int64_t pos = len; pos < padded; ++pos) s[pos] = lowest;
-    Vec top(lowest);
-    for (int64_t j = 0; j < padded; j += kV) {
-      const Vec scaled = Vec::loadu(s + j) * Vec(scale);
-      scaled.store(s + j);
-      top = at::vec::maximum(top, scaled);
-    }
-    const Vec peak(llmrpc_cpu::max_lanes(top));
-    Vec total(0.f);
-    for (int64_t j = 0; j < padded; j += kV) {
-      const Vec e = (Vec::loadu(s + j) - peak).exp();
-      round_to<T>(e).store(s + j);
-      total = total + e;
-    }
-    totals[i] = llmrpc_cpu::sum_lanes(total);
+    totals[i] = softmax_row<T>(scores.data() + i * padded, len, padded, scale);
   }
   if (next_table != nullptr) {  // the next sequence's first keys, while this one's values are summed
     span.prefetch(k_base + next_table[0] * block_stride);
@@ -361,6 +387,72 @@ void attend(const T* query, const HeadSpan span, int64_t group, const T* k_base,
   }
 }
 
+// Fewer sequences than threads, with long contexts: each sequence's work split three ways in
+// turn, every split giving each output the sums it has in attend (the same bits): its scores by
+// runs of blocks, its softmax by heads, its value sums by KV head and slice of the head's
+// dimensions. Split by KV heads only, SmolLM2's 3 over 2 threads gave one thread twice the
+// other's work: a decode step at a context of 4000 (-q gguf, 2 threads, AVX2 build, AMD EPYC
+// family 26) took 7.1-7.2 ms that way, 6.3-6.5 ms this way.
+template <typename T>
+void attend_split(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens,
+                  int64_t num_seqs, int64_t q_stride, int64_t max_blocks, const HeadSpan all,
+                  int64_t group, int64_t block_stride, float scale, int64_t parts, T* o) {
+  constexpr int64_t kV = Vec::size();
+  const int64_t num_kv_heads = all.num_kv_heads, head_dim = all.head_dim, chunks = head_dim / kV;
+  const int64_t num_heads = num_kv_heads * group, block_size = all.block_size;
+  std::vector<int64_t> padded(num_seqs), offset(num_seqs + 1, 0);
+  for (int64_t n = 0; n < num_seqs; ++n) {
+    padded[n] = (lens[n] + kV - 1) / kV * kV;
+    offset[n + 1] = offset[n] + num_heads * padded[n];
+  }
+  std::vector<float> scores(offset[num_seqs]), totals(num_seqs * num_heads);
+  at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Vec> q_vecs(num_heads * chunks);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / parts, part = item % parts;
+      const int64_t num_blocks = (lens[n] + block_size - 1) / block_size;
+      load_query(q + n * q_stride, 0, num_heads, head_dim, q_vecs.data());
+      score_blocks(q_vecs.data(), all, group, k, tables + n * max_blocks, lens[n],
+                   part * num_blocks / parts, (part + 1) * num_blocks / parts, block_stride,
+                   scores.data() + offset[n], padded[n]);
+    }
+  });
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / num_heads, i = item % num_heads;
+      totals[item] = softmax_row<T>(scores.data() + offset[n] + i * padded[n], lens[n], padded[n],
+                                    scale);
+    }
+  });
+  // A head's dimensions in slices of 4 vectors or more (fewer keep too few sums in flight: halves
+  // of a head of 64 in the AVX-512 build took a call of 4000 positions, from cache, 1.3-1.5x
+  // longer), halved while there are fewer than two KV head slices a thread.
+  int64_t slices = 1;
+  while (chunks / (2 * slices) >= 4 && num_kv_heads * slices < 2 * at::get_num_threads()) {
+    slices *= 2;
+  }
+  const int64_t slice_chunks = chunks / slices;
+  at::parallel_for(0, num_seqs * num_kv_heads * slices, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Vec> acc(num_heads * chunks);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / (num_kv_heads * slices), h = item / slices % num_kv_heads;
+      const int64_t dims = item % slices * slice_chunks * kV;
+      for (int64_t g = 0; g < group; g += 4) {
+        const int64_t i = h * group + g;
+        weighted_values<T>(slice_chunks, std::min<int64_t>(4, group - g), v + h * head_dim + dims,
+                           tables + n * max_blocks, lens[n], block_size, block_stride,
+                           num_kv_heads * head_dim, scores.data() + offset[n] + i * padded[n],
+                           padded[n], totals.data() + n * num_heads + i, acc.data(),
+                           o + (n * num_heads + i) * head_dim + dims, head_dim);
+      }
+    }
+  });
+}
+
+// Positions from which every sequence of a call takes attend_split (its three parallel loops cost
+// what they save at 256 positions; at 1000 and 4000 it was faster, above).
+constexpr int64_t kSplitFrom = 256;
+
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& block_tables, const int64_t* lens, double scale, at::Tensor& out) {
@@ -372,9 +464,16 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   const T* v = value_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
-  // Fewer sequences than threads (a step of one or a few streams): each sequence's KV heads are
-  // split into parts, so every thread has work (a head's sums are the same in any split).
+  // Fewer sequences than threads (a step of one or a few streams): each sequence split over
+  // several threads, so every thread has work; long ones as attend_split splits them, the rest by
+  // KV heads (a head's sums are the same in any split).
   const int64_t threads = at::get_num_threads();
+  if (num_seqs < threads && *std::min_element(lens, lens + num_seqs) >= kSplitFrom) {
+    const HeadSpan all{0, num_kv_heads, num_kv_heads, head_dim, key_cache.size(1)};
+    return attend_split<T>(q, k, v, tables, lens, num_seqs, query.stride(0), max_blocks, all, group,
+                           key_cache.stride(0), static_cast<float>(scale),
+                           (threads + num_seqs - 1) / num_seqs, o);
+  }
   const int64_t parts =
       num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
   at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {

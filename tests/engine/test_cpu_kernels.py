@@ -97,8 +97,9 @@ def test_decode_kernel_matches_torch_path(dtype, num_kv_heads, group, head_dim, 
 def test_decode_kernel_rows_match_on_any_thread_count_and_in_any_batch(
     num_kv_heads, group, head_dim
 ):
-    """Fewer sequences than threads split each sequence's KV heads over the threads: the same
-    sums, so the same bits as one thread and as the sequence among many."""
+    """Fewer sequences than threads split each sequence over the threads (short ones by KV
+    heads; from 256 positions the scores by runs of blocks, the value sums by KV head and slice
+    of the head): the same sums, so the same bits as one thread and as the sequence among many."""
     seq_lens = [700, 33, 1000, 16]
     query, key_cache, value_cache, metadata = _case(
         torch.bfloat16, num_kv_heads, group, head_dim, 16, seq_lens
@@ -109,16 +110,17 @@ def test_decode_kernel_rows_match_on_any_thread_count_and_in_any_batch(
         batch = _kernel(query, key_cache, value_cache, metadata, 0.125)
         for threads in (2, 3, 4, 9):
             torch.set_num_threads(threads)
-            for n in range(len(seq_lens)):
-                alone = AttentionMetadata(
+            for rows in ([0], [1], [2], [3], [0, 2]):  # [0, 2]: two long sequences, split
+                picked = torch.tensor(rows)
+                some = AttentionMetadata(
                     **{
                         **metadata.__dict__,
-                        "decode_block_tables": metadata.decode_block_tables[n : n + 1],
-                        "decode_seq_lens": metadata.decode_seq_lens[n : n + 1],
+                        "decode_block_tables": metadata.decode_block_tables[picked],
+                        "decode_seq_lens": metadata.decode_seq_lens[picked],
                     }
                 )
-                got = _kernel(query[n : n + 1], key_cache, value_cache, alone, 0.125)
-                assert torch.equal(got[0], batch[n]), (threads, n)
+                got = _kernel(query[picked], key_cache, value_cache, some, 0.125)
+                assert torch.equal(got, batch[picked]), (threads, rows)
     finally:
         torch.set_num_threads(before)
 
