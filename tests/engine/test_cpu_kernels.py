@@ -70,14 +70,13 @@ def _kernel(query, key_cache, value_cache, metadata, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("num_kv_heads", "group", "head_dim", "block_size"),
-    # blocks of 8: fewer positions than an AVX-512 vector, the kernel's position-by-position loop
     [
         (3, 3, 64, 16),
         (1, 8, 64, 32),
         (2, 1, 128, 16),
         (4, 2, 128, 32),
         (1, 16, 64, 16),
-        (2, 4, 64, 8),
+        (2, 4, 64, 8),  # blocks of 8, under an AVX-512 vector: the position-by-position loop
     ],
 )
 def test_decode_kernel_matches_torch_path(dtype, num_kv_heads, group, head_dim, block_size):
