@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "kernel_threads.h"
@@ -405,7 +406,9 @@ void attend_split(const T* q, const T* k, const T* v, const int64_t* tables, con
     padded[n] = (lens[n] + kV - 1) / kV * kV;
     offset[n + 1] = offset[n] + num_heads * padded[n];
   }
-  std::vector<float> scores(offset[num_seqs]), totals(num_seqs * num_heads);
+  // every score is written before it is read (the softmax masks the padding): no zeroing
+  const std::unique_ptr<float[]> scores(new float[offset[num_seqs]]);
+  std::vector<float> totals(num_seqs * num_heads);
   at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<Vec> q_vecs(num_heads * chunks);
     for (int64_t item = begin; item < end; ++item) {
@@ -414,13 +417,13 @@ void attend_split(const T* q, const T* k, const T* v, const int64_t* tables, con
       load_query(q + n * q_stride, 0, num_heads, head_dim, q_vecs.data());
       score_blocks(q_vecs.data(), all, group, k, tables + n * max_blocks, lens[n],
                    part * num_blocks / parts, (part + 1) * num_blocks / parts, block_stride,
-                   scores.data() + offset[n], padded[n]);
+                   scores.get() + offset[n], padded[n]);
     }
   });
   at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / num_heads, i = item % num_heads;
-      totals[item] = softmax_row<T>(scores.data() + offset[n] + i * padded[n], lens[n], padded[n],
+      totals[item] = softmax_row<T>(scores.get() + offset[n] + i * padded[n], lens[n], padded[n],
                                     scale);
     }
   });
@@ -441,7 +444,7 @@ void attend_split(const T* q, const T* k, const T* v, const int64_t* tables, con
         const int64_t i = h * group + g;
         weighted_values<T>(slice_chunks, std::min<int64_t>(4, group - g), v + h * head_dim + dims,
                            tables + n * max_blocks, lens[n], block_size, block_stride,
-                           num_kv_heads * head_dim, scores.data() + offset[n] + i * padded[n],
+                           num_kv_heads * head_dim, scores.get() + offset[n] + i * padded[n],
                            padded[n], totals.data() + n * num_heads + i, acc.data(),
                            o + (n * num_heads + i) * head_dim + dims, head_dim);
       }
